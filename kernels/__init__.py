@@ -1,0 +1,1 @@
+"""modelpar_kernels: fused ops, one file per op (Triton kernel, autograd.Function, torch reference)."""

@@ -1,0 +1,91 @@
+"""The emulated-rank harness: results in rank order, and every failure path named and cleaned up."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from modelpar.testing import RankError, RankTimeout, _pools, run_on_ranks
+
+
+def _rank_and_args(a, b=0):
+    return dist.get_rank(), a, b, torch.get_num_threads()
+
+
+def _raise_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom from {bad_rank}")
+    return dist.get_rank()
+
+
+def _sleep_on(bad_rank, seconds):
+    if dist.get_rank() == bad_rank:
+        time.sleep(seconds)
+    return os.getpid()
+
+
+def _exit_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def _pid():
+    return os.getpid()
+
+
+def test_results_come_back_in_rank_order_with_one_thread_each():
+    assert run_on_ranks(3, _rank_and_args, "x", b=7) == [(r, "x", 7, 1) for r in range(3)]
+
+
+def test_second_call_reuses_warm_workers():
+    first = run_on_ranks(2, _pid)
+    start = time.perf_counter()
+    second = run_on_ranks(2, _pid)
+    elapsed = time.perf_counter() - start
+    assert first == second
+    assert elapsed < 0.5, f"warm call took {elapsed:.3f}s"
+
+
+def test_raising_rank_is_named_with_its_traceback():
+    with pytest.raises(RankError, match=r"rank 2 of 3 raised in _raise_on") as info:
+        run_on_ranks(3, _raise_on, 2)
+    assert info.value.rank == 2
+    assert "ValueError: boom from 2" in str(info.value)
+    assert 3 not in _pools or _pools[3].alive()
+    assert run_on_ranks(3, _raise_on, -1) == [0, 1, 2]  # a fresh pool after the failure
+
+
+def test_sleeping_rank_times_out_naming_it_and_leaves_no_orphans():
+    pids = run_on_ranks(2, _pid)
+    start = time.perf_counter()
+    with pytest.raises(RankTimeout, match=r"ranks \[1\] had not finished") as info:
+        run_on_ranks(2, _sleep_on, 1, 60.0, timeout_s=2.0)
+    assert time.perf_counter() - start < 10
+    assert info.value.pending == [1]
+    for pid in pids:
+        assert not _process_exists(pid), f"worker {pid} outlived the timeout"
+
+
+def test_rank_calling_os_exit_is_reported_without_waiting_for_the_timeout():
+    start = time.perf_counter()
+    with pytest.raises(RankError, match=r"rank 1 died \(exit code 3\)"):
+        run_on_ranks(2, _exit_on, 1, timeout_s=60.0)
+    assert time.perf_counter() - start < 10
+
+
+def test_unpicklable_function_is_refused_in_the_caller():
+    with pytest.raises(TypeError, match="picklable"):
+        run_on_ranks(2, lambda: 1)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie awaiting its parent's reap is gone for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
