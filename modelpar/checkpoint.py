@@ -1,0 +1,292 @@
+"""Sharded checkpoints: safetensors files plus one JSON index, written atomically, verified on load.
+
+On disk::
+
+    checkpoints/
+      step-00000050/
+        model-00000.safetensors     pieces of logical tensors this rank owns (global rank in the name)
+        rank-00000.safetensors      this rank's optimizer state and RNG state
+        index.json                  layout, step, data position, each logical tensor's global shape and
+                                    pieces (file, key, region), SHA-256 and size of every file
+      latest                        name of the newest complete checkpoint; moved last
+
+A logical tensor is one tensor of the single-device model (``layers.3.self_attn.q_proj.weight``). Each rank
+holds a region of it (a slice per dimension); any layout can load any checkpoint by reading the regions it
+needs, which is all resharding is. Only safetensors and JSON are ever read: loading cannot run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "modelpar-checkpoint/1"
+INDEX = "index.json"
+LATEST = "latest"
+
+Region = tuple[tuple[int, int], ...]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A region of a logical tensor: ``region[d] = (start, stop)`` along each dimension of ``global_shape``."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    region: Region
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.region)
+
+    @staticmethod
+    def whole(name: str, shape: tuple[int, ...]) -> Piece:
+        return Piece(name, tuple(shape), tuple((0, n) for n in shape))
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` points at, or None when there is none yet."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    target = Path(root) / pointer.read_text().strip()
+    if not (target / INDEX).exists():
+        raise CheckpointError(f"{pointer} points at {target.name}, which has no {INDEX}; the checkpoint is incomplete")
+    return target
+
+
+# -- writing -----------------------------------------------------------------------------------------------
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: Mapping[Piece, torch.Tensor],
+    rank_state: Mapping[str, torch.Tensor],
+    meta: dict[str, Any],
+    keep_last: int = 0,
+) -> Path:
+    """Collectively save one checkpoint (every rank of the world calls this with its own pieces).
+
+    ``model``: this rank's regions of logical tensors (pieces held by several ranks are written once, by the
+    lowest rank). ``rank_state``: per-rank tensors (optimizer, RNG). ``meta``: JSON-able job state (layout,
+    data position, config) recorded in the index. Returns the checkpoint directory.
+    """
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = _rank()
+    if rank == 0:
+        if (final / INDEX).exists():
+            raise CheckpointError(f"{final} already exists; refusing to overwrite a complete checkpoint")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed: never pointed at
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    claims = _gather([(p.name, p.global_shape, p.region) for p in model])
+    owner: dict[tuple[str, Region], int] = {}
+    for r, pieces in enumerate(claims):
+        for name, _, region in pieces:
+            owner.setdefault((name, tuple(map(tuple, region))), r)
+    mine = {p: t for p, t in model.items() if owner[(p.name, p.region)] == rank}
+
+    files: dict[str, Any] = {}
+    tensors: dict[str, list[dict[str, Any]]] = {}
+    model_file = f"model-{rank:05d}.safetensors"
+    keys = {f"{p.name}@{_region_key(p.region)}": t for p, t in mine.items()}
+    if keys:
+        files[model_file] = _save_tensors(tmp / model_file, keys)
+    for p in mine:
+        entry = {"file": model_file, "key": f"{p.name}@{_region_key(p.region)}", "region": [list(r) for r in p.region]}
+        tensors.setdefault(p.name, []).append(entry)
+    rank_file = f"rank-{rank:05d}.safetensors"
+    files[rank_file] = _save_tensors(tmp / rank_file, dict(rank_state))
+
+    shapes = {p.name: list(p.global_shape) for p in model}
+    gathered = _gather((files, tensors, shapes))
+    if rank == 0:
+        index = {"format": FORMAT, "step": step, **meta, "files": {}, "tensors": {}}
+        for files_r, tensors_r, shapes_r in gathered:
+            index["files"].update(files_r)
+            for name, shape in shapes_r.items():
+                index["tensors"].setdefault(name, {"global_shape": shape, "pieces": []})
+            for name, entries in tensors_r.items():
+                index["tensors"][name]["pieces"].extend(entries)
+        _fsync_write(tmp / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _fsync_write(root / LATEST, final.name.encode())  # moved last: it only ever names complete checkpoints
+        _fsync_dir(root)
+        if keep_last > 0:
+            for old in sorted(root.glob("step-*[0-9]"))[:-keep_last]:
+                shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def _region_key(region: Region) -> str:
+    return ",".join(f"{a}:{b}" for a, b in region)
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+
+
+def read_index(ckpt: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Read ``index.json``; with ``verify``, check every file's SHA-256 and that no file is missing or extra."""
+    ckpt = Path(ckpt)
+    path = ckpt / INDEX
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{ckpt} is not a checkpoint directory")
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {ckpt} is not a complete checkpoint")
+    try:
+        index = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from None
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {index.get('format')!r}; expected {FORMAT!r}")
+    if verify:
+        verify_files(ckpt, index)
+    return index
+
+
+def verify_files(ckpt: Path, index: dict[str, Any]) -> None:
+    """Every listed file present with its recorded size and SHA-256; no unlisted safetensors file."""
+    listed = index["files"]
+    present = {p.name for p in ckpt.iterdir() if p.suffix == ".safetensors"}
+    extra = sorted(present - set(listed))
+    if extra:
+        raise CheckpointError(f"{ckpt / extra[0]} is not listed in {INDEX}; remove it or use the matching checkpoint")
+    for name, info in sorted(listed.items()):
+        path = ckpt / name
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing (listed in {INDEX}); the checkpoint is incomplete")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"{path} has {size} bytes, expected {info['bytes']}: the file is truncated or damaged"
+            )
+        if sha256_file(path) != info["sha256"]:
+            raise CheckpointError(f"{path} fails its SHA-256 check: the file is damaged or was modified")
+
+
+def load_pieces(ckpt: str | Path, index: dict[str, Any], wanted: list[Piece]) -> dict[Piece, torch.Tensor]:
+    """Assemble each wanted region of a logical tensor from the pieces on disk (any saved layout)."""
+    ckpt = Path(ckpt)
+    out: dict[Piece, torch.Tensor] = {}
+    handles: dict[str, Any] = {}
+    try:
+        for want in wanted:
+            entry = index["tensors"].get(want.name)
+            if entry is None:
+                raise CheckpointError(f"{ckpt} has no tensor {want.name!r}; was it saved from a different model?")
+            if tuple(entry["global_shape"]) != tuple(want.global_shape):
+                raise CheckpointError(
+                    f"{want.name}: checkpoint shape {tuple(entry['global_shape'])} != model shape {want.global_shape}"
+                )
+            result = None
+            covered = 0
+            for piece in entry["pieces"]:
+                region = [tuple(r) for r in piece["region"]]
+                overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, want.region, strict=True)]
+                if any(lo >= hi for lo, hi in overlap):
+                    continue
+                if piece["file"] not in handles:
+                    handles[piece["file"]] = safe_open(str(ckpt / piece["file"]), framework="pt")
+                src = handles[piece["file"]].get_slice(piece["key"])
+                src_index = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, region, strict=True))
+                chunk = src[src_index]
+                if result is None:
+                    result = torch.empty(want.shape, dtype=chunk.dtype)
+                dst_index = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, want.region, strict=True))
+                result[dst_index] = chunk
+                covered += chunk.numel()
+            expected = 1
+            for n in want.shape:
+                expected *= n
+            if result is None or covered != expected:
+                raise CheckpointError(f"{ckpt}: the pieces of {want.name} do not cover region {want.region}")
+            out[want] = result
+    finally:
+        handles.clear()
+    return out
+
+
+def load_rank_state(ckpt: str | Path, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's optimizer and RNG tensors (the same layout must be resumed for these)."""
+    path = Path(ckpt) / f"rank-{rank:05d}.safetensors"
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing; the checkpoint was saved by a different world size")
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}

@@ -1,0 +1,180 @@
+"""The recipe schema: one dataclass per Hydra config group, validated before any rank starts.
+
+Hydra merges ``recipes/`` YAML and command-line overrides into these typed nodes, so an unknown key or a
+value of the wrong type is rejected by OmegaConf with the key's full path. ``validate`` then checks what
+types cannot express (the layout against the model, the batch against micro-batches, ...), one line each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modelpar.layout import SCHEDULES, LayoutError, ParallelLayout
+
+
+class RecipeError(ValueError):
+    """An invalid recipe; the message is one line naming the key, the problem and a fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    ffn_hidden: int = 176
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    kernels: str = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    sp: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    partition: str = "uniform"  # uniform | params | explicit
+    stage_layers: list[int] = field(default_factory=list)  # layers per chunk when partition=explicit
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    zero: int = 0
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a .npy of uint16/uint32 token ids; empty: the default corpus (Python's stdlib source)
+    val_path: str = ""
+    seq_len: int = 128
+    global_batch: int = 16
+    seed: int = 1234
+    corpus_max_bytes: int = 4_000_000
+    cache_dir: str = "data/cache"
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    seed: int = 0
+    out_dir: str = "runs/default"
+    log_every: int = 1
+    ckpt_every: int = 50
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    timeout_s: float = 300.0
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    threads_per_rank: int = 1
+    sample_tokens: int = 64
+    progress: bool = True
+    peak_tflops: float = 0.0  # per rank, for MFU; 0: a CPU estimate is not reported
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = ""
+    windows: int = 32
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def register_schema() -> None:
+    """Register the schema with Hydra's ConfigStore (recipes list it first in their defaults)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="modelpar_schema", node=TrainConfig)
+
+
+def validate(cfg: TrainConfig) -> ParallelLayout:
+    """Check what types cannot: raises ``RecipeError``/``LayoutError`` with one line. Returns the layout."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    for key, value in (
+        ("model.vocab_size", m.vocab_size),
+        ("model.hidden", m.hidden),
+        ("model.layers", m.layers),
+        ("model.heads", m.heads),
+        ("model.kv_heads", m.kv_heads),
+        ("model.ffn_hidden", m.ffn_hidden),
+        ("data.seq_len", d.seq_len),
+        ("data.global_batch", d.global_batch),
+        ("parallel.microbatches", p.microbatches),
+        ("trainer.steps", cfg.trainer.steps),
+    ):
+        if value < 1:
+            raise RecipeError(f"{key}={value} must be >= 1")
+    if m.hidden % m.heads:
+        raise RecipeError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
+    if (m.hidden // m.heads) % 2:
+        raise RecipeError(f"head dim {m.hidden // m.heads} must be even for RoPE; change model.hidden or model.heads")
+    if m.heads % m.kv_heads:
+        raise RecipeError(f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads}")
+    if d.seq_len > m.max_seq_len:
+        raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if m.kernels not in ("auto", "triton", "torch"):
+        raise RecipeError(f"model.kernels={m.kernels!r} must be one of auto, triton, torch")
+    if p.schedule not in SCHEDULES:
+        raise RecipeError(f"parallel.schedule={p.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if p.vpp > 1 and p.schedule != "interleaved":
+        raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+    if p.schedule == "interleaved" and p.vpp < 2:
+        raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
+    layout = p.layout()
+    layout.check_model(layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden)
+    if p.sp and p.tp > 1 and d.seq_len % p.tp:
+        raise RecipeError(f"parallel.sp=true needs data.seq_len={d.seq_len} divisible by parallel.tp={p.tp}")
+    if d.global_batch % p.dp:
+        raise RecipeError(f"data.global_batch={d.global_batch} is not divisible by parallel.dp={p.dp}")
+    per_replica = d.global_batch // p.dp
+    if per_replica % p.microbatches:
+        raise RecipeError(
+            f"parallel.microbatches={p.microbatches} does not divide the {per_replica} sequences per dp replica "
+            f"(data.global_batch={d.global_batch} / dp={p.dp}); try microbatches in "
+            f"{[k for k in range(1, per_replica + 1) if per_replica % k == 0]}"
+        )
+    if p.partition not in ("uniform", "params", "explicit"):
+        raise RecipeError(f"parallel.partition={p.partition!r} must be uniform, params or explicit")
+    if p.partition == "explicit" and (len(p.stage_layers) != p.pp * p.vpp or sum(p.stage_layers) != m.layers):
+        raise RecipeError(
+            f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} counts summing to "
+            f"model.layers={m.layers}"
+        )
+    if cfg.optim.zero not in (0, 1):
+        raise RecipeError(f"optim.zero={cfg.optim.zero} must be 0 or 1 (ZeRO-1 shards optimizer state over dp)")
+    if cfg.trainer.dtype not in ("auto", "fp32", "bf16"):
+        raise RecipeError(f"trainer.dtype={cfg.trainer.dtype!r} must be auto, fp32 or bf16")
+    if cfg.trainer.device not in ("auto", "cpu", "cuda"):
+        raise RecipeError(f"trainer.device={cfg.trainer.device!r} must be auto, cpu or cuda")
+    return layout
+
+
+__all__ = ["LayoutError", "RecipeError", "TrainConfig", "register_schema", "validate"]
