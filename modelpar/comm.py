@@ -114,3 +114,13 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     _record("reduce_scatter", moved, group)
     dist.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim)
+
+
+def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> dist.Work:
+    """Start an in-place all-reduce of ``tensor`` over ``group`` and return its handle (``.wait()`` before reading).
+
+    The caller must not touch ``tensor`` until the handle is waited on; it lets gradient buckets reduce while
+    backward is still computing the rest.
+    """
+    _record("all_reduce", tensor, group)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
