@@ -1,0 +1,94 @@
+"""Logical tensors: where this rank's piece of each global (single-device) weight lives.
+
+A sharded layer may fuse several logical tensors into one local parameter (q, k and v in one column-parallel
+weight) and may pad one (the vocabulary rounded up to a multiple of tp). A ``ShardInfo`` says, for one logical
+tensor, which rows of which local parameter hold it and which block of the global tensor they are::
+
+    global q_proj.weight [hq*d, h]          local qkv_proj.weight [(hq + 2*hkv)*d / t, h]   (tp rank 1 of 2)
+    +---------+                             +---------+
+    | rank 0  |                             |  q  1/2 |  <- local_rows  <->  index = (slice(hq*d/2, hq*d), slice(None))
+    +---------+                             +---------+
+    | rank 1  |                             |  k  1/2 |
+    +---------+                             |  v  1/2 |
+                                            +---------+
+
+Checkpoints save ``shard.tensor`` with ``shard.index``; loading copies ``global[shard.index]`` into it, so any
+tp can read weights written by any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, eq=False)
+class ShardInfo:
+    """This rank's piece of one logical tensor.
+
+    ``param[local_rows]`` (rows along dim 0 of the local, possibly fused, parameter) holds
+    ``global[index]``: the range ``offset .. offset + local_shape[dim]`` along ``dim`` (None: the whole tensor).
+    ``replicated_over_tp``: other tp ranks hold the same values; ``primary`` marks the lowest such rank, the one
+    that saves them. ``grad_is_partial``: the local gradient is only this rank's contribution and
+    ``reduce_tensor_parallel_grads`` sums it over the ranks holding the same values.
+    """
+
+    param: nn.Parameter
+    local_rows: slice
+    global_shape: tuple[int, ...]
+    dim: int | None = None
+    offset: int = 0
+    replicated_over_tp: bool = False
+    primary: bool = True
+    grad_is_partial: bool = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The local piece, a view sharing storage with the parameter (writes go into the model)."""
+        return self.param.detach()[self.local_rows]
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The local piece of the parameter's gradient (None before backward)."""
+        return None if self.param.grad is None else self.param.grad[self.local_rows]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """Slices that cut this rank's piece out of the global tensor."""
+        if self.dim is None:
+            return tuple(slice(None) for _ in self.global_shape)
+        size = self.local_shape[self.dim]
+        return tuple(
+            slice(self.offset, self.offset + size) if d == self.dim else slice(None)
+            for d in range(len(self.global_shape))
+        )
+
+
+@dataclass(frozen=True)
+class ColumnPart:
+    """One logical tensor fused into a column-parallel weight: rows ``offset .. offset + size`` of its ``rows``.
+
+    ``replicas``: how many tp ranks hold the same rows (> 1 for kv heads replicated when kv_heads < tp);
+    ``primary``: this rank is the lowest of them. Local rows past ``rows - offset`` are padding.
+    """
+
+    name: str
+    rows: int
+    offset: int
+    size: int
+    replicas: int = 1
+    primary: bool = True
+
+    @classmethod
+    def even(cls, name: str, rows: int, tp_rank: int, tp_size: int) -> ColumnPart:
+        """Rows split evenly: rank r holds block r of ``tp_size``."""
+        if rows % tp_size:
+            raise ValueError(f"{name}: {rows} rows do not split over tp={tp_size}")
+        size = rows // tp_size
+        return cls(name, rows, tp_rank * size, size)
