@@ -1,0 +1,38 @@
+"""The optimizer side of a training step: data-parallel gradient averaging, ZeRO-1, clipping, AdamW, LR.
+
+One step with plain AdamW (``optim.zero=0``)::
+
+    sync = GradientSynchronizer([p for p, _ in params_with_info], groups.dp_group, bucket_bytes)
+    opt = build_adamw(params_with_info, lr=..., betas=..., eps=..., weight_decay=...)
+    ... backward of micro-batches 0..m-2, then `with sync.final_backward():` the last one ...
+    sync.wait()                                                  # grads: global-batch mean
+    norm = clip_grad_norm(params_with_info, max_norm, groups)
+    set_lr(opt, lr_at(step, lr, warmup, total, min_lr)); opt.step(); opt.zero_grad(set_to_none=True)
+
+With ZeRO-1 (``optim.zero=1``) ``ZeroOneAdamW`` replaces both the synchronizer and AdamW; see its docstring.
+Gradient reductions over tp (sequence-parallel norms) and over the embedding group (tied weights) are linear,
+so they may run before or after the dp average.
+"""
+
+from modelpar.optim.adamw import build_adamw
+from modelpar.optim.clip import clip_grad_norm
+from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
+from modelpar.optim.lr_schedule import lr_at, set_lr
+from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, default_decay
+from modelpar.optim.state import load_optimizer_state_tensors, optimizer_state_tensors
+from modelpar.optim.zero import ZeroOneAdamW
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "GradientSynchronizer",
+    "ParamInfo",
+    "ParamsWithInfo",
+    "ZeroOneAdamW",
+    "build_adamw",
+    "clip_grad_norm",
+    "default_decay",
+    "load_optimizer_state_tensors",
+    "lr_at",
+    "optimizer_state_tensors",
+    "set_lr",
+]

@@ -1,0 +1,49 @@
+"""Global gradient-norm clipping with every parameter counted exactly once across tp, pp and dp."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from modelpar import comm
+from modelpar.optim.param_info import ParamsWithInfo
+
+_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_, so a norm just at max_norm is left alone
+
+
+def _local_sum_of_squares(params_with_info: ParamsWithInfo) -> torch.Tensor:
+    """``sum(norm_share * ||grad||^2)`` over this rank's gradients, as a fp32 ``[1]`` tensor."""
+    grads = [(p.grad, info.norm_share) for p, info in params_with_info if p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad, share in grads:
+        if share:  # a zero share must not turn an inf in an uncounted copy into nan
+            total += share * grad.detach().float().square().sum()
+    return total
+
+
+def clip_grad_norm(params_with_info: ParamsWithInfo, max_norm: float, groups, zero_sharded: bool = False) -> float:
+    """Scale every gradient by ``max_norm / norm`` when the global norm exceeds it; return the norm before clipping.
+
+    The squared norm is summed over the tp and pp groups of ``groups`` (a ``ParallelGroups``), each rank
+    weighting a parameter by its ``norm_share``. Data-parallel replicas hold the same averaged gradients and are
+    not summed, unless ``zero_sharded``: then ``params_with_info`` are ZeRO-1 shard segments
+    (``ZeroOneAdamW.shard_params_with_info()``) and the dp group is summed too. A non-finite norm (inf or nan)
+    is returned as is and nothing is scaled: the caller decides to skip the step. ``max_norm <= 0`` only measures.
+    """
+    total = _local_sum_of_squares(params_with_info)
+    reduce_over = [(groups.tp_group, groups.tp_ranks), (groups.pp_group, groups.pp_ranks)]
+    if zero_sharded:
+        reduce_over.append((groups.dp_group, groups.dp_ranks))
+    with comm.comm_tag("grad_norm"):
+        for group, ranks in reduce_over:
+            if len(ranks) > 1:
+                comm.all_reduce(total, group)
+    norm = math.sqrt(total.item()) if total.item() >= 0 else math.nan
+    coef = max_norm / (norm + _EPS)
+    if max_norm > 0 and math.isfinite(norm) and coef < 1.0:
+        for p, _ in params_with_info:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

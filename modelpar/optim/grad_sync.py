@@ -1,0 +1,174 @@
+"""Data-parallel gradient averaging in buckets, overlapped with the last micro-batch's backward.
+
+Gradients accumulate locally over the m micro-batches; only the backward of the last one (``arm()``)
+triggers communication. Buckets hold parameters in reverse order, the order backward finishes them, and each
+one's all-reduce starts as soon as all its parameters have their final gradient::
+
+    backward:  grad(w_L) ... grad(w_k) | grad(w_k-1) ... grad(w_j) | ...
+    buckets:   [------- bucket 0 ------] [------- bucket 1 ------]
+    network:                     all_reduce(0)            all_reduce(1)        wait() -> averaged grads
+
+Buckets launch strictly in order, so every dp rank issues the same sequence of collectives even when one of
+them finishes parameters in a different order or never produces some gradient; ``wait()`` launches the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from modelpar import comm
+from modelpar.optim.param_info import check_unique
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters whose gradients travel in one all-reduce.
+
+    ``flat: [numel + len(params)]`` holds the gradients back to back, then one has-a-gradient flag per parameter,
+    so after the sum a parameter that no rank gave a gradient keeps ``grad = None`` (as it would at dp=1).
+    """
+
+    params: list[torch.Tensor]
+    offsets: list[int]  # start of each parameter in flat; offsets[-1] == numel
+    flat: torch.Tensor
+    ready: set[int] = field(default_factory=set)  # positions whose final gradient has accumulated
+    work: dist.Work | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def is_ready(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def launch(self, group: dist.ProcessGroup) -> None:
+        flags = self.flat[self.numel :]
+        for pos, p in enumerate(self.params):
+            grad = self.flat[self.offsets[pos] : self.offsets[pos + 1]]
+            if p.grad is None:
+                grad.zero_()
+            else:
+                grad.copy_(p.grad.reshape(-1))
+        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype))
+        self.work = comm.all_reduce_async(self.flat, group)
+
+    def unpack_average(self, dp_size: int) -> None:
+        """Wait for the sum and write ``sum / dp`` back into each ``param.grad``."""
+        self.work.wait()
+        self.flat.div_(dp_size)
+        any_grad = self.flat[self.numel :].tolist()
+        for pos, p in enumerate(self.params):
+            if not any_grad[pos]:
+                continue
+            average = self.flat[self.offsets[pos] : self.offsets[pos + 1]].view_as(p)
+            if p.grad is None:
+                p.grad = average.clone()
+            else:
+                p.grad.copy_(average)
+        self.ready.clear()
+        self.work = None
+
+
+def _build_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
+    """Reverse parameter order, a new bucket once ``bucket_bytes`` is reached or the dtype/device changes."""
+    groups: list[list[torch.Tensor]] = []
+    size = 0
+    for p in reversed(params):
+        if not groups or size >= bucket_bytes or (p.dtype, p.device) != (groups[-1][0].dtype, groups[-1][0].device):
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+    buckets = []
+    for members in groups:
+        offsets = [0]
+        for p in members:
+            offsets.append(offsets[-1] + p.numel())
+        flat = torch.zeros(offsets[-1] + len(members), dtype=members[0].dtype, device=members[0].device)
+        buckets.append(_Bucket(params=members, offsets=offsets, flat=flat))
+    return buckets
+
+
+class GradientSynchronizer:
+    """Average ``param.grad`` over the data-parallel group, overlapping the all-reduces with backward.
+
+    Per step::
+
+        for i, micro_batch in enumerate(micro_batches):
+            with sync.final_backward() if i == m - 1 else contextlib.nullcontext():
+                loss(micro_batch).backward()        # loss already scaled by 1/m
+        sync.wait()                                 # param.grad: mean over the global batch
+
+    With dp == 1 every call is a no-op. Without any ``arm()``, ``wait()`` still averages everything (no overlap),
+    for runtimes that accumulate gradients outside autograd's hooks.
+    """
+
+    def __init__(
+        self, params: Iterable[torch.Tensor], dp_group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ):
+        params = [p for p in params if p.requires_grad]
+        check_unique(params)
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.buckets = _build_buckets(params, bucket_bytes) if self.dp_size > 1 else []
+        self._where = {id(p): (b, pos) for b, bucket in enumerate(self.buckets) for pos, p in enumerate(bucket.params)}
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._armed: set[int] = set()
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if self.dp_size > 1]
+
+    def arm(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """The next gradient accumulated into these parameters (default: all) is final: send it when its bucket is full.
+
+        Call before the backward of the last micro-batch. A pipeline stage with several model chunks can arm
+        each chunk's parameters before that chunk's last backward.
+        """
+        chosen = self._where if params is None else (id(p) for p in params)
+        self._armed.update(key for key in chosen if key in self._where)
+
+    @contextlib.contextmanager
+    def final_backward(self) -> Iterator[None]:
+        """``arm()`` for the backward run inside the block (the last micro-batch's)."""
+        self.arm()
+        yield
+
+    def wait(self) -> None:
+        """Launch the buckets still pending (parameters without a gradient), then write the averages back."""
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
+        for bucket in self.buckets:
+            bucket.unpack_average(self.dp_size)
+        self._armed.clear()
+        self._next_launch = 0
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the synchronizer is unusable afterwards)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        key = id(param)
+        if key not in self._armed:
+            return
+        b, pos = self._where[key]
+        bucket = self.buckets[b]
+        if pos in bucket.ready:
+            raise RuntimeError(
+                f"parameter #{self._index[key]} {tuple(param.shape)} accumulated a second gradient while armed; "
+                "arm() only right before the last micro-batch's backward, and wait() before the next step"
+            )
+        bucket.ready.add(pos)
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].is_ready():
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        self.buckets[self._next_launch].launch(self.dp_group)
+        self._next_launch += 1

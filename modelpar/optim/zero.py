@@ -1,0 +1,218 @@
+"""ZeRO stage 1: AdamW whose state and fp32 master weights are sharded over the data-parallel ranks.
+
+Every parameter is laid end to end in one fp32 buffer, padded to a multiple of dp; rank r owns the slice
+``[r*S, (r+1)*S)`` and keeps Adam moments for that slice only::
+
+    flat:    | w0 .......... | w1 ...... | w2 ............. |pad|
+    shards:  |    rank 0    |    rank 1   |    rank 2   | rank 3|
+
+One step: reduce-scatter the gradients (sum / dp: each rank gets its slice of the global-batch mean), AdamW
+on the slice, all-gather the updated slices into every rank's parameters. The result equals unsharded AdamW
+after a DP all-reduce, to fp32 round-off, at 1/dp of the optimizer memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from modelpar import comm
+from modelpar.optim.adamw import make_adamw
+from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_unique
+
+STATE_KEYS = ("zero/params", "zero/exp_avg", "zero/exp_avg_sq", "zero/step", "zero/shard")
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """The part of parameter ``index`` inside this rank's shard: flat positions ``[start, end)``.
+
+    ``param_start`` is where the whole parameter begins in the flat buffer, so the segment is
+    ``param.view(-1)[start - param_start : end - param_start]``.
+    """
+
+    index: int
+    start: int
+    end: int
+    param_start: int
+
+
+class ZeroOneAdamW:
+    """AdamW sharded over ``dp_group`` (ZeRO-1). Replaces both ``GradientSynchronizer`` and ``build_adamw``.
+
+    Per step, after all micro-batches' backward (``param.grad`` holds this rank's local mean)::
+
+        opt.reduce_gradients()
+        norm = clip_grad_norm(opt.shard_params_with_info(), max_norm, groups, zero_sharded=True)
+        set_lr(opt, lr_at(step, ...)); opt.step(); opt.zero_grad()
+
+    The fp32 master copy of the shard is taken from the model at the first ``step()`` (or restored by
+    ``load_state_tensors``), so weights may be loaded into the model after construction.
+    """
+
+    def __init__(
+        self,
+        params_with_info: ParamsWithInfo,
+        dp_group: dist.ProcessGroup,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+    ):
+        if not params_with_info:
+            raise ValueError("ZeroOneAdamW needs at least one parameter")
+        self.params = [p for p, _ in params_with_info]
+        self.infos = [info for _, info in params_with_info]
+        check_unique(self.params)
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]
+        self.shard_numel = -(-self.numel // self.dp_size)
+        self.shard_start = dist.get_rank(dp_group) * self.shard_numel
+        device = self.params[0].device
+        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)  # [S]
+        self.segments = self._segments_in_shard()
+        self._views = [self.master[self._local(seg)] for seg in self.segments]
+        self.optimizer = make_adamw(
+            [
+                (
+                    view,
+                    f"{self.infos[seg.index].name}[{seg.start - seg.param_start}:{seg.end - seg.param_start}]",
+                    self.infos[seg.index].decay,
+                )
+                for seg, view in zip(self.segments, self._views, strict=True)
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        self._master_ready = False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The shard optimizer's groups (decay, no decay): ``set_lr`` writes ``lr`` here."""
+        return self.optimizer.param_groups
+
+    def reduce_gradients(self) -> None:
+        """Average ``param.grad`` over dp into this rank's shard (one reduce-scatter, one tiny all-reduce).
+
+        A parameter that no rank gave a gradient keeps ``grad = None`` on its shard segments, so AdamW skips it
+        exactly as it would unsharded.
+        """
+        device = self.master.device
+        flat = torch.zeros(self.shard_numel * self.dp_size, dtype=torch.float32, device=device)  # [dp*S]
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                flat[self.offsets[i] : self.offsets[i + 1]].copy_(p.grad.reshape(-1))
+        has_grad = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32, device=device)
+        if self.dp_size > 1:
+            shard = comm.reduce_scatter(flat, self.dp_group).div_(self.dp_size)  # [S]
+            comm.all_reduce(has_grad, self.dp_group)
+        else:
+            shard = flat
+        any_grad = has_grad.tolist()
+        for seg, view in zip(self.segments, self._views, strict=True):
+            view.grad = shard[self._local(seg)] if any_grad[seg.index] else None
+
+    def shard_params_with_info(self) -> list[tuple[torch.Tensor, ParamInfo]]:
+        """This rank's shard segments (``.grad`` set by ``reduce_gradients``) with their parameter's info.
+
+        Pass to ``clip_grad_norm(..., zero_sharded=True)``: each element lives in exactly one dp shard.
+        """
+        return [(view, self.infos[seg.index]) for seg, view in zip(self.segments, self._views, strict=True)]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the shard, then all-gather the shards into every rank's model parameters."""
+        self._ensure_master()
+        self.optimizer.step()
+        full = comm.all_gather(self.master, self.dp_group) if self.dp_size > 1 else self.master  # [dp*S]
+        for i, p in enumerate(self.params):
+            p.copy_(full[self.offsets[i] : self.offsets[i + 1]].view_as(p))
+
+    def zero_grad(self) -> None:
+        """Drop the model's and the shard's gradients (``None``, so the next backward starts fresh)."""
+        for p in self.params:
+            p.grad = None
+        for view in self._views:
+            view.grad = None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of the optimizer as CPU tensors (a copy), keyed by ``STATE_KEYS``.
+
+        ``zero/params``, ``zero/exp_avg``, ``zero/exp_avg_sq``: ``[S]`` fp32; ``zero/step``: ``[n_segments]``
+        (0 for a segment never stepped); ``zero/shard``: ``[start, end, numel]`` of the flat buffer, checked on load.
+        """
+        self._ensure_master()
+        exp_avg = torch.zeros_like(self.master)
+        exp_avg_sq = torch.zeros_like(self.master)
+        steps = torch.zeros(len(self.segments), dtype=torch.float32)
+        for k, (seg, view) in enumerate(zip(self.segments, self._views, strict=True)):
+            state = self.optimizer.state.get(view)
+            if state:
+                exp_avg[self._local(seg)] = state["exp_avg"]
+                exp_avg_sq[self._local(seg)] = state["exp_avg_sq"]
+                steps[k] = state["step"]
+        tensors = {
+            "zero/params": self.master,
+            "zero/exp_avg": exp_avg,
+            "zero/exp_avg_sq": exp_avg_sq,
+            "zero/step": steps,
+            "zero/shard": torch.tensor(self._shard_range(), dtype=torch.int64),
+        }
+        return {key: t.detach().to("cpu", copy=True) for key, t in tensors.items()}
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what ``state_tensors`` saved, on the same dp size and parameter list."""
+        if set(tensors) != set(STATE_KEYS):
+            raise KeyError(f"ZeRO-1 optimizer state needs keys {list(STATE_KEYS)}, got {sorted(tensors)}")
+        saved = tensors["zero/shard"].tolist()
+        if saved != self._shard_range():
+            raise ValueError(
+                f"ZeRO-1 state covers flat [{saved[0]}, {saved[1]}) of {saved[2]} elements but this rank owns "
+                f"{self._shard_range()}: reload at the dp size and parameter list it was saved with"
+            )
+        self.master.copy_(tensors["zero/params"])
+        self._master_ready = True
+        steps = tensors["zero/step"]
+        for k, (seg, view) in enumerate(zip(self.segments, self._views, strict=True)):
+            if steps[k] == 0:
+                self.optimizer.state.pop(view, None)
+                continue
+            self.optimizer.state[view] = {
+                "step": steps[k].clone(),
+                "exp_avg": tensors["zero/exp_avg"][self._local(seg)].to(view.device, copy=True),
+                "exp_avg_sq": tensors["zero/exp_avg_sq"][self._local(seg)].to(view.device, copy=True),
+            }
+
+    def _segments_in_shard(self) -> list[_Segment]:
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        segments = []
+        for i in range(len(self.params)):
+            start, end = max(lo, self.offsets[i]), min(hi, self.offsets[i + 1])
+            if start < end:
+                segments.append(_Segment(index=i, start=start, end=end, param_start=self.offsets[i]))
+        return segments
+
+    def _local(self, seg: _Segment) -> slice:
+        return slice(seg.start - self.shard_start, seg.end - self.shard_start)
+
+    def _shard_range(self) -> list[int]:
+        return [self.shard_start, self.shard_start + self.shard_numel, self.numel]
+
+    @torch.no_grad()
+    def _ensure_master(self) -> None:
+        if self._master_ready:
+            return
+        for seg, view in zip(self.segments, self._views, strict=True):
+            whole = self.params[seg.index].detach().reshape(-1)
+            view.copy_(whole[seg.start - seg.param_start : seg.end - seg.param_start])
+        self._master_ready = True
