@@ -1,0 +1,3 @@
+from modelpar.data.cli import main
+
+raise SystemExit(main())
