@@ -1,17 +1,25 @@
 """modelpar_kernels: fused ops, one file per op (Triton kernel, autograd.Function, torch reference).
 
-Each op takes ``backend``: "torch" (plain PyTorch, the CPU default and the ground truth) or "triton".
-``resolve_backend("auto", device)`` picks Triton on CUDA and torch elsewhere.
+Each op takes ``backend``: "torch" (plain PyTorch, the CPU default and the ground truth), "triton", or "auto"
+(resolved from the input's device). ``resolve_backend("auto", device)`` picks Triton on CUDA and torch elsewhere.
+"triton" on CPU tensors runs the same kernels in Triton's interpreter (slow; for tests).
 """
 
 from __future__ import annotations
 
 import torch
-from modelpar_kernels.attention import attention_reference
-from modelpar_kernels.cross_entropy import vocab_parallel_cross_entropy_reference
-from modelpar_kernels.rmsnorm import rms_norm_reference
-from modelpar_kernels.rope import apply_rope_reference, rope_tables
-from modelpar_kernels.swiglu import swiglu_reference
+
+# `launch` must come first: it turns on Triton's interpreter for CPU-only torch builds before triton is imported.
+from modelpar_kernels import launch  # noqa: F401
+from modelpar_kernels.attention import attention_reference, attention_triton
+from modelpar_kernels.cross_entropy import vocab_parallel_cross_entropy_reference, vocab_parallel_cross_entropy_triton
+from modelpar_kernels.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy_reference,
+    fused_linear_cross_entropy_triton,
+)
+from modelpar_kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from modelpar_kernels.rope import apply_rope_reference, apply_rope_triton, rope_tables
+from modelpar_kernels.swiglu import swiglu_reference, swiglu_triton
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -27,32 +35,56 @@ def resolve_backend(kernels: str, device: torch.device | str) -> str:
 
 def rms_norm(x, weight, eps, residual=None, *, backend: str = "torch"):
     """See ``rmsnorm.rms_norm_reference`` for shapes."""
+    if resolve_backend(backend, x.device) == "triton":
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
 
 
 def apply_rope(x, cos, sin, *, backend: str = "torch"):
     """See ``rope.apply_rope_reference`` for shapes."""
+    if resolve_backend(backend, x.device) == "triton":
+        return apply_rope_triton(x, cos, sin)
     return apply_rope_reference(x, cos, sin)
 
 
 def swiglu(gate, up, *, backend: str = "torch"):
+    """gate, up: [..., f] -> silu(gate) * up."""
+    if resolve_backend(backend, gate.device) == "triton":
+        return swiglu_triton(gate, up)
     return swiglu_reference(gate, up)
 
 
 def attention(q, k, v, causal: bool = True, *, backend: str = "torch"):
     """See ``attention.attention_reference`` for shapes."""
+    if resolve_backend(backend, q.device) == "triton":
+        return attention_triton(q, k, v, causal)
     return attention_reference(q, k, v, causal)
 
 
 def vocab_parallel_cross_entropy(logits, targets, *, backend: str = "torch", **kwargs):
-    """See ``cross_entropy.vocab_parallel_cross_entropy_reference``."""
+    """See ``cross_entropy.vocab_parallel_cross_entropy_reference``.
+
+    With backend "triton" the gradient is written over ``logits`` during forward: the caller's logits buffer is
+    consumed and must not be read afterwards.
+    """
+    if resolve_backend(backend, logits.device) == "triton":
+        return vocab_parallel_cross_entropy_triton(logits, targets, **kwargs)
     return vocab_parallel_cross_entropy_reference(logits, targets, **kwargs)
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, *, backend: str = "torch", **kwargs):
+    """Head projection + vocab-parallel cross-entropy; see ``fused_linear_cross_entropy``'s module for shapes."""
+    if resolve_backend(backend, hidden.device) == "triton":
+        return fused_linear_cross_entropy_triton(hidden, weight, targets, **kwargs)
+    kwargs.pop("chunk_size", None)
+    return fused_linear_cross_entropy_reference(hidden, weight, targets, **kwargs)
 
 
 __all__ = [
     "BACKENDS",
     "apply_rope",
     "attention",
+    "fused_linear_cross_entropy",
     "resolve_backend",
     "rms_norm",
     "rope_tables",

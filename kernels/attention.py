@@ -1,10 +1,25 @@
-"""Causal grouped-query attention."""
+"""Causal grouped-query attention (FlashAttention-2).
+
+Forward streams k/v tiles past a resident q tile with an online softmax in fp32 and saves one log-sum-exp per
+query row (base 2, already scaled); backward recomputes the probabilities from it. Grouped-query attention
+reads kv head ``q_head // group`` in place (k/v are never repeated in memory); the dk/dv kernel owns one kv
+head and sums over the ``group`` q heads that share it, so no atomics are needed.
+
+    q: [b, s, hq, d]   k, v: [b, s, hkv, d]   group = hq / hkv   out: [b, s, hq, d]   lse: [b, hq, s] (fp32)
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from einops import rearrange
+from modelpar_kernels.launch import attention_blocks, check_device
+
+LOG2E = 1.4426950408889634
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -12,3 +27,414 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return rearrange(out, "b h s d -> b s h d")
+
+
+@triton.jit
+def _attention_forward_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_vs,
+    offs_m,
+    offs_d,
+    start,
+    end,
+    seq_len,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over kv tiles ``start .. end``; MASKED tiles may cross the diagonal or the sequence end."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = offs_d[None, :] < HEAD_DIM
+        if MASKED:
+            kv_mask = kv_mask & (cols[:, None] < seq_len)
+        rows_k = cols[:, None].to(tl.int64)
+        k = tl.load(k_base + rows_k * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            keep = cols[None, :] < seq_len
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + rows_k * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attention_forward_kernel(
+    OUT,
+    LSE,
+    Q,
+    K,
+    V,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    seq_len,
+    n_q_heads,
+    group,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_q_heads).to(tl.int64)
+    h = bh % n_q_heads
+    kv_h = (h // group).to(tl.int64)
+    h = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
+    k_base = K + b * stride_kb + kv_h * stride_kh
+    v_base = V + b * stride_vb + kv_h * stride_vh
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if CAUSAL:
+        # kv tiles left of this q tile are fully visible; the ones on the diagonal need the causal mask.
+        unmasked_end = start_m
+        end = tl.minimum(start_m + BLOCK_M, seq_len)
+    else:
+        unmasked_end = (seq_len // BLOCK_N) * BLOCK_N
+        end = seq_len
+    acc, m_i, l_i = _attention_forward_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, 0, unmasked_end, seq_len,
+        qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attention_forward_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, unmasked_end, end, seq_len,
+        qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :]
+    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_mask)
+    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < seq_len)
+
+
+@triton.jit
+def _attention_backward_delta_kernel(
+    DELTA,
+    OUT,
+    DOUT,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    seq_len,
+    n_q_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d out * dout: the row term of the softmax backward."""
+    bh = tl.program_id(1)
+    b = (bh // n_q_heads).to(tl.int64)
+    h = (bh % n_q_heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(OUT + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DOUT + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * seq_len + offs_m, delta, mask=offs_m < seq_len)
+
+
+@triton.jit
+def _attention_backward_kv_kernel(
+    DK,
+    DV,
+    Q,
+    K,
+    V,
+    DOUT,
+    LSE,
+    DELTA,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    seq_len,
+    n_kv_heads,
+    group,
+    sm_scale,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One kv tile of one kv head: dk, dv summed over every q tile that sees it, in each of the group's q heads."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = (bh // n_kv_heads).to(tl.int64)
+    kv_h = bh % n_kv_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    rows_n = offs_n[:, None].to(tl.int64)
+    k_ptrs = K + b * stride_kb + kv_h.to(tl.int64) * stride_kh + rows_n * stride_ks + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + kv_h.to(tl.int64) * stride_vh + rows_n * stride_vs + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # Causal: q tiles above this kv tile's first row cannot see it.
+    first_m = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for g in range(0, group):
+        h = (kv_h * group + g).to(tl.int64)
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DOUT + b * stride_dob + h * stride_doh
+        row_base = (b * n_kv_heads * group + h) * seq_len  # into lse / delta: [b, hq, s]
+        for start_m in range(first_m, seq_len, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+            rows_m = offs_m[:, None].to(tl.int64)
+            q = tl.load(q_base + rows_m * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + rows_m * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
+            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            keep = (offs_n[:, None] < seq_len) & (offs_m[None, :] < seq_len)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :])
+            p_t = tl.where(keep, tl.math.exp2(qk_t * qk_scale - lse[None, :]), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    dk_ptrs = DK + b * stride_dkb + kv_h.to(tl.int64) * stride_dkh + rows_n * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + kv_h.to(tl.int64) * stride_dvh + rows_n * stride_dvs + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attention_backward_q_kernel(
+    DQ,
+    Q,
+    K,
+    V,
+    DOUT,
+    LSE,
+    DELTA,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    seq_len,
+    n_q_heads,
+    group,
+    sm_scale,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One q tile of one q head: dq summed over the kv tiles it sees."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_q_heads).to(tl.int64)
+    h = bh % n_q_heads
+    kv_h = (h // group).to(tl.int64)
+    h = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    rows_m = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DOUT + b * stride_dob + h * stride_doh + rows_m * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
+    k_base = K + b * stride_kb + kv_h * stride_kh
+    v_base = V + b * stride_vb + kv_h * stride_vh
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+        rows_n = offs_n[:, None].to(tl.int64)
+        k = tl.load(k_base + rows_n * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows_n * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        keep = (offs_m[:, None] < seq_len) & (offs_n[None, :] < seq_len)
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(keep, tl.math.exp2(qk * qk_scale - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqs + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_constants(q: torch.Tensor) -> dict:
+    d = q.shape[-1]
+    return {
+        "HEAD_DIM": d,
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),  # tl.dot needs at least 16
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",  # fp32 in, full fp32 products
+    }
+
+
+def attention_forward(q, k, v, causal):
+    """Returns (out [b, s, hq, d], lse [b, hq, s] fp32, base-2 log-sum-exp of the scaled scores)."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
+    tiles = attention_blocks(d, q.device)["forward"]
+    grid = (triton.cdiv(s, tiles["BLOCK_M"]), b * hq)
+    _attention_forward_kernel[grid](
+        out, lse, q, k, v,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        s, hq, hq // hkv, LOG2E / math.sqrt(d),
+        CAUSAL=causal, **_launch_constants(q), **tiles,
+    )  # fmt: skip
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, causal):
+    """Returns (dq, dk, dv) in the shapes of q, k, v."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    dout = _unit_last(dout)
+    constants = _launch_constants(q)
+    tiles = attention_blocks(d, q.device)
+    delta = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
+    _attention_backward_delta_kernel[(triton.cdiv(s, 64), b * hq)](
+        delta, out, dout,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        s, hq, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=constants["BLOCK_D"],
+    )  # fmt: skip
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    sm_scale = 1.0 / math.sqrt(d)
+    kv_tiles = tiles["backward_kv"]
+    _attention_backward_kv_kernel[(triton.cdiv(s, kv_tiles["BLOCK_N"]), b * hkv)](
+        dk, dv, q, k, v, dout, lse, delta,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        s, hkv, hq // hkv, sm_scale, sm_scale * LOG2E,
+        CAUSAL=causal, **constants, **kv_tiles,
+    )  # fmt: skip
+    q_tiles = tiles["backward_q"]
+    _attention_backward_q_kernel[(triton.cdiv(s, q_tiles["BLOCK_M"]), b * hq)](
+        dq, q, k, v, dout, lse, delta,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        s, hq, hq // hkv, sm_scale, sm_scale * LOG2E,
+        CAUSAL=causal, **constants, **q_tiles,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Triton flash attention; see ``attention_reference`` for the contract."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        check_device(q, k, v)
+        b, s, hq, d = q.shape
+        if k.shape != v.shape or k.shape[0] != b or k.shape[1] != s or k.shape[3] != d or hq % k.shape[2]:
+            raise ValueError(
+                f"attention: q {tuple(q.shape)} needs k, v of shape [{b}, {s}, hkv, {d}] with hkv dividing {hq}; "
+                f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        out, lse = attention_forward(q, k, v, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal)
+        return dq, dk, dv, None
+
+
+def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Triton flash attention, same contract as ``attention_reference`` (scale 1/sqrt(d))."""
+    return FlashAttentionFunction.apply(q, k, v, causal)

@@ -1,13 +1,22 @@
 """Cross-entropy over vocab-parallel logits: each tp rank holds a slice of the vocabulary.
 
 The full-vocab logits are never gathered: per token, the local max, sum of exponentials and target logit are
-combined over the tp group with three small all-reduces of ``n`` elements each.
+combined over the tp group with small all-reduces of ``n`` elements each.
+
+The Triton path makes two passes over this rank's logits, one program per token: the first streams the row in
+blocks with an online softmax (local max, local sum of exponentials, target logit); after the all-reduces, the
+second writes the gradient ``(softmax - onehot) / n_valid`` over the logits *in place*, during forward, so
+backward only scales it by the incoming gradient. No second logits-sized tensor is ever allocated, and the
+caller's logits buffer is consumed: it holds the gradient after the call.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
+from modelpar_kernels.launch import check_device, row_block
 
 from modelpar import comm
 
@@ -67,3 +76,139 @@ def vocab_parallel_cross_entropy_reference(
     """
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)
+
+
+@triton.jit
+def _cross_entropy_stats_kernel(
+    MAX,
+    SUM_EXP,
+    TARGET_LOGIT,
+    LOGITS,
+    TARGETS,
+    stride_logits,
+    n_local,
+    n_real,
+    vocab_start,
+    ignore_index,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Per token over this rank's real columns: max, sum of exp(x - max), and the target's logit (0 if not here)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGETS + row)
+    local_target = tl.where(target != ignore_index, target - vocab_start, -1)
+    row_ptr = LOGITS + row * stride_logits
+    m = float("-inf")
+    d = 0.0
+    target_logit = 0.0
+    for start in range(0, n_real, BLOCK_SIZE):
+        cols = start + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(row_ptr + cols, mask=cols < n_real, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        target_logit += tl.sum(tl.where(cols == local_target, x, 0.0), axis=0)
+    tl.store(MAX + row, m)
+    tl.store(SUM_EXP + row, d)
+    tl.store(TARGET_LOGIT + row, target_logit)
+
+
+@triton.jit
+def _cross_entropy_grad_kernel(
+    LOGITS,
+    TARGETS,
+    LSE,
+    stride_logits,
+    n_local,
+    n_real,
+    vocab_start,
+    ignore_index,
+    SCALE,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Overwrite the row with ``(softmax - onehot(target)) * scale``; ignored rows and padded columns get 0."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGETS + row)
+    lse = tl.load(LSE + row)
+    row_scale = tl.where(target != ignore_index, tl.load(SCALE), 0.0)
+    local_target = target - vocab_start
+    row_ptr = LOGITS + row * stride_logits
+    for start in range(0, n_local, BLOCK_SIZE):
+        cols = start + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(row_ptr + cols, mask=cols < n_real, other=float("-inf")).to(tl.float32)
+        grad = tl.exp(x - lse) - tl.where(cols == local_target, 1.0, 0.0)
+        grad = tl.where(cols < n_real, grad * row_scale, 0.0)
+        tl.store(row_ptr + cols, grad.to(LOGITS.dtype.element_ty), mask=cols < n_local)
+
+
+def cross_entropy_forward_in_place(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    ignore_index: int,
+    n_valid: torch.Tensor,
+) -> torch.Tensor:
+    """Sum over valid tokens of the per-token loss, divided by ``n_valid``; leaves d(that)/d(logits) in ``logits``.
+
+    logits: [n, V_local] with unit column stride (overwritten); targets: [n]; n_valid: a 0-d tensor (the
+    token count of the whole loss, so chunks of one sequence can share it).
+    """
+    n, n_local = logits.shape
+    n_real = max(0, min(n_local, vocab_size - vocab_start))  # columns past the true vocab are padding
+    block, num_warps = row_block(n_local, max_block=4096)
+    local_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+    sum_exp = torch.empty_like(local_max)
+    target_logit = torch.empty_like(local_max)
+    targets = targets.contiguous()
+    common = (logits.stride(0), n_local, n_real, vocab_start, ignore_index)
+    _cross_entropy_stats_kernel[(n,)](
+        local_max, sum_exp, target_logit, logits, targets, *common, BLOCK_SIZE=block, num_warps=num_warps
+    )
+    row_max = local_max.clone()
+    if group is not None:
+        comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+    # Rescale each rank's sum to the global max (a rank whose columns are all padding contributes 0).
+    sum_exp = torch.where(sum_exp > 0, sum_exp * torch.exp(local_max - row_max), 0.0)
+    if group is not None:
+        both = torch.stack((sum_exp, target_logit))
+        comm.all_reduce(both, group)
+        sum_exp, target_logit = both[0], both[1]
+    lse = row_max + sum_exp.log()
+    valid = targets != ignore_index
+    loss = torch.where(valid, lse - target_logit, 0.0).sum() / n_valid
+    scale = (1.0 / n_valid.float()).reshape(1)  # a tensor, so no host sync
+    _cross_entropy_grad_kernel[(n,)](logits, targets, lse, *common, scale, BLOCK_SIZE=block, num_warps=num_warps)
+    return loss
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Triton vocab-parallel cross-entropy; the input logits are overwritten with their gradient in forward."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index):
+        check_device(logits, targets)
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()  # then the copy is what is consumed
+        n_valid = (targets != ignore_index).sum().clamp(min=1)
+        loss = cross_entropy_forward_in_place(logits, targets, vocab_start, vocab_size, group, ignore_index, n_valid)
+        ctx.save_for_backward(logits.detach())
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_triton(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Same loss as ``vocab_parallel_cross_entropy_reference``; **consumes ``logits``** (they hold the gradient)."""
+    vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
+    return CrossEntropyFunction.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)

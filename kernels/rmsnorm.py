@@ -1,8 +1,16 @@
-"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight``, optionally after a fused residual add."""
+"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight``, optionally after a fused residual add.
+
+Forward keeps one fp32 ``rstd`` per row; backward recomputes the normalised row from the (summed) input. The
+weight gradient is reduced over rows in fp32: each program sums its rows into one partial, then the partials
+are summed.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+from modelpar_kernels.launch import check_device, program_count, row_block
 
 
 def rms_norm_reference(
@@ -14,3 +22,194 @@ def rms_norm_reference(
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return (y, x) if residual is not None else y
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    Y,
+    X,
+    RESIDUAL,
+    SUM,
+    W,
+    RSTD,
+    stride_y,
+    stride_x,
+    stride_residual,
+    stride_sum,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(RESIDUAL + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+        # The sum is rounded to the activation dtype before it is normalised, as in the unfused model.
+        x_sum = x.to(SUM.dtype.element_ty)
+        tl.store(SUM + row * stride_sum + cols, x_sum, mask=mask)
+        x = x_sum.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    x_hat = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (x_hat * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DX,
+    DY,
+    DSUM,
+    X,
+    W,
+    RSTD,
+    DW_PARTIAL,
+    stride_dx,
+    stride_dy,
+    stride_dsum,
+    stride_x,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    HAS_DSUM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    first = row_start.to(tl.int64)
+    DX += first * stride_dx
+    DY += first * stride_dy
+    DSUM += first * stride_dsum
+    X += first * stride_x
+    RSTD += first
+    for _ in range(row_start, row_end):
+        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD)
+        x_hat = x * rstd
+        dw += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+        dx_hat = dy * w
+        dx = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=0) / n_cols))
+        if HAS_DSUM:
+            dx += tl.load(DSUM + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        DX += stride_dx
+        DY += stride_dy
+        DSUM += stride_dsum
+        X += stride_x
+        RSTD += 1
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+
+
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
+    """[..., h] -> [n, h] with unit column stride (a view when possible)."""
+    t = t.reshape(-1, h)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm_forward(x, weight, eps, residual=None):
+    """Returns (y, x_sum or None, x_normed_input [n, h], rstd [n]); ``x_normed_input`` is what backward reads."""
+    shape, h = x.shape, x.shape[-1]
+    x2 = _rows(x, h)
+    n = x2.shape[0]
+    block, num_warps = row_block(h)
+    if h > block:
+        raise ValueError(f"rms_norm: hidden size {h} is wider than one block ({block}); not supported")
+    y = torch.empty((n, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        r2 = _rows(residual, h)
+        x_sum = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    else:
+        r2, x_sum = x2, y  # placeholders, never touched (HAS_RESIDUAL is False)
+    _rms_norm_forward_kernel[(n,)](
+        y,
+        x2,
+        r2,
+        x_sum,
+        weight,
+        rstd,
+        y.stride(0),
+        x2.stride(0),
+        r2.stride(0),
+        x_sum.stride(0),
+        h,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_SIZE=block,
+        num_warps=num_warps,
+    )
+    y = y.view(shape)
+    if residual is None:
+        return y, None, x2, rstd
+    return y, x_sum.view(shape), x_sum, rstd
+
+
+def rms_norm_backward(dy, dx_sum, x2, weight, rstd):
+    """dy: [..., h] (and the gradient of the returned sum, or None). Returns (dx [n, h], dweight [h])."""
+    n, h = x2.shape
+    dy2 = _rows(dy, h)
+    dsum2 = _rows(dx_sum, h) if dx_sum is not None else dy2
+    dx = torch.empty((n, h), dtype=x2.dtype, device=x2.device)
+    block, num_warps = row_block(h)
+    programs = program_count(x2.device, n)
+    rows_per_program = triton.cdiv(n, programs)
+    programs = triton.cdiv(n, rows_per_program)
+    dw_partial = torch.empty((programs, h), dtype=torch.float32, device=x2.device)
+    _rms_norm_backward_kernel[(programs,)](
+        dx,
+        dy2,
+        dsum2,
+        x2,
+        weight,
+        rstd,
+        dw_partial,
+        dx.stride(0),
+        dy2.stride(0),
+        dsum2.stride(0),
+        x2.stride(0),
+        n,
+        h,
+        rows_per_program,
+        HAS_DSUM=dx_sum is not None,
+        BLOCK_SIZE=block,
+        num_warps=num_warps,
+    )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Triton RMSNorm with an optional fused residual add; see ``rms_norm_reference`` for the contract."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        check_device(x, weight, *(() if residual is None else (residual,)))
+        y, x_sum, x2, rstd = rms_norm_forward(x, weight, eps, residual)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = x.shape
+        ctx.has_residual = residual is not None
+        if residual is None:
+            return y
+        return y, x_sum
+
+    @staticmethod
+    def backward(ctx, dy, dx_sum=None):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dweight = rms_norm_backward(dy, dx_sum, x2, weight, rstd)
+        dx = dx.view(ctx.shape)
+        return dx, dweight, None, dx if ctx.has_residual else None
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton RMSNorm, same contract as ``rms_norm_reference``."""
+    return RMSNormFunction.apply(x, weight, eps, residual)
