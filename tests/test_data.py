@@ -196,6 +196,11 @@ def test_byte_tokenizer_has_a_fixed_vocabulary(tmp_path):
     raises_one_line("vocab_size=512 .* byte tokenizer has 256", prepare, [tmp_path], tmp_path / "o.npy", vocab_size=512)
 
 
+def test_unknown_tokenizer_names_the_choices(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT)
+    raises_one_line("'bytes' is not 'byte' or .* bpe", prepare, [tmp_path], tmp_path / "o.npy", tokenizer="bytes")
+
+
 # --- default corpus ------------------------------------------------------------------------------------------
 
 

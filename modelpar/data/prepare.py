@@ -34,6 +34,7 @@ SIDECAR_FORMAT = 1
 # Text is read in blocks of whole lines: big enough to amortise per-call costs, small enough that a
 # multi-gigabyte single-file corpus never has to fit in memory.
 _BLOCK_BYTES = 1 << 20
+_COPY_BLOCK_IDS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,8 @@ def _move_tail(source: _NpyStream, dest: _NpyStream, n: int) -> None:
     if n == 0:
         return
     tail = source.tail(n)
-    for start in range(0, n, _BLOCK_BYTES):
-        dest.append(tail[start : start + _BLOCK_BYTES])
+    for start in range(0, n, _COPY_BLOCK_IDS):
+        dest.append(tail[start : start + _COPY_BLOCK_IDS])
     del tail  # unmap before the file shrinks under the map
     source.truncate(source.length - n)
 

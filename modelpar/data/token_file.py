@@ -15,7 +15,7 @@ token (the last target of ``i`` is the first input of ``i + 1``), so no token is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +75,7 @@ def open_tokens(path: str | Path) -> np.ndarray:
 
 
 def max_token_id(tokens: np.ndarray) -> int:
-    """Largest id in ``tokens: [n]``, scanned in chunks so a memory-mapped file is never read whole."""
-    if len(tokens) == 0:
-        raise DataError("the token file is empty")
+    """Largest id in ``tokens: [n]`` (``n >= 1``), scanned in chunks so a memory map is never read whole."""
     return max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
 
 
@@ -94,7 +92,7 @@ class TokenFile:
     """
 
     path: Path
-    tokens: np.ndarray
+    tokens: np.ndarray = field(repr=False)
     vocab_size: int
     seq_len: int
 

@@ -165,4 +165,9 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     """``"byte"`` or the path of a ``tokenizer.json``."""
     if str(spec) == ByteTokenizer.kind:
         return ByteTokenizer()
+    if not Path(spec).is_file():
+        raise DataError(
+            f"tokenizer {str(spec)!r} is not 'byte' or an existing tokenizer.json file; "
+            "use --tokenizer byte, bpe (to train one) or the path of a tokenizer.json"
+        )
     return BPETokenizer.load(spec)
