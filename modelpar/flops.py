@@ -1,0 +1,55 @@
+"""Model FLOPs, the basis of every MFU figure modelpar prints.
+
+Training FLOPs per token (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B):
+
+    6 * N  +  12 * L * h * s
+
+``N`` counts the parameters that take part in matmuls: every transformer block's attention and MLP weights and
+the output head (the embedding lookup is not a matmul and is excluded; a tied head still counts, because the
+head matmul runs). ``12 * L * h * s`` is attention's score and value matmuls, forward and backward, at full
+(non-causal) cost as the convention counts it. Recomputation is not counted: this is *model* FLOPs.
+MFU = achieved model FLOP/s / peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def block_params(self) -> int:
+        """Matmul weights of one block: q, k, v, o projections and the gate/up/down SwiGLU."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.ffn_hidden
+        return attn + mlp
+
+    def matmul_params(self) -> int:
+        return self.layers * self.block_params() + self.vocab_size * self.hidden
+
+
+def training_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.hidden * seq_len
+
+
+def model_shape(model_cfg) -> ModelShape:
+    """From any object with the ModelConfig fields."""
+    return ModelShape(
+        model_cfg.vocab_size,
+        model_cfg.hidden,
+        model_cfg.layers,
+        model_cfg.heads,
+        model_cfg.kv_heads,
+        model_cfg.ffn_hidden,
+    )
