@@ -1,0 +1,149 @@
+"""Conjugate tp/sp region ops (values and gradients), and the exact communication of a transformer layer."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from modelpar import comm
+from modelpar.comm import TensorParallelGroup, record_comm
+from modelpar.model import build_model
+from modelpar.testing import current_groups, run_on_ranks
+from tests.model.reference import BATCH, CONFIGS, SEED, SEQ, batch, layout_for
+
+SHAPE = (2, 8, 3)  # [b, s, h]; s divisible by tp
+
+
+def _full(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+# per op: (this rank's input from X, the gradient fed to its output from G) -> expected output and input gradient
+REGIONS = {
+    "copy_to_tp_region": dict(
+        x=lambda X, r, t: X, g=lambda G, r, t: G * (r + 1),
+        out=lambda X, r, t: X, grad=lambda G, r, t: G * sum(q + 1 for q in range(t)),
+        fwd=[], bwd=["all_reduce"],
+    ),
+    "reduce_from_tp_region": dict(
+        x=lambda X, r, t: X * (r + 1), g=lambda G, r, t: G,
+        out=lambda X, r, t: X * sum(q + 1 for q in range(t)), grad=lambda G, r, t: G,
+        fwd=["all_reduce"], bwd=[],
+    ),
+    "gather_from_sequence_region": dict(
+        x=lambda X, r, t: X.chunk(t, 1)[r], g=lambda G, r, t: G * (r + 1),
+        out=lambda X, r, t: X, grad=lambda G, r, t: (G * sum(q + 1 for q in range(t))).chunk(t, 1)[r],
+        fwd=["all_gather"], bwd=["reduce_scatter"],
+    ),
+    "reduce_scatter_to_sequence_region": dict(
+        x=lambda X, r, t: X * (r + 1), g=lambda G, r, t: G.chunk(t, 1)[r],
+        out=lambda X, r, t: (X * sum(q + 1 for q in range(t))).chunk(t, 1)[r], grad=lambda G, r, t: G,
+        fwd=["reduce_scatter"], bwd=["all_gather"],
+    ),
+    "scatter_to_sequence_region": dict(
+        x=lambda X, r, t: X, g=lambda G, r, t: G.chunk(t, 1)[r],
+        out=lambda X, r, t: X.chunk(t, 1)[r], grad=lambda G, r, t: G,
+        fwd=[], bwd=["all_gather"],
+    ),
+}  # fmt: skip
+
+
+def _run_region(op_name):
+    tp = TensorParallelGroup.of(current_groups())
+    spec = REGIONS[op_name]
+    x = spec["x"](_full(0), tp.rank, tp.size).clone().requires_grad_()
+    with record_comm() as fwd:
+        out = getattr(comm, op_name)(x, tp)
+    with record_comm() as bwd:
+        out.backward(spec["g"](_full(1), tp.rank, tp.size))
+    return out.detach(), x.grad, [e.kind for e in fwd.events], [e.kind for e in bwd.events]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("op_name", list(REGIONS))
+def test_region_op_forward_and_backward_are_conjugate_collectives(op_name, tp):
+    spec = REGIONS[op_name]
+    X, G = _full(0), _full(1)
+    for rank, (out, grad, fwd, bwd) in enumerate(run_on_ranks(4, _run_region, op_name, layout=layout_for(tp))[:tp]):
+        torch.testing.assert_close(out, spec["out"](X, rank, tp), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, spec["grad"](G, rank, tp), rtol=1e-6, atol=1e-6)
+        assert (fwd, bwd) == (spec["fwd"], spec["bwd"])
+
+
+def test_region_ops_are_free_identities_on_a_single_device():
+    x = torch.randn(SHAPE, requires_grad=True)
+    with record_comm() as log:
+        for op_name in REGIONS:
+            assert getattr(comm, op_name)(x, TensorParallelGroup()) is x
+    assert log.events == []
+
+
+def _model_comm(config, sp):
+    model = build_model(config, current_groups(), seed=SEED, sequence_parallel=sp)
+    ids, targets = batch(config)
+    with record_comm() as forward:
+        logits = model(ids)
+    with record_comm() as loss_log:
+        loss = model.loss(logits, targets)
+    with record_comm() as backward:
+        loss.backward()
+    with record_comm() as grad_sync:
+        model.reduce_tensor_parallel_grads()
+    return [log.events for log in (forward, loss_log, backward, grad_sync)]
+
+
+def _count(events):
+    return Counter((e.tag, e.kind, e.elements) for e in events)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_layer_communicates_exactly_two_allreduces_or_their_sequence_parallel_equivalent(tp, sp):
+    config = CONFIGS["mha-untied"]
+    L, bsh, n = config.layers, BATCH * SEQ * config.hidden, BATCH * SEQ
+    forward, loss, backward, grad_sync = run_on_ranks(4, _model_comm, config, sp, layout=layout_for(tp))[0]
+    if sp:
+        want_forward = {
+            ("embedding", "reduce_scatter", bsh): 1,
+            ("layer", "all_gather", bsh): 2 * L,
+            ("layer", "reduce_scatter", bsh): 2 * L,
+            ("head", "all_gather", bsh): 1,
+        }
+        want_backward = {
+            ("layer", "reduce_scatter", bsh): 2 * L,
+            ("layer", "all_gather", bsh): 2 * L,
+            ("head", "reduce_scatter", bsh): 1,
+            ("embedding", "all_gather", bsh): 1,
+        }
+        norms = (2 * L + 1) * config.hidden
+        assert _count(grad_sync) == {("grad_sync", "all_reduce", norms): 1}
+    else:
+        want_forward = {("embedding", "all_reduce", bsh): 1, ("layer", "all_reduce", bsh): 2 * L}
+        want_backward = {("layer", "all_reduce", bsh): 2 * L, ("head", "all_reduce", bsh): 1}
+        assert grad_sync == []
+    assert _count(forward) == want_forward
+    assert _count(backward) == want_backward
+    assert _count(loss) == {("loss", "all_reduce", n): 1, ("loss", "all_reduce", 2 * n): 1}
+    assert {e.group_size for e in forward + loss + backward + grad_sync} == {tp}
+
+
+def test_replicated_kv_heads_add_one_gradient_allreduce_and_nothing_per_layer():
+    config = CONFIGS["gqa-kv1-untied"]
+    forward, _, backward, grad_sync = run_on_ranks(4, _model_comm, config, False, layout=layout_for(4))[0]
+    bsh = BATCH * SEQ * config.hidden
+    assert _count(forward)[("layer", "all_reduce", bsh)] == 2 * config.layers
+    assert _count(backward)[("layer", "all_reduce", bsh)] == 2 * config.layers
+    kv = 2 * config.layers * config.kv_heads * config.head_dim * config.hidden  # k and v of every layer, in full
+    assert _count(grad_sync) == {("grad_sync", "all_reduce", kv): 1}
+
+
+def test_single_device_model_records_no_communication():
+    config = CONFIGS["mha-untied"]
+    model = build_model(config, seed=SEED)
+    ids, targets = batch(config)
+    with record_comm() as log:
+        model.loss(model(ids), targets).backward()
+        model.reduce_tensor_parallel_grads()
+    assert log.events == []
