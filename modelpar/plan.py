@@ -531,11 +531,17 @@ def no_layout_message(model: ModelSpec, gpus: int, global_batch: int, space: Sea
 
 
 def nothing_fits_message(closest: PlannedLayout, hardware: Hardware) -> str:
-    need = closest.prediction.memory.total
+    memory = closest.prediction.memory
+    states = memory.weights + memory.grads + memory.optimizer + memory.reserved
+    fix = (
+        "the model states alone exceed the device: add GPUs or memory"
+        if states > hardware.memory_bytes
+        else "shorten the micro-batch/sequence or add GPUs"
+    )
     return (
         f"nothing fits in {hardware.memory_bytes / GIB:.1f} GiB per device: the closest, {closest.strategy}, needs "
-        f"{need / GIB:.1f} GiB ({closest.prediction.memory.stage} stage), missing by "
-        f"{(need - hardware.memory_bytes) / GIB:.1f} GiB; add GPUs, memory, or shrink the batch"
+        f"{memory.total / GIB:.1f} GiB on its {memory.stage} stage, missing by "
+        f"{(memory.total - hardware.memory_bytes) / GIB:.1f} GiB; {fix}"
     )
 
 
