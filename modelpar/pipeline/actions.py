@@ -1,0 +1,124 @@
+"""The schedule IR: an ``Action`` is one step of one pipeline rank; a schedule is one ordered list per rank.
+
+String form: ``{rank}{kind}{micro_batch}``, with ``c{chunk}`` appended when the action belongs to a local
+chunk other than 0 (interleaved schedules)::
+
+    1F0         rank 1 runs the forward of micro-batch 0 (on its local chunk 0)
+    0B3c1       rank 0 runs the backward of micro-batch 3 on its local chunk 1
+    2W1         rank 2 computes the weight gradients of micro-batch 1 (zero-bubble schedules)
+    1RECV_F0    rank 1 receives the input activation of its forward of micro-batch 0
+    0SEND_B2c1  rank 0 sends upstream the input gradient of its backward of micro-batch 2, chunk 1
+
+Local chunk ``c`` of rank ``r`` is model chunk (virtual stage) ``c * pp + r`` (Megatron's interleaving), so
+activations flow rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... and gradients flow back. A run of
+consecutive SEND/RECV actions on one rank is a *batch*: the runtime posts it with one ``batch_isend_irecv``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ScheduleError(ValueError):
+    """An impossible schedule request or a malformed action list; the message is one line with a fix."""
+
+
+class ActionKind(StrEnum):
+    """What a rank does in one step."""
+
+    F = "F"  # forward
+    B = "B"  # backward: input and weight gradients, or input gradients only when the schedule has W
+    W = "W"  # weight gradients (zero-bubble schedules)
+    SEND_F = "SEND_F"  # send a forward output downstream
+    RECV_F = "RECV_F"  # receive a forward input from upstream
+    SEND_B = "SEND_B"  # send an input gradient upstream
+    RECV_B = "RECV_B"  # receive an output gradient from downstream
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+
+# Longest kinds first so that "SEND_F" is not read as "S" followed by junk.
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:c(\d+))?$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one pipeline rank: ``kind`` of ``micro_batch`` on local ``chunk`` of ``rank``."""
+
+    rank: int
+    kind: ActionKind
+    micro_batch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        suffix = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.rank}{self.kind.value}{self.micro_batch}{suffix}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``Action.parse("1F0c1") == Action(1, F, 0, chunk=1)``."""
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}; expected {{rank}}{{kind}}{{micro_batch}}[c{{chunk}}], e.g. '1F0' or "
+                "'0SEND_B2c1'"
+            )
+        rank, kind, micro_batch, chunk = match.groups()
+        return cls(int(rank), ActionKind(kind), int(micro_batch), int(chunk or 0))
+
+    def stage(self, pp: int) -> int:
+        """Model chunk (virtual stage) this action runs on: ``chunk * pp + rank``."""
+        return self.chunk * pp + self.rank
+
+
+Schedule = list[list[Action]]  # one ordered action list per pipeline rank
+
+
+def parse_schedule(rows: list[str] | list[list[str]]) -> Schedule:
+    """Parse per-rank lists written as strings (``["0F0 0F1 0B0 0B1", ...]``) or lists of strings."""
+    return [[Action.parse(a) for a in (row.split() if isinstance(row, str) else row)] for row in rows]
+
+
+def format_schedule(schedule: Schedule) -> list[str]:
+    """One space-separated line per rank; ``parse_schedule`` reads it back."""
+    return [" ".join(str(a) for a in row) for row in schedule]
+
+
+def peer_of(action: Action, pp: int) -> tuple[int, int]:
+    """``(rank, chunk)`` on the other end of a communication action."""
+    step = 1 if action.kind in (SEND_F, RECV_B) else -1
+    stage = action.stage(pp) + step
+    return stage % pp, stage // pp
+
+
+def matching_action(action: Action, pp: int) -> Action:
+    """The action on the peer that completes this send or receive."""
+    rank, chunk = peer_of(action, pp)
+    kind = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}[action.kind]
+    return Action(rank, kind, action.micro_batch, chunk)
+
+
+def comm_batches(actions: list[Action]) -> list[list[Action]]:
+    """Split one rank's list into runs: each compute action alone, consecutive comm actions together."""
+    batches: list[list[Action]] = []
+    for a in actions:
+        if not a.kind.is_compute and batches and not batches[-1][0].kind.is_compute:
+            batches[-1].append(a)
+        else:
+            batches.append([a])
+    return batches

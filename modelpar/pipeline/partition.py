@@ -1,0 +1,154 @@
+"""Which transformer blocks each pipeline rank holds.
+
+The ``n_layers`` blocks are cut into ``pp * vpp`` contiguous model chunks (virtual stages). Chunk ``c``
+lives on rank ``c % pp`` as that rank's local chunk ``c // pp`` (Megatron's interleaving)::
+
+    pp=2, vpp=2, 8 layers, uniform:   chunk   0      1      2      3
+                                      layers  0-1    2-3    4-5    6-7
+                                      rank    0      1      0      1     (local chunk 0, 0, 1, 1)
+
+The first chunk also holds the embedding; the last holds the final norm, the head and the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class PartitionError(ValueError):
+    """An impossible split of layers into chunks; the message is one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Layer counts of each model chunk, in model order, for ``pp`` ranks with ``vpp`` chunks each."""
+
+    pp: int
+    vpp: int
+    layer_counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.layer_counts) != self.pp * self.vpp:
+            raise PartitionError(
+                f"{len(self.layer_counts)} layer counts for pp*vpp={self.pp * self.vpp} chunks; "
+                f"give exactly {self.pp * self.vpp}"
+            )
+
+    @property
+    def n_chunks(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.layer_counts)
+
+    def layers(self, chunk: int) -> range:
+        """Global indices of the blocks in model chunk ``chunk``."""
+        first = sum(self.layer_counts[:chunk])
+        return range(first, first + self.layer_counts[chunk])
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.pp
+
+    def local_index(self, chunk: int) -> int:
+        return chunk // self.pp
+
+    def chunks_of(self, rank: int) -> list[int]:
+        """Model chunks on ``rank``, in local-chunk order."""
+        return [rank + k * self.pp for k in range(self.vpp)]
+
+    def has_embedding(self, chunk: int) -> bool:
+        return chunk == 0
+
+    def has_head(self, chunk: int) -> bool:
+        """The last chunk holds the final norm, the output head and the loss."""
+        return chunk == self.n_chunks - 1
+
+
+def partition_uniform(n_layers: int, pp: int, vpp: int = 1) -> Partition:
+    """As even as possible; when ``pp * vpp`` does not divide ``n_layers``, the spare layers go to the middle
+    chunks first, because the first and last chunks also carry the embedding and the head."""
+    chunks = _check_counts(n_layers, pp, vpp)
+    base, spare = divmod(n_layers, chunks)
+    middle_first = sorted(range(chunks), key=lambda c: (c in (0, chunks - 1), abs(2 * c - (chunks - 1)), c))
+    counts = [base] * chunks
+    for c in middle_first[:spare]:
+        counts[c] += 1
+    return Partition(pp, vpp, tuple(counts))
+
+
+def partition_by_cost(
+    layer_costs: Sequence[float], pp: int, vpp: int = 1, *, embedding_cost: float = 0.0, head_cost: float = 0.0
+) -> Partition:
+    """Contiguous chunks minimising the costliest chunk, e.g. with parameter counts as costs.
+
+    ``embedding_cost`` is added to the first chunk and ``head_cost`` to the last. Every chunk gets at least one
+    layer. Exact dynamic programme over split points: ``O(chunks * n^2)``, trivial for real layer counts.
+    """
+    n = len(layer_costs)
+    chunks = _check_counts(n, pp, vpp)
+    prefix = [0.0]
+    for cost in layer_costs:
+        prefix.append(prefix[-1] + float(cost))
+
+    def chunk_cost(c: int, lo: int, hi: int) -> float:
+        extra = (embedding_cost if c == 0 else 0.0) + (head_cost if c == chunks - 1 else 0.0)
+        return prefix[hi] - prefix[lo] + extra
+
+    # best[c][i]: smallest possible max cost when chunks 0..c-1 hold layers 0..i-1
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for c in range(1, chunks + 1):
+        for i in range(c, n - (chunks - c) + 1):
+            for j in range(c - 1, i):
+                value = max(best[c - 1][j], chunk_cost(c - 1, j, i))
+                if value < best[c][i]:
+                    best[c][i], cut[c][i] = value, j
+    counts, i = [], n
+    for c in range(chunks, 0, -1):
+        counts.append(i - cut[c][i])
+        i = cut[c][i]
+    return Partition(pp, vpp, tuple(reversed(counts)))
+
+
+def partition_explicit(layer_counts: Sequence[int], n_layers: int, pp: int, vpp: int = 1) -> Partition:
+    """Take the user's layer count per chunk (model order); it must have ``pp * vpp`` entries summing to
+    ``n_layers``. A chunk may hold zero blocks (e.g. a last stage with only the head)."""
+    counts = tuple(int(c) for c in layer_counts)
+    chunks = pp * vpp
+    if len(counts) != chunks:
+        raise PartitionError(
+            f"layer counts {list(counts)} have {len(counts)} entries but pp*vpp={chunks}; give one count per chunk"
+        )
+    if any(c < 0 for c in counts):
+        raise PartitionError(f"layer counts {list(counts)} must be >= 0")
+    if sum(counts) != n_layers:
+        raise PartitionError(
+            f"layer counts {list(counts)} sum to {sum(counts)}, not the model's {n_layers} layers; "
+            f"e.g. {list(partition_uniform(n_layers, pp, vpp).layer_counts)}"
+            if n_layers >= chunks
+            else f"layer counts {list(counts)} sum to {sum(counts)}, not the model's {n_layers} layers"
+        )
+    return Partition(pp, vpp, counts)
+
+
+def parameter_counts(blocks: Sequence[torch.nn.Module]) -> list[int]:
+    """Parameters per block, the usual cost for ``partition_by_cost``."""
+    return [sum(p.numel() for p in block.parameters()) for block in blocks]
+
+
+def _check_counts(n_layers: int, pp: int, vpp: int) -> int:
+    for name, value in (("n_layers", n_layers), ("pp", pp), ("vpp", vpp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PartitionError(f"{name}={value!r} must be a positive integer")
+    chunks = pp * vpp
+    if chunks > n_layers:
+        raise PartitionError(
+            f"pp*vpp={chunks} chunks exceed the {n_layers} layers (each chunk needs one); use pp*vpp <= {n_layers}"
+        )
+    return chunks

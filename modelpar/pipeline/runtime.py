@@ -1,0 +1,262 @@
+"""Execute one pipeline rank's action list: forward and backward of its model chunks, p2p between stages.
+
+The runtime decides nothing about order; the schedule does (``modelpar.pipeline.schedule``). Each run of
+consecutive SEND/RECV actions is posted as one ``batch_isend_irecv`` and waited for in full before the next
+compute action, exactly the rule under which ``simulate`` proved the schedule cannot deadlock. No tags
+are used, so gloo matches messages in order as NCCL does, and a misordered schedule fails here too.
+
+What a chunk must look like (one ``torch.nn.Module`` per local virtual stage, local chunk ``c`` of rank
+``r`` being model chunk ``c * pp + r``)::
+
+    model chunk 0:        chunk(tokens [b, s] int64)   -> activation [*activation_shape]
+    middle chunks:        chunk(activation)            -> activation
+    last model chunk:     chunk(activation or tokens)  -> output, then loss_fn(output, targets) -> scalar
+
+Tensor-parallel collectives live inside the chunks; every tp rank of a stage runs the same list over its own
+pipeline group, so the runtime needs nothing more for tp, nor for dp.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from modelpar.distributed import ParallelGroups
+from modelpar.pipeline.actions import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    comm_batches,
+    peer_of,
+)
+from modelpar.pipeline.simulate import TimedAction, Timeline, check_schedule, peak_in_flight
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one pipeline step returns on every rank of the pipeline group.
+
+    ``records`` are this rank's actions with start/end in seconds since the step began (after a barrier over
+    the pipeline group, so ranks share an origin). A send's end is when the runtime saw it complete.
+    """
+
+    loss: float  # mean over micro-batches, computed on the last stage and broadcast
+    records: tuple[TimedAction, ...]
+    peak_in_flight: int  # most (micro-batch, chunk) activations held at once on this rank
+
+
+@dataclass
+class _StepState:
+    """Tensors alive during one step, keyed by (micro_batch, chunk)."""
+
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # received or token inputs
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # activation, or scaled loss
+    output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # kept from B for W
+    received: dict[Action, torch.Tensor] = field(default_factory=dict)  # RECV buffers by their action
+    to_send: dict[Action, torch.Tensor] = field(default_factory=dict)  # SEND payloads by their action
+    loss_sum: torch.Tensor | None = None
+    held: int = 0
+    peak: int = 0
+
+    def hold(self, key: tuple[int, int], x: torch.Tensor, y: torch.Tensor) -> None:
+        self.inputs[key], self.outputs[key] = x, y
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+
+    def release(self, key: tuple[int, int]) -> None:
+        del self.inputs[key], self.outputs[key]
+        self.output_grads.pop(key, None)
+        self.held -= 1
+
+
+class PipelineRuntime:
+    """Runs this rank's part of ``schedule`` on ``chunks`` (its local chunks, in local order).
+
+    ``activation_shape`` is the per-micro-batch tensor crossing stages (``[b, s, h]``, or ``[b, s/t, h]``
+    under sequence parallelism); ``dtype`` its type. ``loss_fn(output, targets)`` gives the mean loss of one
+    micro-batch; the runtime scales it by ``1/m`` so that accumulated gradients equal the single-device
+    model's on the whole batch. Gradients accumulate into ``.grad``: zero them before a step.
+
+    Zero-bubble schedules (with W actions): B computes input gradients with ``torch.autograd.grad(...,
+    retain_graph=True)`` and W then back-propagates into the parameters with ``torch.autograd.backward(...,
+    inputs=params)``. Gradients are exact, but W walks the graph again, so B + W cost more than one fused
+    backward (about one extra input-gradient pass), and the graph with its saved activations lives until W:
+    the in-flight count therefore runs from F to W. On model chunk 0 there is no input gradient to take, so
+    its B is empty and its W does the whole backward.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        groups: ParallelGroups,
+        schedule: Schedule,
+        *,
+        activation_shape: Sequence[int],
+        loss_fn: LossFn,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        self.chunks = list(chunks)
+        self.groups = groups
+        self.pp = groups.layout.pp
+        self.rank = groups.pp_rank
+        if len(schedule) != self.pp:
+            raise ScheduleError(f"schedule has {len(schedule)} rank lists but pp={self.pp}; build it for pp={self.pp}")
+        check_schedule(schedule)  # a malformed or deadlocking schedule fails here, before any message
+        self.actions = list(schedule[self.rank])
+        self.micro_batches = 1 + max(a.micro_batch for a in self.actions)
+        chunk_count = 1 + max(a.chunk for row in schedule for a in row)
+        if chunk_count != len(self.chunks):
+            raise ScheduleError(
+                f"schedule uses {chunk_count} chunks per rank but rank {self.rank} was given {len(self.chunks)}; "
+                f"pass vpp={len(self.chunks)} when building the schedule"
+            )
+        self.last_stage = self.pp * chunk_count - 1
+        self.split_backward = any(a.kind is W for a in self.actions)
+        self.predicted_peak = peak_in_flight(self.actions)
+        self.activation_shape = tuple(activation_shape)
+        self.loss_fn = loss_fn
+        self.dtype = dtype
+        if device is None:
+            first_param = next((p for c in self.chunks for p in c.parameters()), None)
+            device = first_param.device if first_param is not None else "cpu"
+        self.device = torch.device(device)
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def step(
+        self,
+        micro_batches: Sequence[torch.Tensor] | torch.Tensor | None,
+        targets: Sequence[torch.Tensor] | torch.Tensor | None,
+    ) -> StepResult:
+        """Run forward and backward of all ``m`` micro-batches.
+
+        ``micro_batches[j]``: token ids ``[b, s]`` (int64), needed on the rank holding model chunk 0;
+        ``targets[j]``: whatever ``loss_fn`` takes, needed on the rank holding the last chunk. Other ranks
+        may pass None. Returns the mean loss over micro-batches on every pipeline rank.
+        """
+        for name, given, needed in (
+            ("micro_batches", micro_batches, self.rank == 0),
+            ("targets", targets, self.rank == self.last_stage % self.pp),
+        ):
+            if needed and (given is None or len(given) != self.micro_batches):
+                count = "None" if given is None else len(given)
+                raise ValueError(f"{name} has {count} micro-batches; the schedule runs {self.micro_batches}")
+        state = _StepState()
+        dist.barrier(group=self.groups.pp_group)
+        t0 = time.perf_counter()
+        records: dict[Action, TimedAction] = {}  # filled in list order, returned in list order
+        for batch in comm_batches(self.actions):
+            start = time.perf_counter() - t0
+            if batch[0].kind.is_compute:
+                self._compute(batch[0], state, micro_batches, targets)
+                records[batch[0]] = TimedAction(batch[0], start, time.perf_counter() - t0)
+            else:
+                self._communicate(batch, state, start, records, t0)
+        loss = self._broadcast_loss(state)
+        return StepResult(loss, tuple(records[a] for a in self.actions), state.peak)
+
+    def _compute(self, action: Action, state: _StepState, micro_batches, targets) -> None:
+        key = (action.micro_batch, action.chunk)
+        stage = action.stage(self.pp)
+        if action.kind is F:
+            if stage == 0:
+                x = micro_batches[action.micro_batch].to(self.device)
+            else:
+                x = state.received.pop(Action(self.rank, RECV_F, *key)).requires_grad_(True)
+            y = self.chunks[action.chunk](x)
+            if stage == self.last_stage:
+                target = targets[action.micro_batch].to(self.device)
+                y = self.loss_fn(y, target) / self.micro_batches
+                state.loss_sum = y.detach() if state.loss_sum is None else state.loss_sum + y.detach()
+            else:
+                state.to_send[Action(self.rank, SEND_F, *key)] = y.detach().contiguous()
+            state.hold(key, x, y)
+        elif action.kind is B:
+            self._backward(action, state)
+        else:
+            self._weight_backward(action, state)
+
+    def _output_grad(self, action: Action, state: _StepState) -> torch.Tensor | None:
+        """Gradient of the loss w.r.t. this chunk's output: received, or None for the loss itself."""
+        if action.stage(self.pp) == self.last_stage:
+            return None
+        return state.received.pop(Action(self.rank, RECV_B, action.micro_batch, action.chunk))
+
+    def _backward(self, action: Action, state: _StepState) -> None:
+        key = (action.micro_batch, action.chunk)
+        x, y = state.inputs[key], state.outputs[key]
+        grad = self._output_grad(action, state)
+        has_input_grad = action.stage(self.pp) > 0
+        if self.split_backward:
+            # Keep the graph for W; on chunk 0 the input is token ids, so there is nothing to do yet.
+            if has_input_grad:
+                (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+                state.to_send[Action(self.rank, SEND_B, *key)] = dx.contiguous()
+            state.output_grads[key] = grad
+            return
+        torch.autograd.backward(y, grad)
+        if has_input_grad:
+            state.to_send[Action(self.rank, SEND_B, *key)] = x.grad.contiguous()
+        state.release(key)
+
+    def _weight_backward(self, action: Action, state: _StepState) -> None:
+        key = (action.micro_batch, action.chunk)
+        params = [p for p in self.chunks[action.chunk].parameters() if p.requires_grad]
+        if params:
+            torch.autograd.backward(state.outputs[key], state.output_grads[key], inputs=params)
+        state.release(key)
+
+    def _communicate(
+        self, batch: list[Action], state: _StepState, start: float, records: dict[Action, TimedAction], t0: float
+    ) -> None:
+        """Post the batch as one ``batch_isend_irecv`` and wait for all of it (the simulator's rule)."""
+        ops, recvs = [], []
+        for action in batch:
+            peer = self.groups.pp_ranks[peer_of(action, self.pp)[0]]
+            if action.kind in (SEND_F, SEND_B):
+                tensor = state.to_send.pop(Action(self.rank, action.kind, action.micro_batch, action.chunk))
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.groups.pp_group))
+            else:
+                tensor = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, self.groups.pp_group))
+                recvs.append((action, tensor))
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
+            self._wait(work, batch[0] if len(batch) == 1 else " ".join(map(str, batch)))
+        end = time.perf_counter() - t0
+        for action in batch:
+            records[action] = TimedAction(action, start, end)
+        for action, tensor in recvs:
+            state.received[action] = tensor
+
+    def _wait(self, work: dist.Work, what: object) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"pipeline rank {self.rank} stuck in {what}: {exc}") from exc
+
+    def _broadcast_loss(self, state: _StepState) -> float:
+        holder = self.last_stage % self.pp
+        loss = state.loss_sum if self.rank == holder else torch.zeros((), dtype=torch.float32, device=self.device)
+        loss = loss.detach().to(torch.float32).reshape(())
+        dist.broadcast(loss, src=self.groups.pp_ranks[holder], group=self.groups.pp_group)
+        return float(loss)
+
+
+def measured_timeline(results: Sequence[StepResult]) -> Timeline:
+    """Gather the ranks' records (in pipeline-rank order) into one ``Timeline``, comparable to a simulated one."""
+    return Timeline(tuple(r.records for r in results))

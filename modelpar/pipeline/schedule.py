@@ -1,0 +1,128 @@
+"""Schedule generators: which compute actions each pipeline rank runs, in which order.
+
+Schedules are data (``modelpar.pipeline.actions``). A generator decides the order of F, B and W on each
+rank; ``modelpar.pipeline.p2p_order.add_communication`` then places the SEND/RECV actions, and
+``modelpar.pipeline.simulate`` checks and times the result. A new schedule is a new generator here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from modelpar.pipeline.actions import Action, B, F, Schedule, ScheduleError, W
+from modelpar.pipeline.p2p_order import add_communication
+
+# -- generators: compute order per rank ------------------------------------------------------------------
+
+
+def gpipe(pp: int, m: int, vpp: int = 1) -> Schedule:
+    """GPipe (Huang et al. 2019): all forwards, then all backwards; keeps all ``m`` micro-batches in flight."""
+    _check_single_chunk("gpipe", vpp)
+    compute = [[Action(r, F, j) for j in range(m)] + [Action(r, B, j) for j in range(m)] for r in range(pp)]
+    return add_communication(compute, pp, vpp)
+
+
+def one_f_one_b(pp: int, m: int, vpp: int = 1) -> Schedule:
+    """1F1B (PipeDream-flush): warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+
+    Rank ``r`` runs ``pp - r - 1`` warm-up forwards, so at most ``min(m, pp - r)`` micro-batches are in flight
+    on it. With ``m < pp`` the warm-up is cut to ``m`` and the schedule degenerates to GPipe's order.
+    """
+    _check_single_chunk("1f1b", vpp)
+    return add_communication(_one_f_one_b_order(pp, m), pp, vpp)
+
+
+def _one_f_one_b_order(pp: int, m: int) -> Schedule:
+    compute = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        order = [Action(r, F, j) for j in range(warmup)]
+        for j in range(m - warmup):
+            order += [Action(r, F, warmup + j), Action(r, B, j)]
+        order += [Action(r, B, j) for j in range(m - warmup, m)]
+        compute.append(order)
+    return compute
+
+
+def interleaved(pp: int, m: int, vpp: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM form): ``vpp`` chunks per rank, bubble / ``vpp``.
+
+    Forwards walk micro-batches in groups of ``pp``: chunk 0 of micro-batches 0..pp-1, then chunk 1 of the
+    same group, ..., then the next group. Backwards walk the same order with chunks reversed. Rank ``r`` warms
+    up with ``(pp - r - 1) * 2 + (vpp - 1) * pp`` forwards, then alternates one forward and one backward.
+    """
+    if pp < 2:
+        raise ScheduleError(f"interleaved needs pp >= 2 pipeline ranks (got pp={pp}); use '1f1b' for pp=1")
+    if vpp < 2:
+        raise ScheduleError(f"interleaved needs vpp >= 2 model chunks per rank (got vpp={vpp}); use '1f1b' for vpp=1")
+    if m < pp or m % pp:
+        valid = [pp * k for k in range(1, max(2, m // pp + 2))][-3:]
+        raise ScheduleError(
+            f"interleaved needs the micro-batch count to be a multiple of pp={pp} (got m={m}); try m in {valid}"
+        )
+    total = m * vpp
+
+    def forward(k: int, r: int) -> Action:
+        chunk = (k // pp) % vpp
+        return Action(r, F, (k // (pp * vpp)) * pp + k % pp, chunk)
+
+    def backward(k: int, r: int) -> Action:
+        chunk = vpp - 1 - (k // pp) % vpp
+        return Action(r, B, (k // (pp * vpp)) * pp + k % pp, chunk)
+
+    compute = []
+    for r in range(pp):
+        warmup = min(total, (pp - r - 1) * 2 + (vpp - 1) * pp)
+        order = [forward(k, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k, r), backward(k, r)]
+        order += [backward(k, r) for k in range(total - warmup, total)]
+        compute.append(order)
+    return add_communication(compute, pp, vpp)
+
+
+def zero_bubble_h1(pp: int, m: int, vpp: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B (input grads) and W (weight grads).
+
+    F and B keep 1F1B's order; rank ``r`` runs W of micro-batch ``j`` right after B of ``j + r`` and the
+    last ``r`` W passes at the end, where 1F1B would idle waiting for gradients. Rank ``r`` then holds at
+    most ``pp - r`` micro-batches before their B plus ``r`` awaiting W: ``pp``, 1F1B's peak (on rank 0).
+    With unit costs (F = B = W = 1) the step takes ``3m + pp - 1``: the bubble is ``(pp-1)(F+B-W)`` against
+    1F1B's ``(pp-1)(F+B+W)``.
+    """
+    _check_single_chunk("zb-h1", vpp)
+    compute = []
+    for r, order in enumerate(_one_f_one_b_order(pp, m)):
+        row = []
+        for a in order:
+            row.append(a)
+            if a.kind is B and a.micro_batch >= r:
+                row.append(Action(r, W, a.micro_batch - r))
+        row += [Action(r, W, j) for j in range(max(0, m - r), m)]
+        compute.append(row)
+    return add_communication(compute, pp, vpp)
+
+
+def _check_single_chunk(name: str, vpp: int) -> None:
+    if vpp != 1:
+        raise ScheduleError(f"{name} runs one model chunk per rank (got vpp={vpp}); use vpp=1 or 'interleaved'")
+
+
+# -- registry ---------------------------------------------------------------------------------------------
+
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zero_bubble_h1,
+}
+
+
+def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> Schedule:
+    """Per-rank action lists (compute and communication) of schedule ``name`` for ``pp`` ranks, ``m`` micro-batches."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    for field, value in (("pp", pp), ("m", m), ("vpp", vpp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{field}={value!r} must be a positive integer")
+    return SCHEDULES[name](pp, m, vpp)

@@ -1,0 +1,357 @@
+"""Simulate a schedule: when every action runs, the bubble, peak activations, and proof it cannot deadlock.
+
+The model is the runtime's, made strict enough for NCCL:
+
+* a rank runs its list in order; a compute action takes its cost and starts when the rank is free;
+* a batch of consecutive SEND/RECV actions is posted at once and the rank waits until *every* op in it has
+  met its peer op; a send and its receive both finish at ``max(post times) + latency``. Sends block too,
+  because an NCCL send may not finish before the receive is posted;
+* the k-th send from rank a to rank b must be the k-th receive on b from a, because NCCL matches p2p in
+  order and ignores tags.
+
+A schedule that passes under these rules also runs under looser ones (gloo's buffered sends, or waiting
+only for the receives).
+
+If no rank can take a step, the schedule would hang the real job: ``ScheduleDeadlock`` says so with a
+step x rank table.
+
+Peak in-flight activations count, on each rank, the (micro-batch, chunk) pairs whose F has run and whose
+backward has not finished: B for schedules without W, and W for zero-bubble schedules, because the runtime
+keeps a micro-batch's autograd graph (so its saved activations) until the weight gradients are taken.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from modelpar.pipeline.actions import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    comm_batches,
+    matching_action,
+    peer_of,
+)
+
+
+class ScheduleDeadlock(ScheduleError):
+    """No rank can progress; the message carries a step x rank table with the stuck steps marked."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations of compute actions (any time unit) and the latency of one p2p transfer.
+
+    ``backward`` is an unsplit backward (input and weight gradients); schedules with W actions use
+    ``backward_input`` for B and ``backward_weight`` for W instead.
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    latency: float = 0.0
+
+    @classmethod
+    def from_mapping(cls, durations: Mapping[str, float]) -> Costs:
+        """Read ``{"F": .., "B": .., "W": .., "latency": ..}``; B sets both the split and unsplit backward."""
+        unknown = set(durations) - {"F", "B", "W", "latency"}
+        if unknown:
+            raise ValueError(f"unknown duration keys {sorted(unknown)}; use F, B, W and latency")
+        backward = durations.get("B", cls.backward)
+        return cls(
+            forward=durations.get("F", cls.forward),
+            backward=backward,
+            backward_input=durations.get("B", cls.backward_input),
+            backward_weight=durations.get("W", cls.backward_weight),
+            latency=durations.get("latency", cls.latency),
+        )
+
+    def duration(self, action: Action, split_backward: bool) -> float:
+        if action.kind is F:
+            return self.forward
+        if action.kind is B:
+            return self.backward_input if split_backward else self.backward
+        if action.kind is W:
+            return self.backward_weight
+        return 0.0
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """An action with its start and end time (simulated or measured)."""
+
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Timed actions per rank, compute and communication; simulated or measured by the runtime."""
+
+    rows: tuple[tuple[TimedAction, ...], ...]
+
+    @property
+    def start(self) -> float:
+        return min(t.start for row in self.rows for t in row)
+
+    @property
+    def end(self) -> float:
+        return max(t.end for row in self.rows for t in row)
+
+    @property
+    def span(self) -> float:
+        """Time from the first action on any rank to the last one."""
+        return self.end - self.start
+
+    def compute_time(self, rank: int) -> float:
+        return sum(t.duration for t in self.rows[rank] if t.action.kind.is_compute)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle compute time over ``ranks x span``; time spent communicating counts as idle."""
+        total = len(self.rows) * self.span
+        return 1.0 - sum(self.compute_time(r) for r in range(len(self.rows))) / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What ``simulate`` predicts for a schedule."""
+
+    timeline: Timeline
+    peak_in_flight: tuple[int, ...]  # per rank, in (micro-batch, chunk) units
+
+    @property
+    def makespan(self) -> float:
+        return self.timeline.end
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+
+def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = None) -> Simulation:
+    """Time every action of ``schedule`` (one list per rank, with SEND/RECV actions) under ``costs``.
+
+    A rank runs its list in order. A compute action starts when the rank is free. A batch of consecutive
+    SEND/RECV actions is posted at once and holds the rank until every op in it has met its peer op; a send
+    and its receive both finish at ``max(post times) + latency``. Sends block too: an NCCL send may not
+    finish before its receive is posted, and the runtime waits for the whole batch.
+
+    Raises ``ScheduleError`` for a malformed schedule (a missing or repeated action, a SEND before its
+    compute, unmatched or misordered p2p) and ``ScheduleDeadlock`` if the ranks would hang.
+    """
+    costs = _as_costs(costs)
+    pp = len(schedule)
+    _check_actions(schedule, pp, with_comm=True)
+    _check_p2p_order(schedule, pp)
+    split = any(a.kind is W for row in schedule for a in row)
+    batches = [comm_batches(row) for row in schedule]
+    at = [0] * pp  # next batch of each rank
+    clock = [0.0] * pp
+    posted: dict[Action, float] = {}
+    timed: dict[Action, TimedAction] = {}
+    while any(at[r] < len(batches[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while at[r] < len(batches[r]):
+                batch = batches[r][at[r]]
+                if batch[0].kind.is_compute:
+                    end = clock[r] + costs.duration(batch[0], split)
+                    timed[batch[0]] = TimedAction(batch[0], clock[r], end)
+                else:
+                    for op in batch:
+                        posted.setdefault(op, clock[r])
+                    peers = [matching_action(op, pp) for op in batch]
+                    if not all(p in posted for p in peers):
+                        break
+                    for op, peer in zip(batch, peers, strict=True):
+                        timed[op] = TimedAction(op, posted[op], max(posted[op], posted[peer]) + costs.latency)
+                    end = max(timed[op].end for op in batch)
+                clock[r] = end
+                at[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {}
+            for r in range(pp):
+                if at[r] < len(batches[r]):
+                    batch = batches[r][at[r]]
+                    missing = [matching_action(op, pp) for op in batch if matching_action(op, pp) not in posted]
+                    stuck[r] = (batch, f"{' '.join(map(str, batch))} waits for {' '.join(map(str, missing))}")
+            raise ScheduleDeadlock(_report(schedule, stuck))
+    timeline = Timeline(tuple(tuple(timed[a] for a in row) for row in schedule))
+    return Simulation(timeline, tuple(peak_in_flight(row) for row in schedule))
+
+
+def compute_timeline(schedule: Schedule, costs: Costs | Mapping[str, float] | None = None) -> Timeline:
+    """Time only the compute actions, with direct dependencies and no communication lane.
+
+    F of micro-batch j on model chunk g starts after F j on chunk g-1 has ended plus ``latency``; B after B
+    on chunk g+1 (plus latency) and after its own F; W after its own B. The ideal any placement of
+    SEND/RECV actions can reach; ``p2p_order`` uses it to order transfers.
+    """
+    costs = _as_costs(costs)
+    compute = [[a for a in row if a.kind.is_compute] for row in schedule]
+    pp = len(compute)
+    _check_actions(compute, pp, with_comm=False)
+    split = any(a.kind is W for row in compute for a in row)
+    last_stage = _last_stage(compute, pp)
+    at = [0] * pp
+    clock = [0.0] * pp
+    timed: dict[Action, TimedAction] = {}
+    while any(at[r] < len(compute[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while at[r] < len(compute[r]):
+                action = compute[r][at[r]]
+                source = _upstream_compute(action, pp, last_stage)
+                if source is not None and source not in timed:
+                    break
+                ready = timed[source].end + costs.latency if source is not None else 0.0
+                start = max(clock[r], ready)
+                clock[r] = start + costs.duration(action, split)
+                timed[action] = TimedAction(action, start, clock[r])
+                at[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {
+                r: ([compute[r][at[r]]], f"waiting for {_upstream_compute(compute[r][at[r]], pp, last_stage)}")
+                for r in range(pp)
+                if at[r] < len(compute[r])
+            }
+            raise ScheduleDeadlock(_report(compute, stuck))
+    return Timeline(tuple(tuple(timed[a] for a in row) for row in compute))
+
+
+def check_schedule(schedule: Schedule) -> Simulation:
+    """Raise if ``schedule`` is malformed or can deadlock; return its unit-cost simulation otherwise."""
+    return simulate(schedule)
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most (micro-batch, chunk) activations held at once by one rank running ``actions`` in order."""
+    frees_at = W if any(a.kind is W for a in actions) else B
+    held = peak = 0
+    for a in actions:
+        if a.kind is F:
+            held += 1
+            peak = max(peak, held)
+        elif a.kind is frees_at:
+            held -= 1
+    return peak
+
+
+def _as_costs(costs: Costs | Mapping[str, float] | None) -> Costs:
+    return Costs() if costs is None else costs if isinstance(costs, Costs) else Costs.from_mapping(costs)
+
+
+def _last_stage(schedule: Schedule, pp: int) -> int:
+    return pp * (1 + max((a.chunk for row in schedule for a in row), default=0)) - 1
+
+
+def _input_recv(action: Action, pp: int, last_stage: int) -> Action | None:
+    """The RECV whose data ``action`` consumes (None for W, for F on chunk 0 and B on the last chunk)."""
+    stage = action.stage(pp)
+    if action.kind is F and stage > 0:
+        return Action(action.rank, RECV_F, action.micro_batch, action.chunk)
+    if action.kind is B and stage < last_stage:
+        return Action(action.rank, RECV_B, action.micro_batch, action.chunk)
+    return None
+
+
+def _upstream_compute(action: Action, pp: int, last_stage: int) -> Action | None:
+    """The compute action on another rank whose output ``action`` consumes."""
+    recv = _input_recv(action, pp, last_stage)
+    if recv is None:
+        return None
+    send = matching_action(recv, pp)
+    return Action(send.rank, F if recv.kind is RECV_F else B, send.micro_batch, send.chunk)
+
+
+# -- validation --------------------------------------------------------------------------------------------
+
+
+def _check_actions(schedule: Schedule, pp: int, *, with_comm: bool) -> None:
+    """Every rank runs F and B (and W for all or none) once per (micro-batch, chunk), each after its inputs."""
+    m = 1 + max((a.micro_batch for row in schedule for a in row), default=-1)
+    vpp = 1 + max((a.chunk for row in schedule for a in row), default=-1)
+    split = any(a.kind is W for row in schedule for a in row)
+    needs_before = {F: [RECV_F], B: [F, RECV_B], W: [B], SEND_F: [F], SEND_B: [B]}
+    last_stage = pp * vpp - 1
+    for r, row in enumerate(schedule):
+        seen: set[Action] = set()
+        for i, a in enumerate(row):
+            if a.rank != r:
+                raise ScheduleError(f"step {i} of rank {r} is {a}, an action of rank {a.rank}")
+            if a in seen:
+                raise ScheduleError(f"{a} appears twice in rank {r}'s list (second time at step {i})")
+            for kind in needs_before.get(a.kind, []):
+                need = Action(r, kind, a.micro_batch, a.chunk)
+                needed = not (
+                    (kind is RECV_F and need.stage(pp) == 0) or (kind is RECV_B and need.stage(pp) == last_stage)
+                ) and (with_comm or kind.is_compute)
+                if needed and need not in seen:
+                    raise ScheduleError(f"{a} at step {i} of rank {r} comes before {need}; move it after")
+            seen.add(a)
+        kinds = (F, B, W) if split else (F, B)
+        for kind in kinds:
+            for chunk in range(vpp):
+                missing = [j for j in range(m) if Action(r, kind, j, chunk) not in seen]
+                if missing:
+                    first = Action(r, kind, missing[0], chunk)
+                    raise ScheduleError(f"rank {r} never runs {first} ({len(missing)} {kind.value} actions missing)")
+
+
+def _check_p2p_order(schedule: Schedule, pp: int) -> None:
+    """The k-th send from a to b must be the k-th receive on b from a (NCCL matches in order)."""
+    sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    for r, row in enumerate(schedule):
+        for a in row:
+            if a.kind in (SEND_F, SEND_B):
+                sends[(r, peer_of(a, pp)[0])].append(a)
+            elif a.kind in (RECV_F, RECV_B):
+                recvs[(peer_of(a, pp)[0], r)].append(a)
+    for channel in sorted(set(sends) | set(recvs)):
+        src, dst = channel
+        out, into = sends[channel], recvs[channel]
+        for k, (s, rv) in enumerate(zip(out, into, strict=False)):
+            if matching_action(s, pp) != rv:
+                raise ScheduleError(
+                    f"p2p order differs on {src}->{dst}: send #{k} is {s} but receive #{k} is {rv}; "
+                    "order both ends the same way"
+                )
+        if len(out) != len(into):
+            extra = (out if len(out) > len(into) else into)[min(len(out), len(into))]
+            raise ScheduleError(f"{extra} on {src}->{dst} has no matching {'receive' if extra in out else 'send'}")
+
+
+def _report(schedule: Schedule, stuck: dict[int, tuple[list[Action], str]]) -> str:
+    """Headline, one line per stuck rank, then the step x rank table with the stuck steps in brackets."""
+    lines = [f"schedule deadlocks: no rank can progress ({len(stuck)} ranks stuck; [..] marks where)"]
+    lines += [f"  rank {r}: {why}" for r, (_, why) in sorted(stuck.items())]
+    width = max(len(str(a)) for row in schedule for a in row) + 2
+    header = "step | " + " ".join(f"rank {r}".ljust(width) for r in range(len(schedule)))
+    lines += [header, "-" * len(header)]
+    for step in range(max(len(row) for row in schedule)):
+        cells = []
+        for r, row in enumerate(schedule):
+            text = str(row[step]) if step < len(row) else ""
+            marked = step < len(row) and row[step] in stuck.get(r, ([], ""))[0]
+            cells.append((f"[{text}]" if marked else f" {text}").ljust(width))
+        lines.append(f"{step:>4} | " + " ".join(cells))
+    return "\n".join(lines)

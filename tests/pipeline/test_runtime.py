@@ -1,0 +1,128 @@
+"""The runtime on emulated ranks: every schedule gives the single-device loss and gradients, and holds
+exactly as many micro-batches in flight as the simulator predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelpar import ParallelLayout
+from modelpar.pipeline.partition import partition_uniform
+from modelpar.pipeline.runtime import PipelineRuntime, measured_timeline
+from modelpar.pipeline.schedule import SCHEDULES, ScheduleError, build_schedule
+from modelpar.pipeline.simulate import simulate
+from modelpar.testing import current_groups, run_on_ranks
+from tests.pipeline import toy_model
+from tests.pipeline.toy_model import ToyConfig
+
+CFG = ToyConfig()
+RTOL = 1e-5
+
+
+def vpp_of(schedule: str) -> int:
+    return 2 if schedule == "interleaved" else 1
+
+
+def cases(pp: int) -> list[tuple[str, int]]:
+    return [(name, m) for name in SCHEDULES for m in sorted({pp, 2 * pp, 5})]
+
+
+def _run_cases(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
+    """On each rank: one step per (schedule, m); loss, grads, measured peak and records (or the rejection)."""
+    groups = current_groups()
+    pp, out = groups.layout.pp, {}
+    for name, m in todo:
+        try:
+            schedule = build_schedule(name, pp, m, vpp_of(name))
+        except ScheduleError as exc:
+            out[(name, m)] = ("rejected", str(exc))
+            continue
+        chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, pp, vpp_of(name)), groups.pp_rank)
+        runtime = PipelineRuntime(
+            chunks, groups, schedule, activation_shape=(cfg.batch, cfg.seq, cfg.hidden), loss_fn=toy_model.loss_fn
+        )
+        tokens, targets = toy_model.batch(cfg, m)
+        result = runtime.step(tokens, targets)
+        out[(name, m)] = ("ran", result.loss, toy_model.named_grads(chunks), result.peak_in_flight, result)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    """All cases for pp=2 and pp=4, one ``run_on_ranks`` call each (pool start-up dominates the cost)."""
+    return {pp: run_on_ranks(pp, _run_cases, CFG, cases(pp), layout=ParallelLayout(pp=pp)) for pp in (2, 4)}
+
+
+def ran_cases() -> list[tuple[str, int, int]]:
+    return [(name, pp, m) for pp in (2, 4) for name, m in cases(pp) if not (name == "interleaved" and m % pp)]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    err = (got - want).norm() / want.norm().clamp_min(1e-12)
+    assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL:g}"
+
+
+@pytest.mark.parametrize("name, pp, m", ran_cases(), ids=lambda v: str(v))
+def test_loss_and_gradients_equal_the_single_device_model(runs, name, pp, m):
+    want_loss, want_grads = toy_model.reference(CFG, m)
+    seen: set[str] = set()
+    for rank, per_rank in enumerate(runs[pp]):
+        status, loss, grads, *_ = per_rank[(name, m)]
+        assert status == "ran", f"{name} pp={pp} m={m} rank {rank}: {loss}"
+        assert abs(loss - want_loss) <= RTOL * abs(want_loss), f"{name} pp={pp} m={m} rank {rank}: loss {loss}"
+        for param, grad in grads.items():
+            assert_close(grad, want_grads[param], f"{name} pp={pp} m={m} rank {rank} grad of {param}")
+        seen |= grads.keys()
+    assert seen == want_grads.keys(), f"{name} pp={pp} m={m}: parameters missing {want_grads.keys() - seen}"
+
+
+@pytest.mark.parametrize("name, pp, m", ran_cases(), ids=lambda v: str(v))
+def test_measured_peak_in_flight_equals_the_simulated_one(runs, name, pp, m):
+    predicted = simulate(build_schedule(name, pp, m, vpp_of(name))).peak_in_flight
+    measured = tuple(per_rank[(name, m)][3] for per_rank in runs[pp])
+    assert measured == predicted, f"{name} pp={pp} m={m}: measured {measured}, simulated {predicted}"
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_rejects_a_micro_batch_count_pp_does_not_divide(runs, pp):
+    status, message = runs[pp][0][("interleaved", 5)]
+    assert status == "rejected"
+    assert "multiple of pp" in message and "\n" not in message, message
+
+
+def test_records_cover_every_action_in_order_on_a_shared_clock(runs):
+    results = [per_rank[("1f1b", 8)][4] for per_rank in runs[4]]
+    schedule = build_schedule("1f1b", 4, 8)
+    for rank, result in enumerate(results):
+        assert [t.action for t in result.records] == schedule[rank]
+        starts = [t.start for t in result.records]
+        assert starts == sorted(starts) and all(t.end >= t.start for t in result.records)
+    timeline = measured_timeline(results)
+    assert 0.0 <= timeline.bubble_fraction < 1.0
+    first_backward_on_last = next(t for t in results[3].records if t.action.kind.value == "B")
+    first_forward_on_first = results[0].records[0]
+    assert first_forward_on_first.end <= first_backward_on_last.start  # causality across ranks
+
+
+def _run_with_tp(cfg: ToyConfig, name: str, m: int) -> tuple[float, dict]:
+    groups = current_groups()
+    chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, groups.layout.pp), groups.pp_rank)
+    runtime = PipelineRuntime(
+        chunks,
+        groups,
+        build_schedule(name, groups.layout.pp, m),
+        activation_shape=(cfg.batch, cfg.seq, cfg.hidden),
+        loss_fn=toy_model.loss_fn,
+    )
+    tokens, targets = toy_model.batch(cfg, m)
+    result = runtime.step(tokens, targets)
+    return result.loss, toy_model.named_grads(chunks)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, dp=2)], ids=str)
+def test_every_tp_and_dp_replica_of_a_stage_runs_its_own_pipeline(layout):
+    want_loss, want_grads = toy_model.reference(CFG, 4)
+    for rank, (loss, grads) in enumerate(run_on_ranks(4, _run_with_tp, CFG, "zb-h1", 4, layout=layout)):
+        assert abs(loss - want_loss) <= RTOL * abs(want_loss), f"rank {rank}: loss {loss}"
+        for param, grad in grads.items():
+            assert_close(grad, want_grads[param], f"{layout} rank {rank} grad of {param}")
