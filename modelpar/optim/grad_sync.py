@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar import comm
-from modelpar.optim.param_info import check_unique
+from modelpar.optim.param_info import check_same_across, check_unique
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -117,6 +117,7 @@ class GradientSynchronizer:
         check_unique(params)
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
+        check_same_across(params, dp_group)
         self.buckets = _build_buckets(params, bucket_bytes) if self.dp_size > 1 else []
         self._where = {id(p): (b, pos) for b, bucket in enumerate(self.buckets) for pos, p in enumerate(bucket.params)}
         self._index = {id(p): i for i, p in enumerate(params)}

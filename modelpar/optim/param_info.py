@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from modelpar import comm
 
 
 @dataclass(frozen=True)
@@ -38,3 +42,23 @@ def check_unique(params: Sequence[torch.Tensor]) -> None:
         if id(p) in seen:
             raise ValueError(f"parameter #{i} {tuple(p.shape)} is listed twice; pass tied weights once")
         seen.add(id(p))
+
+
+def check_same_across(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Every rank of ``group`` must list the same shapes and dtypes in the same order.
+
+    Buckets and ZeRO shards are cut from that order; ranks that disagree would pair unrelated collectives and
+    fail (or worse, not fail) far from the cause. One all-gather of a 3-number fingerprint, at construction.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    mine = [len(params), sum(p.numel() for p in params), zlib.crc32(layout.encode())]
+    device = params[0].device if params else torch.device("cpu")
+    everyone = comm.all_gather(torch.tensor(mine, dtype=torch.int64, device=device), group).view(-1, 3).tolist()
+    differing = [rank for rank, theirs in enumerate(everyone) if theirs != mine]
+    if differing:
+        raise ValueError(
+            f"parameter lists differ across data-parallel ranks (this rank: {mine[0]} tensors, {mine[1]} elements; "
+            f"group ranks {differing} differ): pass parameters in the same (model) order on every rank"
+        )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from modelpar import comm
 from modelpar.optim.adamw import make_adamw
-from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_unique
+from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_same_across, check_unique
 
 STATE_KEYS = ("zero/params", "zero/exp_avg", "zero/exp_avg_sq", "zero/step", "zero/shard")
 
@@ -69,6 +69,7 @@ class ZeroOneAdamW:
         check_unique(self.params)
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
+        check_same_across(self.params, dp_group)
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
