@@ -95,7 +95,9 @@ def _cross_entropy_stats_kernel(
     """Per token over this rank's real columns: max, sum of exp(x - max), and the target's logit (0 if not here)."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGETS + row)
-    local_target = tl.where(target != ignore_index, target - vocab_start, -1)
+    local_target = target - vocab_start
+    # -1 (no column) unless the target is one of this rank's real columns (the block may run past them)
+    local_target = tl.where((target != ignore_index) & (local_target >= 0) & (local_target < n_real), local_target, -1)
     row_ptr = LOGITS + row * stride_logits
     m = float("-inf")
     d = 0.0
