@@ -34,7 +34,7 @@ GLOBAL_BATCH = 8
 MICRO_BATCHES = 2
 HYPER = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SCHEDULE = dict(warmup=2, total=8, min_lr=3e-3)
-MAX_NORM = 0.6
+MAX_NORM = 2.0  # the reference norms are 3.0, 1.8, 2.7: steps 0 and 2 clip, step 1 does not
 # reverse order: [fc2.bias, fc2.weight] [unused, fc1.bias] [fc1.weight]; the middle one never fills up
 BUCKET_BYTES = 64
 
@@ -112,11 +112,15 @@ class _DataParallelStep:
         final = contextlib.nullcontext if self.zero else self.sync.final_backward
         _backward_micro_batches(self.params, *self.local_batch(step), final_backward=final)
 
-    def reduce_and_clip(self) -> float:
+    def reduce(self) -> None:
         if self.zero:
             self.opt.reduce_gradients()
+        else:
+            self.sync.wait()
+
+    def clip(self) -> float:
+        if self.zero:
             return clip_grad_norm(self.opt.shard_params_with_info(), MAX_NORM, self.groups, zero_sharded=True)
-        self.sync.wait()
         return clip_grad_norm(self.with_info, MAX_NORM, self.groups)
 
     def update(self, step: int) -> None:
@@ -131,10 +135,10 @@ def _train_data_parallel(zero: bool, steps: int) -> dict:
     norms, first_grads = [], None
     for step in range(steps):
         trainer.backward(step)
+        trainer.reduce()
         if first_grads is None and not zero:
-            trainer.sync.wait()
             first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
-        norms.append(trainer.reduce_and_clip())
+        norms.append(trainer.clip())
         trainer.update(step)
     return {"params": {n: p.detach().clone() for n, p in params.items()}, "grads": first_grads, "norms": norms}
 
@@ -236,7 +240,7 @@ def _zero1_moment_elements() -> tuple[int, int]:
     params = _init_params()
     trainer = _DataParallelStep(params, zero=True)
     trainer.backward(0)
-    trainer.reduce_and_clip()
+    trainer.reduce()
     trainer.update(0)
     moments = sum(state["exp_avg"].numel() for state in trainer.opt.optimizer.state.values())
     return moments, trainer.opt.shard_numel
@@ -343,7 +347,8 @@ def _resume_matches_uninterrupted(zero: bool) -> bool:
     trainer = _DataParallelStep(params, zero)
     for step in range(saved_at):
         trainer.backward(step)
-        trainer.reduce_and_clip()
+        trainer.reduce()
+        trainer.clip()
         trainer.update(step)
     weights = save_safetensors({n: p.detach() for n, p in params.items()})
     state = save_safetensors(optimizer_state_tensors(trainer.opt))
@@ -354,7 +359,8 @@ def _resume_matches_uninterrupted(zero: bool) -> bool:
     load_optimizer_state_tensors(trainer.opt, load_safetensors(state))
     for step in range(saved_at, steps):
         trainer.backward(step)
-        trainer.reduce_and_clip()
+        trainer.reduce()
+        trainer.clip()
         trainer.update(step)
     return all(torch.equal(params[n], uninterrupted[n]) for n in params)
 
