@@ -63,11 +63,13 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the planner needs of a model: its matmul shape and whether the head shares the embedding."""
+    """What the planner needs of a model: its matmul shape, whether the head shares the embedding, and whether
+    attention runs as a fused (flash) kernel that never stores the ``s x s`` scores."""
 
     name: str
     shape: ModelShape
     tie_embeddings: bool = False
+    flash_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,11 @@ GRAD_BYTES = 4  # gradients are accumulated and reduced in fp32 in both dtypes
 HARDWARE = {
     # A100 SXM 80GB: 312 TFLOP/s dense bf16; NVLink3 12 links x 25 GB/s per direction; DGX A100 has one
     # 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s).
-    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 10e-6),
+    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 3e-6),
+    # Latency: ~3 us per ring step (NCCL's low-latency protocol), so an 8-GPU all-reduce starts at ~40 us.
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink4 18 links x 25 GB/s; one 400 Gb/s NDR NIC per GPU (50 GB/s).
-    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 10e-6),
-    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 10e-6),
+    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 3e-6),
+    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6),
     # This project's CPU machine, one thread per rank: torch fp32 matmul measured ~90-98 GFLOP/s on one
     # AMD EPYC core; gloo over loopback moves ~1 GB/s with ~0.25 ms per message (2 MB all-reduce ~4 ms,
     # send+recv round trip ~3.5 ms, see DESIGN.md). Rough: a benchmark should override these.
@@ -238,7 +241,7 @@ def chunks_in_flight(strategy: Strategy, stage: int) -> int:
 def activation_bytes_per_layer(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
     """Stored activations of one layer for one micro-batch (Korthikanti et al. 2022, table 2)."""
     s, b, h, a, t = seq_len, strategy.micro_batch_size, model.shape.hidden, model.shape.heads, strategy.layout.tp
-    attention_scores = 5 * a * s / h
+    attention_scores = 0 if model.flash_attention else 5 * a * s / h
     if strategy.recompute == "full":
         per_token = 2.0 / (t if strategy.sp else 1)
     elif strategy.sp:
@@ -582,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("vocab-size", "hidden", "layers", "heads", "kv-heads", "ffn-hidden"):
         ap.add_argument(f"--{flag}", type=int, help="override the preset's shape")
     ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument(
+        "--flash-attention", action="store_true", help="attention stores no s x s scores (drops the 5as/h term)"
+    )
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     ap.add_argument("--seq-len", type=int, required=True)
@@ -641,7 +647,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         raise PlanError(f"hidden={shape.hidden}, heads={shape.heads}, kv_heads={shape.kv_heads} must divide evenly")
     tie = spec.tie_embeddings if args.tie_embeddings is None else args.tie_embeddings
     name = spec.name if shape == spec.shape else f"{spec.name} (custom shape)"
-    return ModelSpec(name, shape, tie)
+    return ModelSpec(name, shape, tie, args.flash_attention)
 
 
 def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
@@ -699,7 +705,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     if args.json:
         record = {
-            "model": {"name": model.name, **dataclasses.asdict(model.shape), "tie_embeddings": model.tie_embeddings},
+            "model": {
+                "name": model.name,
+                **dataclasses.asdict(model.shape),
+                "tie_embeddings": model.tie_embeddings,
+                "flash_attention": model.flash_attention,
+            },
             "hardware": dataclasses.asdict(hardware),
             "costs": dataclasses.asdict(costs),
             "gpus": args.gpus,
