@@ -76,15 +76,22 @@ class TransformerConfig:
 class Block(nn.Module):
     """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h]."""
 
-    def __init__(self, config: TransformerConfig, tp: TensorParallelGroup, **kw):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp: TensorParallelGroup,
+        *,
+        sequence_parallel: bool,
+        backend: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
-        backend = kw.pop("backend")
-        self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, backend=backend, **kw)
-        self.self_attn = ParallelAttention(
-            config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, backend=backend, **kw
-        )
-        self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, backend=backend, **kw)
-        self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, backend=backend, **kw)
+        kw = dict(sequence_parallel=sequence_parallel, backend=backend, device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
+        self.self_attn = ParallelAttention(config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
+        self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -165,7 +172,10 @@ class ModelChunk(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of this rank's logits [b, s, V_pad/t] against targets [b, s] (-100: ignored)."""
+        """Mean cross-entropy of this rank's logits [b, s, V_pad/t] against targets [b, s] (-100: ignored).
+
+        With the Triton kernels the logits buffer is consumed (overwritten by its gradient): do not read it after.
+        """
         return vocab_parallel_loss(logits, targets, self.tp, self.config.vocab_size, backend=self.backend)
 
     def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:

@@ -69,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
                 global_shape=(part.rows, self.in_features),
                 dim=None if part.size == part.rows else 0,
                 offset=part.offset,
-                replicated_over_tp=part.replicas > 1 or (self.tp.size > 1 and part.size == part.rows),
+                replicated_over_tp=part.replicas > 1,
                 primary=part.primary,
                 grad_is_partial=part.replicas > 1,
             )
