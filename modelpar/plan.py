@@ -31,6 +31,12 @@ Step time, from the per-rank FLOPs of ``modelpar.flops`` (plus recomputed forwar
 
 The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) and ``CostModel``
 (achievable efficiency, DP overlap); ``tests/test_plan.py`` checks the model against Narayanan et al. 2021.
+
+Left out, so read predictions as +-15%: matmul efficiency falling for small or thin GEMMs (one global factor
+instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, ZB-H1 and
+GPipe schedules, and which stage an uneven split burdens (the busiest chunk is assumed everywhere). The
+Korthikanti activation terms are for a GPT block (4h GeLU MLP); a SwiGLU block differs by a few ``sbh``.
+``ModelSpec.flash_attention`` drops the stored ``s x s`` scores (what a fused attention kernel does).
 """
 
 from __future__ import annotations
