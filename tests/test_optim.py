@@ -184,6 +184,21 @@ def test_buckets_reduce_during_the_final_backward_only_and_wait_sends_the_rest()
         assert counts == {"after_first_micro_batch": 0, "after_final_backward": 1, "after_wait": 3}
 
 
+def _sync_without_data_parallelism() -> tuple[int, bool]:
+    params = _init_params()
+    sync = GradientSynchronizer(params.values(), current_groups().dp_group, bucket_bytes=BUCKET_BYTES)
+    _backward_micro_batches(params, *_global_batch(0), final_backward=sync.final_backward)
+    before = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+    with record_comm() as log:
+        sync.wait()
+    return log.count(), all(torch.equal(params[n].grad, g) for n, g in before.items())
+
+
+def test_sync_is_a_no_op_at_dp1():
+    results = run_on_ranks(2, _sync_without_data_parallelism, layout=ParallelLayout(tp=2), timeout_s=60)
+    assert results == [(0, True)] * 2
+
+
 def _accumulate_twice_while_armed() -> str:
     params = _init_params()
     sync = GradientSynchronizer(params.values(), current_groups().dp_group, bucket_bytes=BUCKET_BYTES)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from modelpar import comm
+from modelpar.distributed import ParallelGroups
 from modelpar.optim.param_info import ParamsWithInfo
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_, so a norm just at max_norm is left alone
@@ -23,7 +24,9 @@ def _local_sum_of_squares(params_with_info: ParamsWithInfo) -> torch.Tensor:
     return total
 
 
-def clip_grad_norm(params_with_info: ParamsWithInfo, max_norm: float, groups, zero_sharded: bool = False) -> float:
+def clip_grad_norm(
+    params_with_info: ParamsWithInfo, max_norm: float, groups: ParallelGroups, zero_sharded: bool = False
+) -> float:
     """Scale every gradient by ``max_norm / norm`` when the global norm exceeds it; return the norm before clipping.
 
     The squared norm is summed over the tp and pp groups of ``groups`` (a ``ParallelGroups``), each rank
@@ -40,7 +43,8 @@ def clip_grad_norm(params_with_info: ParamsWithInfo, max_norm: float, groups, ze
         for group, ranks in reduce_over:
             if len(ranks) > 1:
                 comm.all_reduce(total, group)
-    norm = math.sqrt(total.item()) if total.item() >= 0 else math.nan
+    squared = total.item()
+    norm = math.sqrt(squared) if squared >= 0 else math.nan  # nan fails every comparison
     coef = max_norm / (norm + _EPS)
     if max_norm > 0 and math.isfinite(norm) and coef < 1.0:
         for p, _ in params_with_info:
