@@ -618,21 +618,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# flag -> (Hardware field, unit of the flag in the field's units)
+HARDWARE_FLAGS = {
+    "memory_gib": ("memory_bytes", GIB),
+    "peak_tflops": ("peak_flops", 1e12),
+    "intra_node_gbs": ("intra_node_bw", 1e9),
+    "inter_node_gbs": ("inter_node_bw", 1e9),
+    "gpus_per_node": ("gpus_per_node", 1),
+    "latency_us": ("latency_s", 1e-6),
+}
+
+
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
-    hw = load_hardware(args.hardware)
-    overrides = {
-        "memory_bytes": args.memory_gib and args.memory_gib * GIB,
-        "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
-        "intra_node_bw": args.intra_node_gbs and args.intra_node_gbs * 1e9,
-        "inter_node_bw": args.inter_node_gbs and args.inter_node_gbs * 1e9,
-        "gpus_per_node": args.gpus_per_node,
-        "latency_s": args.latency_us and args.latency_us * 1e-6,
-        "dtype": args.dtype,
-    }
-    for key, value in overrides.items():
-        if value is not None and key != "dtype" and value <= 0:
-            raise PlanError(f"--{key.replace('_', '-')} must be positive")
-    return dataclasses.replace(hw, **{k: v for k, v in overrides.items() if v is not None})
+    """The ``--hardware`` preset with any of ``HARDWARE_FLAGS`` and ``--dtype`` overriding it."""
+    overrides = {"dtype": args.dtype} if args.dtype else {}
+    for flag, (field, unit) in HARDWARE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if value <= 0 and not (flag == "latency_us" and value == 0):
+            raise PlanError(f"--{flag.replace('_', '-')}={value} must be positive")
+        overrides[field] = value * unit
+    return dataclasses.replace(load_hardware(args.hardware), **overrides)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:

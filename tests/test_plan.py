@@ -282,6 +282,7 @@ def test_cli_hardware_overrides_reach_the_prediction(tmp_path):
         (["--model", "tiny", "--gpus", "8", "--tp", "3"], "tp=3 does not divide gpus=8"),
         (["--model", "tiny", "--gpus", "8", "--hardware", "tpu"], "unknown hardware preset 'tpu'"),
         (["--model", "tiny", "--gpus", "8", "--recompute", "some"], "recompute=['some'] must list modes"),
+        (["--model", "tiny", "--gpus", "8", "--memory-gib", "0"], "--memory-gib=0.0 must be positive"),
     ],
 )
 def test_cli_rejects_bad_input_with_one_clear_line(args, needle, capsys):
