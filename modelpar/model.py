@@ -134,11 +134,9 @@ class ModelChunk(nn.Module):
     ):
         super().__init__()
         self.config, self.tp, self.first, self.last = config, tp, first, last
-        self.layer_ids = tuple(layer_ids)
-        if list(self.layer_ids) != sorted(set(self.layer_ids)) or not all(
-            0 <= i < config.layers for i in self.layer_ids
-        ):
-            raise ValueError(f"layer_ids={self.layer_ids} must be ascending ids in 0..{config.layers - 1}")
+        self.layer_ids = ids = tuple(layer_ids)
+        if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
+            raise ValueError(f"layer_ids={ids} must be ascending ids in 0..{config.layers - 1}")
         ParallelLayout(tp=tp.size).check_model(
             layers=config.layers, heads=config.heads, kv_heads=config.kv_heads, ffn_hidden=config.ffn_hidden
         )
