@@ -122,3 +122,13 @@ def comm_batches(actions: list[Action]) -> list[list[Action]]:
         else:
             batches.append([a])
     return batches
+
+
+def input_recv(action: Action, pp: int, last_stage: int) -> Action | None:
+    """The RECV whose data ``action`` consumes (None for W, for F on chunk 0 and B on the last chunk)."""
+    stage = action.stage(pp)
+    if action.kind is F and stage > 0:
+        return Action(action.rank, RECV_F, action.micro_batch, action.chunk)
+    if action.kind is B and stage < last_stage:
+        return Action(action.rank, RECV_B, action.micro_batch, action.chunk)
+    return None

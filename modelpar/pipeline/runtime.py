@@ -1,9 +1,11 @@
 """Execute one pipeline rank's action list: forward and backward of its model chunks, p2p between stages.
 
 The runtime decides nothing about order; the schedule does (``modelpar.pipeline.schedule``). Each run of
-consecutive SEND/RECV actions is posted as one ``batch_isend_irecv`` and waited for in full before the next
-compute action, exactly the rule under which ``simulate`` proved the schedule cannot deadlock. No tags
-are used, so gloo matches messages in order as NCCL does, and a misordered schedule fails here too.
+consecutive SEND/RECV actions is posted, when the list reaches it, as one ``batch_isend_irecv``; a compute
+action waits for the batch holding the receive it consumes, and sends are waited for at the end of the step.
+That is the rule under which ``simulate`` proved the schedule cannot deadlock, NCCL's single p2p stream
+included. No tags are used, so gloo matches messages in order as NCCL does, and a misordered schedule
+fails here too.
 
 What a chunk must look like (one ``torch.nn.Module`` per local virtual stage, local chunk ``c`` of rank
 ``r`` being model chunk ``c * pp + r``)::
@@ -38,6 +40,7 @@ from modelpar.pipeline.actions import (
     ScheduleError,
     W,
     comm_batches,
+    input_recv,
     peer_of,
 )
 from modelpar.pipeline.simulate import TimedAction, Timeline, check_schedule, peak_in_flight
@@ -59,6 +62,17 @@ class StepResult:
 
 
 @dataclass
+class _PostedBatch:
+    """One ``batch_isend_irecv`` in flight; holds its send tensors alive until it is waited for."""
+
+    actions: list[Action]
+    works: list[dist.Work]
+    tensors: list[torch.Tensor]
+    posted_at: float
+    done_at: float | None = None
+
+
+@dataclass
 class _StepState:
     """Tensors alive during one step, keyed by (micro_batch, chunk)."""
 
@@ -66,6 +80,8 @@ class _StepState:
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # activation, or scaled loss
     output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # kept from B for W
     received: dict[Action, torch.Tensor] = field(default_factory=dict)  # RECV buffers by their action
+    batches: list[_PostedBatch] = field(default_factory=list)
+    batch_of: dict[Action, _PostedBatch] = field(default_factory=dict)
     to_send: dict[Action, torch.Tensor] = field(default_factory=dict)  # SEND payloads by their action
     loss_sum: torch.Tensor | None = None
     held: int = 0
@@ -158,14 +174,20 @@ class PipelineRuntime:
         state = _StepState()
         dist.barrier(group=self.groups.pp_group)
         t0 = time.perf_counter()
-        records: dict[Action, TimedAction] = {}  # filled in list order, returned in list order
+        records: dict[Action, TimedAction] = {}
         for batch in comm_batches(self.actions):
-            start = time.perf_counter() - t0
             if batch[0].kind.is_compute:
+                recv = input_recv(batch[0], self.pp, self.last_stage)
+                if recv is not None:
+                    self._wait(state.batch_of[recv], t0)
+                start = time.perf_counter() - t0
                 self._compute(batch[0], state, micro_batches, targets)
                 records[batch[0]] = TimedAction(batch[0], start, time.perf_counter() - t0)
             else:
-                self._communicate(batch, state, start, records, t0)
+                self._post(batch, state, t0)
+        for posted in state.batches:
+            self._wait(posted, t0)
+            records |= {a: TimedAction(a, posted.posted_at, posted.done_at) for a in posted.actions}
         loss = self._broadcast_loss(state)
         return StepResult(loss, tuple(records[a] for a in self.actions), state.peak)
 
@@ -220,34 +242,35 @@ class PipelineRuntime:
             torch.autograd.backward(state.outputs[key], state.output_grads[key], inputs=params)
         state.release(key)
 
-    def _communicate(
-        self, batch: list[Action], state: _StepState, start: float, records: dict[Action, TimedAction], t0: float
-    ) -> None:
-        """Post the batch as one ``batch_isend_irecv`` and wait for all of it (the simulator's rule)."""
-        ops, recvs = [], []
+    def _post(self, batch: list[Action], state: _StepState, t0: float) -> None:
+        """Post the batch as one ``batch_isend_irecv`` (one NCCL group), without waiting."""
+        ops, tensors = [], []
         for action in batch:
             peer = self.groups.pp_ranks[peer_of(action, self.pp)[0]]
             if action.kind in (SEND_F, SEND_B):
-                tensor = state.to_send.pop(Action(self.rank, action.kind, action.micro_batch, action.chunk))
+                tensor = state.to_send.pop(action)
                 ops.append(dist.P2POp(dist.isend, tensor, peer, self.groups.pp_group))
             else:
                 tensor = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.groups.pp_group))
-                recvs.append((action, tensor))
-        works = dist.batch_isend_irecv(ops)
-        for work in works:
-            self._wait(work, batch[0] if len(batch) == 1 else " ".join(map(str, batch)))
-        end = time.perf_counter() - t0
-        for action in batch:
-            records[action] = TimedAction(action, start, end)
-        for action, tensor in recvs:
-            state.received[action] = tensor
+                state.received[action] = tensor
+            tensors.append(tensor)
+        posted = _PostedBatch(batch, dist.batch_isend_irecv(ops), tensors, time.perf_counter() - t0)
+        state.batches.append(posted)
+        state.batch_of |= dict.fromkeys(batch, posted)
 
-    def _wait(self, work: dist.Work, what: object) -> None:
+    def _wait(self, posted: _PostedBatch, t0: float) -> None:
+        """Wait for a whole batch once; name the stuck actions if the backend gives up."""
+        if posted.done_at is not None:
+            return
         try:
-            work.wait()
+            for work in posted.works:
+                work.wait()
         except RuntimeError as exc:
-            raise RuntimeError(f"pipeline rank {self.rank} stuck in {what}: {exc}") from exc
+            names = " ".join(map(str, posted.actions))
+            raise RuntimeError(f"pipeline rank {self.rank} stuck in {names}: {exc}") from exc
+        posted.done_at = time.perf_counter() - t0
+        posted.tensors.clear()  # the payloads may go now; received ones live on in state.received
 
     def _broadcast_loss(self, state: _StepState) -> float:
         holder = self.last_stage % self.pp

@@ -56,7 +56,8 @@ def interleaved(pp: int, m: int, vpp: int = 2) -> Schedule:
     if vpp < 2:
         raise ScheduleError(f"interleaved needs vpp >= 2 model chunks per rank (got vpp={vpp}); use '1f1b' for vpp=1")
     if m < pp or m % pp:
-        valid = [pp * k for k in range(1, max(2, m // pp + 2))][-3:]
+        below = m // pp * pp
+        valid = [n for n in (below, below + pp) if n >= pp]
         raise ScheduleError(
             f"interleaved needs the micro-batch count to be a multiple of pp={pp} (got m={m}); try m in {valid}"
         )

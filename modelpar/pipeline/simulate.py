@@ -2,15 +2,16 @@
 
 The model is the runtime's, made strict enough for NCCL:
 
-* a rank runs its list in order; a compute action takes its cost and starts when the rank is free;
-* a batch of consecutive SEND/RECV actions is posted at once and the rank waits until *every* op in it has
-  met its peer op; a send and its receive both finish at ``max(post times) + latency``. Sends block too,
-  because an NCCL send may not finish before the receive is posted;
+* a rank runs its list in order; a compute action takes its cost and starts when the rank is free and the
+  data it consumes has arrived; sends do not hold up compute;
+* a batch of consecutive SEND/RECV actions is one group on the rank's single p2p stream: batches run one
+  after another, and a batch ends only when every op in it has met its peer op (a send may not finish
+  before its receive is posted, as with NCCL); a compute action that needs a receive waits for its whole
+  batch;
 * the k-th send from rank a to rank b must be the k-th receive on b from a, because NCCL matches p2p in
   order and ignores tags.
 
-A schedule that passes under these rules also runs under looser ones (gloo's buffered sends, or waiting
-only for the receives).
+A schedule that passes under these rules also runs under looser ones (gloo's buffered sends).
 
 If no rank can take a step, the schedule would hang the real job: ``ScheduleDeadlock`` says so with a
 step x rank table.
@@ -38,6 +39,7 @@ from modelpar.pipeline.actions import (
     ScheduleError,
     W,
     comm_batches,
+    input_recv,
     matching_action,
     peer_of,
 )
@@ -147,10 +149,11 @@ class Simulation:
 def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = None) -> Simulation:
     """Time every action of ``schedule`` (one list per rank, with SEND/RECV actions) under ``costs``.
 
-    A rank runs its list in order. A compute action starts when the rank is free. A batch of consecutive
-    SEND/RECV actions is posted at once and holds the rank until every op in it has met its peer op; a send
-    and its receive both finish at ``max(post times) + latency``. Sends block too: an NCCL send may not
-    finish before its receive is posted, and the runtime waits for the whole batch.
+    Each rank has a compute lane and a communication lane. The compute lane runs the list in order; on
+    reaching a batch of SEND/RECV it hands the batch to the communication lane and moves on, and a compute
+    action waits for the batch holding the receive it consumes. The communication lane posts batches in
+    order and finishes one when every op in it has met its peer op, at the latest ``max(post times) +
+    latency`` over its ops; every op of the batch ends then.
 
     Raises ``ScheduleError`` for a malformed schedule (a missing or repeated action, a SEND before its
     compute, unmatched or misordered p2p) and ``ScheduleDeadlock`` if the ranks would hang.
@@ -160,41 +163,75 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = Non
     _check_actions(schedule, pp, with_comm=True)
     _check_p2p_order(schedule, pp)
     split = any(a.kind is W for row in schedule for a in row)
+    last_stage = _last_stage(schedule, pp)
     batches = [comm_batches(row) for row in schedule]
-    at = [0] * pp  # next batch of each rank
-    clock = [0.0] * pp
+    compute_at = [0] * pp  # next batch the compute lane reaches
+    compute_clock = [0.0] * pp
+    lane: list[list[tuple[list[Action], float]]] = [[] for _ in range(pp)]  # (batch, time handed over)
+    lane_at = [0] * pp
+    lane_clock = [0.0] * pp
     posted: dict[Action, float] = {}
     timed: dict[Action, TimedAction] = {}
-    while any(at[r] < len(batches[r]) for r in range(pp)):
+    while any(compute_at[r] < len(batches[r]) or lane_at[r] < len(lane[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
-            while at[r] < len(batches[r]):
-                batch = batches[r][at[r]]
-                if batch[0].kind.is_compute:
-                    end = clock[r] + costs.duration(batch[0], split)
-                    timed[batch[0]] = TimedAction(batch[0], clock[r], end)
+            while compute_at[r] < len(batches[r]):
+                batch = batches[r][compute_at[r]]
+                recv = input_recv(batch[0], pp, last_stage)
+                if not batch[0].kind.is_compute:
+                    lane[r].append((batch, compute_clock[r]))
+                elif recv is None or recv in timed:
+                    start = max(compute_clock[r], timed[recv].end if recv else 0.0)
+                    compute_clock[r] = start + costs.duration(batch[0], split)
+                    timed[batch[0]] = TimedAction(batch[0], start, compute_clock[r])
                 else:
-                    for op in batch:
-                        posted.setdefault(op, clock[r])
-                    peers = [matching_action(op, pp) for op in batch]
-                    if not all(p in posted for p in peers):
-                        break
-                    for op, peer in zip(batch, peers, strict=True):
-                        timed[op] = TimedAction(op, posted[op], max(posted[op], posted[peer]) + costs.latency)
-                    end = max(timed[op].end for op in batch)
-                clock[r] = end
-                at[r] += 1
+                    break
+                compute_at[r] += 1
+                progressed = True
+            while lane_at[r] < len(lane[r]):
+                batch, handed = lane[r][lane_at[r]]
+                for op in batch:
+                    posted.setdefault(op, max(handed, lane_clock[r]))
+                peers = [matching_action(op, pp) for op in batch]
+                if not all(p in posted for p in peers):
+                    break
+                lane_clock[r] = max(
+                    max(posted[op], posted[p]) + costs.latency for op, p in zip(batch, peers, strict=True)
+                )
+                for op in batch:
+                    timed[op] = TimedAction(op, posted[op], lane_clock[r])
+                lane_at[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {}
-            for r in range(pp):
-                if at[r] < len(batches[r]):
-                    batch = batches[r][at[r]]
-                    missing = [matching_action(op, pp) for op in batch if matching_action(op, pp) not in posted]
-                    stuck[r] = (batch, f"{' '.join(map(str, batch))} waits for {' '.join(map(str, missing))}")
-            raise ScheduleDeadlock(_report(schedule, stuck))
+            raise ScheduleDeadlock(_report(schedule, _stuck(batches, compute_at, lane, lane_at, posted, pp)))
     timeline = Timeline(tuple(tuple(timed[a] for a in row) for row in schedule))
     return Simulation(timeline, tuple(peak_in_flight(row) for row in schedule))
+
+
+def _stuck(
+    batches: list[list[list[Action]]],
+    compute_at: list[int],
+    lane: list[list[tuple[list[Action], float]]],
+    lane_at: list[int],
+    posted: dict[Action, float],
+    pp: int,
+) -> dict[int, tuple[list[Action], str]]:
+    """Per stuck rank: the actions it is stuck on and what each waits for."""
+    stuck = {}
+    for r in range(pp):
+        marked, why = [], []
+        if lane_at[r] < len(lane[r]):
+            batch = lane[r][lane_at[r]][0]
+            missing = [str(matching_action(op, pp)) for op in batch if matching_action(op, pp) not in posted]
+            marked += batch
+            why.append(f"{' '.join(map(str, batch))} waits for {' '.join(missing)}")
+        if compute_at[r] < len(batches[r]) and batches[r][compute_at[r]][0].kind.is_compute:
+            action = batches[r][compute_at[r]][0]
+            marked.append(action)
+            why.append(f"{action} waits for its input")
+        if marked:
+            stuck[r] = (marked, "; ".join(why))
+    return stuck
 
 
 def compute_timeline(schedule: Schedule, costs: Costs | Mapping[str, float] | None = None) -> Timeline:
@@ -263,19 +300,9 @@ def _last_stage(schedule: Schedule, pp: int) -> int:
     return pp * (1 + max((a.chunk for row in schedule for a in row), default=0)) - 1
 
 
-def _input_recv(action: Action, pp: int, last_stage: int) -> Action | None:
-    """The RECV whose data ``action`` consumes (None for W, for F on chunk 0 and B on the last chunk)."""
-    stage = action.stage(pp)
-    if action.kind is F and stage > 0:
-        return Action(action.rank, RECV_F, action.micro_batch, action.chunk)
-    if action.kind is B and stage < last_stage:
-        return Action(action.rank, RECV_B, action.micro_batch, action.chunk)
-    return None
-
-
 def _upstream_compute(action: Action, pp: int, last_stage: int) -> Action | None:
     """The compute action on another rank whose output ``action`` consumes."""
-    recv = _input_recv(action, pp, last_stage)
+    recv = input_recv(action, pp, last_stage)
     if recv is None:
         return None
     send = matching_action(recv, pp)

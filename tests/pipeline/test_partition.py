@@ -1,0 +1,64 @@
+"""Layers -> model chunks -> ranks."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from modelpar.pipeline.partition import (
+    PartitionError,
+    parameter_counts,
+    partition_by_cost,
+    partition_explicit,
+    partition_uniform,
+)
+
+
+@pytest.mark.parametrize(
+    "n_layers, pp, vpp, counts",
+    [(8, 2, 1, (4, 4)), (8, 3, 1, (3, 3, 2)), (7, 4, 1, (2, 2, 2, 1)), (10, 2, 2, (2, 3, 3, 2)), (5, 5, 1, (1,) * 5)],
+)
+def test_uniform_split_gives_spare_layers_to_middle_chunks_first(n_layers, pp, vpp, counts):
+    assert partition_uniform(n_layers, pp, vpp).layer_counts == counts
+
+
+def test_interleaved_chunk_c_lives_on_rank_c_mod_pp_as_local_chunk_c_div_pp():
+    part = partition_uniform(8, 2, vpp=2)
+    assert [list(part.layers(c)) for c in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [(part.rank_of(c), part.local_index(c)) for c in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert part.chunks_of(0) == [0, 2] and part.chunks_of(1) == [1, 3]
+    assert part.has_embedding(0) and not part.has_embedding(2)
+    assert part.has_head(3) and not part.has_head(1)
+
+
+def test_cost_split_balances_heavy_ends():
+    assert partition_by_cost([5, 1, 1, 1, 1, 5], 3).layer_counts == (1, 4, 1)
+
+
+def test_cost_split_counts_the_head_on_the_last_chunk():
+    assert partition_by_cost([1] * 8, 2, 2, head_cost=2).layer_counts == (2, 2, 3, 1)
+
+
+def test_parameter_counts_are_per_block():
+    assert parameter_counts([nn.Linear(3, 2), nn.Linear(2, 2, bias=False)]) == [8, 4]
+
+
+def test_explicit_counts_are_kept():
+    assert partition_explicit([3, 1, 0, 4], 8, 2, 2).layer_counts == (3, 1, 0, 4)
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: partition_uniform(3, 2, 2), "pp*vpp=4 chunks exceed the 3 layers"),
+        (lambda: partition_explicit([1, 2], 4, 2), "sum to 3, not the model's 4 layers; e.g. [2, 2]"),
+        (lambda: partition_explicit([1, 2, 1], 4, 2), "have 3 entries but pp*vpp=2"),
+        (lambda: partition_explicit([5, -1], 4, 2), "must be >= 0"),
+        (lambda: partition_by_cost([1, 1], 3), "pp*vpp=3 chunks exceed the 2 layers"),
+        (lambda: partition_uniform(8, 0), "pp=0 must be a positive integer"),
+    ],
+)
+def test_impossible_splits_are_rejected_in_one_line(call, fragment):
+    with pytest.raises(PartitionError) as info:
+        call()
+    assert fragment in str(info.value) and "\n" not in str(info.value)
