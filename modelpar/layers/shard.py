@@ -33,6 +33,10 @@ class ShardInfo:
     ``replicated_over_tp``: other tp ranks hold the same values; ``primary`` marks the lowest such rank, the one
     that saves them. ``grad_is_partial``: the local gradient is only this rank's contribution and
     ``reduce_tensor_parallel_grads`` sums it over the ranks holding the same values.
+
+    Primary pieces tile every logical tensor exactly once, so a global gradient norm counts each element once as
+    the sum of ``shard.grad.square().sum()`` over primary shards, all-reduced over tp and pp. (A fused parameter
+    can mix sharded and replicated rows, e.g. q with replicated k/v: count per shard, not per parameter.)
     """
 
     param: nn.Parameter
