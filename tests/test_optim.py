@@ -354,35 +354,73 @@ def test_default_decay_skips_1d_params():
 # -- optimizer state round trip ----------------------------------------------------------------------------
 
 
-def _resume_matches_uninterrupted(zero: bool) -> bool:
-    steps, saved_at = 4, 2
-    uninterrupted = _train_data_parallel(zero, steps)["params"]
-
+def _train_and_save(zero: bool, steps: int) -> tuple[bytes, bytes]:
+    """Model weights and this rank's optimizer state after ``steps`` steps, as safetensors bytes."""
     params = _init_params()
     trainer = _DataParallelStep(params, zero)
-    for step in range(saved_at):
+    for step in range(steps):
         trainer.backward(step)
         trainer.reduce()
         trainer.clip()
         trainer.update(step)
-    weights = save_safetensors({n: p.detach() for n, p in params.items()})
-    state = save_safetensors(optimizer_state_tensors(trainer.opt))
+    weights = {n: p.detach() for n, p in params.items()}
+    return save_safetensors(weights), save_safetensors(optimizer_state_tensors(trainer.opt))
 
+
+def _resume(zero: bool, weights: bytes, states: list[bytes], start: int, stop: int) -> dict[str, torch.Tensor]:
+    """Load the weights and the union of ``states``, then run steps ``start..stop-1``."""
     loaded = load_safetensors(weights)
     params = {n: torch.nn.Parameter(loaded[n]) for n in SHAPES}  # model order, not the file's
     trainer = _DataParallelStep(params, zero)
-    load_optimizer_state_tensors(trainer.opt, load_safetensors(state))
-    for step in range(saved_at, steps):
+    load_optimizer_state_tensors(trainer.opt, {k: v for state in states for k, v in load_safetensors(state).items()})
+    for step in range(start, stop):
         trainer.backward(step)
         trainer.reduce()
         trainer.clip()
         trainer.update(step)
-    return all(torch.equal(params[n], uninterrupted[n]) for n in params)
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _resume_matches_uninterrupted(zero: bool) -> bool:
+    uninterrupted = _train_data_parallel(zero, 4)["params"]
+    weights, state = _train_and_save(zero, 2)
+    resumed = _resume(zero, weights, [state], 2, 4)
+    return all(torch.equal(resumed[n], uninterrupted[n]) for n in SHAPES)
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["adamw", "zero1"])
 def test_state_round_trip_continues_bit_identically(zero):
     assert run_on_ranks(2, _resume_matches_uninterrupted, zero, layout=ParallelLayout(dp=2), timeout_s=60) == [True] * 2
+
+
+@pytest.mark.parametrize(
+    ("saved_zero", "saved_dp", "loaded_zero", "loaded_dp"),
+    [(True, 2, True, 4), (True, 4, False, 2), (False, 2, True, 4)],
+    ids=["zero1-dp2-to-zero1-dp4", "zero1-dp4-to-adamw-dp2", "adamw-dp2-to-zero1-dp4"],
+)
+def test_state_reloads_across_dp_sizes_and_zero(saved_zero, saved_dp, loaded_zero, loaded_dp):
+    saved = run_on_ranks(saved_dp, _train_and_save, saved_zero, 2, layout=ParallelLayout(dp=saved_dp), timeout_s=60)
+    weights, states = saved[0][0], [state for _, state in saved]
+    layout = ParallelLayout(dp=loaded_dp)
+    expected = _reference(steps=4)["params"]
+    for resumed in run_on_ranks(loaded_dp, _resume, loaded_zero, weights, states, 2, 4, layout=layout, timeout_s=60):
+        _assert_rel_close(resumed, expected)
+
+
+def _load_one_of_two_zero1_shards() -> str:
+    weights, state = _train_and_save(True, 1)
+    params = {n: torch.nn.Parameter(t) for n, t in load_safetensors(weights).items()}
+    single = build_adamw(_with_info(params), **HYPER)
+    try:
+        load_optimizer_state_tensors(single, load_safetensors(state))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_partial_zero1_state_is_refused():
+    for message in run_on_ranks(2, _load_one_of_two_zero1_shards, layout=ParallelLayout(dp=2), timeout_s=60):
+        assert "load the state files of every data-parallel rank" in message
 
 
 def test_plain_adamw_state_is_keyed_by_param_name():

@@ -1,69 +1,141 @@
-"""Optimizer state as named tensors, for safetensors checkpoints (never pickle).
+"""Optimizer state as named tensors, for safetensors checkpoints (never pickle), independent of dp and ZeRO.
 
-Plain AdamW: ``exp_avg/<name>``, ``exp_avg_sq/<name>``, ``step/<name>`` per parameter that has been stepped,
-``<name>`` from its ``ParamInfo``. ZeRO-1: this rank's shard buffers (``ZeroOneAdamW.state_tensors``). The
-hyperparameters are not state: the learning rate is set from the schedule before every step.
+Every tensor is keyed by what it is, not by who held it::
+
+    exp_avg/<name>            plain AdamW: the whole parameter's moment, shaped like the parameter
+    exp_avg/<name>[a:b]       ZeRO-1: elements a..b of the flattened parameter (1-D), held by one dp rank
+    exp_avg_sq/...            the same for the second moment
+    step/<name>, step/<name>[a:b]      0-d step count (only for parameters that have been stepped)
+    master/<name>[a:b]        ZeRO-1 only: the fp32 master weights of the segment
+
+Loading assembles each parameter (or segment) from whatever pieces cover it. The same layout reloads its own
+file bit-identically; a different dp size, or ZeRO on/off, reloads from the union of all dp ranks' files.
+The learning rate is not state: the schedule sets it before every step.
 """
 
 from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from modelpar.optim.zero import ZeroOneAdamW
 
-ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_KEY = re.compile(r"^(exp_avg|exp_avg_sq|step|master)/(.+?)(?:\[(\d+):(\d+)\])?$")
 
 
-def _named_params(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str]]:
-    named = []
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    """Elements ``[start, end)`` of the flattened parameter ``name``: the tensor torch's AdamW updates."""
+
+    name: str
+    start: int
+    end: int
+    tensor: torch.Tensor
+    whole: bool  # plain AdamW's whole parameter, saved under the bare name
+
+    def key(self, kind: str) -> str:
+        return f"{kind}/{self.name}" if self.whole else f"{kind}/{self.name}[{self.start}:{self.end}]"
+
+
+def _pieces(opt: torch.optim.Optimizer | ZeroOneAdamW) -> tuple[torch.optim.Optimizer, list[_Piece], set[str]]:
+    """The torch optimizer holding the state, its pieces, and every parameter name of this rank."""
+    if isinstance(opt, ZeroOneAdamW):
+        pieces = [_Piece(n, a, b, view, whole=False) for n, a, b, view in opt.named_segments()]
+        return opt.optimizer, pieces, {info.name for info in opt.infos}
+    pieces = []
     for group in opt.param_groups:
         if "param_names" not in group:
             raise ValueError("optimizer parameters have no names: build it with modelpar.optim.build_adamw")
-        named.extend(zip(group["params"], group["param_names"], strict=True))
-    return named
+        for p, name in zip(group["params"], group["param_names"], strict=True):
+            pieces.append(_Piece(name, 0, p.numel(), p, whole=True))
+    return opt, pieces, {piece.name for piece in pieces}
 
 
 def optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW) -> dict[str, torch.Tensor]:
-    """A CPU copy of the optimizer's state, keyed ``<kind>/<param name>`` (or ``zero/<kind>`` for ZeRO-1)."""
-    if isinstance(opt, ZeroOneAdamW):
-        return opt.state_tensors()
+    """A CPU copy of this rank's optimizer state, keyed as in the module docstring."""
+    torch_opt, pieces, _ = _pieces(opt)
     tensors = {}
-    for p, name in _named_params(opt):
-        state = opt.state.get(p)
+    for piece in pieces:
+        state = torch_opt.state.get(piece.tensor)
         if state:
-            for kind in ADAMW_KEYS:
-                tensors[f"{kind}/{name}"] = state[kind].detach().to("cpu", copy=True)
-    return tensors
+            for kind in (*MOMENTS, "step"):
+                tensors[piece.key(kind)] = state[kind]
+        if not piece.whole:
+            tensors[piece.key("master")] = piece.tensor
+    return {key: t.detach().to("cpu", copy=True) for key, t in tensors.items()}
+
+
+class _SavedPieces:
+    """Saved tensors indexed by (kind, name) -> [(start, end, flat values)], whole tensors as ``[0, numel)``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], names: set[str]):
+        self.ranges: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+        for key, value in tensors.items():
+            match = _KEY.match(key)
+            if match is None or match[2] not in names:
+                raise KeyError(f"optimizer state key {key!r} names no parameter of this optimizer")
+            kind, name = match[1], match[2]
+            start = int(match[3]) if match[3] else 0
+            end = int(match[4]) if match[4] else (1 if kind == "step" else value.numel())
+            self.ranges[kind, name].append((start, end, value.reshape(-1)))
+
+    def assemble(self, kind: str, piece: _Piece) -> torch.Tensor | None:
+        """``[end - start]`` values of ``piece`` from the saved pieces; None when nothing was saved for it."""
+        saved = self.ranges.get((kind, piece.name))
+        if not saved:
+            return None
+        out = torch.empty(piece.end - piece.start, dtype=saved[0][2].dtype)
+        covered = torch.zeros(piece.end - piece.start, dtype=torch.bool)
+        for start, end, values in saved:
+            lo, hi = max(start, piece.start), min(end, piece.end)
+            if lo < hi:
+                out[lo - piece.start : hi - piece.start] = values[lo - start : hi - start]
+                covered[lo - piece.start : hi - piece.start] = True
+        if not covered.all():
+            raise ValueError(
+                f"the saved {kind} of {piece.key(kind)[len(kind) + 1 :]} covers {int(covered.sum())} of its "
+                f"{covered.numel()} elements: load the state files of every data-parallel rank"
+            )
+        return out
+
+    def step(self, piece: _Piece) -> torch.Tensor | None:
+        """The parameter's step count (every piece of a parameter steps together)."""
+        steps = self.ranges.get(("step", piece.name))
+        if not steps:
+            return None
+        if len({float(t) for _, _, t in steps}) > 1:
+            raise ValueError(f"saved pieces of {piece.name} disagree on the step count: mixed checkpoints?")
+        return steps[0][2].reshape(()).clone()
 
 
 @torch.no_grad()
 def load_optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW, tensors: dict[str, torch.Tensor]) -> None:
-    """Restore ``optimizer_state_tensors`` output; the next ``step()`` continues bit-identically.
+    """Restore ``optimizer_state_tensors`` output; the same layout continues bit-identically.
 
-    Parameters absent from ``tensors`` start fresh (never stepped); a key naming no parameter is an error.
+    ``tensors`` may also be the union of several ranks' files (another dp size, ZeRO on or off): each piece
+    takes the elements it covers. A parameter with no saved moments starts fresh; one whose moments are only
+    partly present, or a key naming no parameter, is an error. ZeRO-1 master weights missing from ``tensors``
+    (a plain AdamW checkpoint) are taken from the model; plain AdamW ignores saved master weights (its weights
+    are the model's, restored from the model checkpoint).
     """
-    if isinstance(opt, ZeroOneAdamW):
-        opt.load_state_tensors(tensors)
-        return
-    named = _named_params(opt)
-    expected = {f"{kind}/{name}" for _, name in named for kind in ADAMW_KEYS}
-    unknown = sorted(set(tensors) - expected)
-    if unknown:
-        raise KeyError(f"optimizer state has keys for no parameter of this optimizer: {unknown[:5]}")
-    for p, name in named:
-        present = [f"{kind}/{name}" in tensors for kind in ADAMW_KEYS]
+    torch_opt, pieces, names = _pieces(opt)
+    saved = _SavedPieces(tensors, names)
+    for piece in pieces:
+        moments = [saved.assemble(kind, piece) for kind in MOMENTS]
+        step = saved.step(piece)
+        present = [value is not None for value in (*moments, step)]
         if not any(present):
-            opt.state.pop(p, None)
+            torch_opt.state.pop(piece.tensor, None)
             continue
         if not all(present):
-            raise KeyError(f"optimizer state of {name!r} needs all of {[f'{k}/{name}' for k in ADAMW_KEYS]}")
-        for kind in ("exp_avg", "exp_avg_sq"):
-            if tensors[f"{kind}/{name}"].shape != p.shape:
-                raise ValueError(
-                    f"{kind}/{name} has shape {tuple(tensors[f'{kind}/{name}'].shape)}, parameter {tuple(p.shape)}"
-                )
-        opt.state[p] = {
-            "step": tensors[f"step/{name}"].clone(),
-            "exp_avg": tensors[f"exp_avg/{name}"].to(p.device, p.dtype, copy=True),
-            "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device, p.dtype, copy=True),
+            raise KeyError(f"optimizer state of {piece.name} needs exp_avg, exp_avg_sq and step; some are missing")
+        p = piece.tensor
+        torch_opt.state[p] = {"step": step} | {
+            kind: value.to(p.device, p.dtype).view(p.shape) for kind, value in zip(MOMENTS, moments, strict=True)
         }
+    if isinstance(opt, ZeroOneAdamW):
+        opt.load_master([saved.assemble("master", piece) for piece in pieces])

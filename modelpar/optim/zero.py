@@ -22,8 +22,6 @@ from modelpar import comm
 from modelpar.optim.adamw import make_adamw
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_same_across, check_unique
 
-STATE_KEYS = ("zero/params", "zero/exp_avg", "zero/exp_avg_sq", "zero/step", "zero/shard")
-
 
 @dataclass(frozen=True)
 class _Segment:
@@ -48,8 +46,8 @@ class ZeroOneAdamW:
         norm = clip_grad_norm(opt.shard_params_with_info(), max_norm, groups, zero_sharded=True)
         set_lr(opt, lr_at(step, ...)); opt.step(); opt.zero_grad()
 
-    The fp32 master copy of the shard is taken from the model at the first ``step()`` (or restored by
-    ``load_state_tensors``), so weights may be loaded into the model after construction.
+    The fp32 master copy of the shard is taken from the model at the first ``step()`` (or restored from a
+    checkpoint by ``load_optimizer_state_tensors``), so weights may be loaded into the model after construction.
     """
 
     def __init__(
@@ -145,54 +143,23 @@ class ZeroOneAdamW:
         for view in self._views:
             view.grad = None
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of the optimizer as CPU tensors (a copy), keyed by ``STATE_KEYS``.
-
-        ``zero/params``, ``zero/exp_avg``, ``zero/exp_avg_sq``: ``[S]`` fp32; ``zero/step``: ``[n_segments]``
-        (0 for a segment never stepped); ``zero/shard``: ``[start, end, numel]`` of the flat buffer, checked on load.
-        """
+    def named_segments(self) -> list[tuple[str, int, int, torch.Tensor]]:
+        """``(name, start, end, master)`` per segment: ``master: [end - start]`` is the fp32 master copy of
+        ``param.view(-1)[start:end]``, the tensor the shard optimizer keys its state by."""
         self._ensure_master()
-        exp_avg = torch.zeros_like(self.master)
-        exp_avg_sq = torch.zeros_like(self.master)
-        steps = torch.zeros(len(self.segments), dtype=torch.float32)
-        for k, (seg, view) in enumerate(zip(self.segments, self._views, strict=True)):
-            state = self.optimizer.state.get(view)
-            if state:
-                exp_avg[self._local(seg)] = state["exp_avg"]
-                exp_avg_sq[self._local(seg)] = state["exp_avg_sq"]
-                steps[k] = state["step"]
-        tensors = {
-            "zero/params": self.master,
-            "zero/exp_avg": exp_avg,
-            "zero/exp_avg_sq": exp_avg_sq,
-            "zero/step": steps,
-            "zero/shard": torch.tensor(self._shard_range(), dtype=torch.int64),
-        }
-        return {key: t.detach().to("cpu", copy=True) for key, t in tensors.items()}
+        return [
+            (self.infos[seg.index].name, seg.start - seg.param_start, seg.end - seg.param_start, view)
+            for seg, view in zip(self.segments, self._views, strict=True)
+        ]
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore what ``state_tensors`` saved, on the same dp size and parameter list."""
-        if set(tensors) != set(STATE_KEYS):
-            raise KeyError(f"ZeRO-1 optimizer state needs keys {list(STATE_KEYS)}, got {sorted(tensors)}")
-        saved = tensors["zero/shard"].tolist()
-        if saved != self._shard_range():
-            raise ValueError(
-                f"ZeRO-1 state covers flat [{saved[0]}, {saved[1]}) of {saved[2]} elements but this rank owns "
-                f"{self._shard_range()}: reload at the dp size and parameter list it was saved with"
-            )
-        self.master.copy_(tensors["zero/params"])
-        self._master_ready = True
-        steps = tensors["zero/step"]
-        for k, (seg, view) in enumerate(zip(self.segments, self._views, strict=True)):
-            if steps[k] == 0:
-                self.optimizer.state.pop(view, None)
-                continue
-            self.optimizer.state[view] = {
-                "step": steps[k].clone(),
-                "exp_avg": tensors["zero/exp_avg"][self._local(seg)].to(view.device, copy=True),
-                "exp_avg_sq": tensors["zero/exp_avg_sq"][self._local(seg)].to(view.device, copy=True),
-            }
+    def load_master(self, values: list[torch.Tensor | None]) -> None:
+        """Set each segment's fp32 master weights (in ``named_segments`` order); ``None`` takes the model's."""
+        self._master_ready = False
+        self._ensure_master()
+        for view, value in zip(self._views, values, strict=True):
+            if value is not None:
+                view.copy_(value)
 
     def _segments_in_shard(self) -> list[_Segment]:
         lo, hi = self.shard_start, self.shard_start + self.shard_numel
@@ -205,9 +172,6 @@ class ZeroOneAdamW:
 
     def _local(self, seg: _Segment) -> slice:
         return slice(seg.start - self.shard_start, seg.end - self.shard_start)
-
-    def _shard_range(self) -> list[int]:
-        return [self.shard_start, self.shard_start + self.shard_numel, self.numel]
 
     @torch.no_grad()
     def _ensure_master(self) -> None:
