@@ -128,6 +128,13 @@ class _DataParallelStep:
         self.opt.step()
         self.opt.zero_grad()
 
+    def train_step(self, step: int) -> float:
+        self.backward(step)
+        self.reduce()
+        norm = self.clip()
+        self.update(step)
+        return norm
+
 
 def _train_data_parallel(zero: bool, steps: int) -> dict:
     params = _init_params()
@@ -359,10 +366,7 @@ def _train_and_save(zero: bool, steps: int) -> tuple[bytes, bytes]:
     params = _init_params()
     trainer = _DataParallelStep(params, zero)
     for step in range(steps):
-        trainer.backward(step)
-        trainer.reduce()
-        trainer.clip()
-        trainer.update(step)
+        trainer.train_step(step)
     weights = {n: p.detach() for n, p in params.items()}
     return save_safetensors(weights), save_safetensors(optimizer_state_tensors(trainer.opt))
 
@@ -374,10 +378,7 @@ def _resume(zero: bool, weights: bytes, states: list[bytes], start: int, stop: i
     trainer = _DataParallelStep(params, zero)
     load_optimizer_state_tensors(trainer.opt, {k: v for state in states for k, v in load_safetensors(state).items()})
     for step in range(start, stop):
-        trainer.backward(step)
-        trainer.reduce()
-        trainer.clip()
-        trainer.update(step)
+        trainer.train_step(step)
     return {n: p.detach().clone() for n, p in params.items()}
 
 
