@@ -21,8 +21,14 @@ MAX_FUSED_SIZE = 65536 // 2  # widest row block one program holds in registers (
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the numpy interpreter (CPU tensors) rather than compiled (GPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run in the numpy interpreter (CPU tensors) rather than compiled (GPU).
+
+    Asks triton itself: what counts is the setting when triton was first imported, not the variable now.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
 
 
 def check_device(*tensors: torch.Tensor) -> None:
@@ -37,7 +43,8 @@ def check_device(*tensors: torch.Tensor) -> None:
         )
     if device.type == "cpu" and not interpreting():
         raise RuntimeError(
-            "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before modelpar_kernels is imported"
+            "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+            "first imported (importing modelpar_kernels first does it on CPU-only torch builds)"
         )
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"backend='triton' runs on CUDA (or CPU under TRITON_INTERPRET=1), not {device.type}")
