@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from modelpar import comm
 from modelpar.distributed import ParallelGroups
@@ -13,10 +14,13 @@ from modelpar.optim.param_info import ParamsWithInfo
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_, so a norm just at max_norm is left alone
 
 
-def _local_sum_of_squares(params_with_info: ParamsWithInfo) -> torch.Tensor:
+def _local_sum_of_squares(params_with_info: ParamsWithInfo, group: dist.ProcessGroup) -> torch.Tensor:
     """``sum(norm_share * ||grad||^2)`` over this rank's gradients, as a fp32 ``[1]`` tensor."""
     grads = [(p.grad, info.norm_share) for p, info in params_with_info if p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
+    if params_with_info:
+        device = params_with_info[0][0].device
+    else:  # a ZeRO-1 shard of padding only: still joins the all-reduce, on a device the backend accepts
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for grad, share in grads:
         if share:  # a zero share must not turn an inf in an uncounted copy into nan
@@ -35,7 +39,7 @@ def clip_grad_norm(
     (``ZeroOneAdamW.shard_params_with_info()``) and the dp group is summed too. A non-finite norm (inf or nan)
     is returned as is and nothing is scaled: the caller decides to skip the step. ``max_norm <= 0`` only measures.
     """
-    total = _local_sum_of_squares(params_with_info)
+    total = _local_sum_of_squares(params_with_info, groups.tp_group)
     reduce_over = [(groups.tp_group, groups.tp_ranks), (groups.pp_group, groups.pp_ranks)]
     if zero_sharded:
         reduce_over.append((groups.dp_group, groups.dp_ranks))
