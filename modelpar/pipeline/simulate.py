@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modelpar.pipeline.actions import (
     RECV_B,
@@ -54,7 +54,8 @@ class Costs:
     """Durations of compute actions (any time unit) and the latency of one p2p transfer.
 
     ``backward`` is an unsplit backward (input and weight gradients); schedules with W actions use
-    ``backward_input`` for B and ``backward_weight`` for W instead.
+    ``backward_input`` for B and ``backward_weight`` for W instead. ``per_action`` overrides the duration of
+    individual actions, e.g. to replay the durations a runtime measured.
     """
 
     forward: float = 1.0
@@ -62,6 +63,7 @@ class Costs:
     backward_input: float = 1.0
     backward_weight: float = 1.0
     latency: float = 0.0
+    per_action: Mapping[Action, float] = field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, durations: Mapping[str, float]) -> Costs:
@@ -79,6 +81,8 @@ class Costs:
         )
 
     def duration(self, action: Action, split_backward: bool) -> float:
+        if action in self.per_action:
+            return self.per_action[action]
         if action.kind is F:
             return self.forward
         if action.kind is B:

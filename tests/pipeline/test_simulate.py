@@ -73,6 +73,13 @@ def test_measured_durations_can_come_as_a_mapping():
     assert {t.duration for row in sim.timeline.rows for t in row if t.action.kind.is_compute} == {1.0, 2.0, 3.0}
 
 
+def test_per_action_durations_replay_a_measured_run():
+    schedule = build_schedule("1f1b", 2, 2)
+    slow = Action.parse("1B0")
+    sim = simulate(schedule, Costs(per_action={slow: 10.0}))
+    assert sim.makespan == simulate(schedule).makespan + 8.0  # 1B0 sits on the critical path
+
+
 def move_after(row: list[Action], moved: str, anchor: str) -> None:
     action = row.pop(row.index(Action.parse(moved)))
     row.insert(row.index(Action.parse(anchor)) + 1, action)

@@ -1,0 +1,67 @@
+"""The runtime drives ``modelpar.model`` chunks (Llama-style, tensor-parallel inside) unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelpar import ParallelLayout
+from modelpar.model import TransformerConfig, build_chunk, build_model
+from modelpar.pipeline import PipelineRuntime, build_schedule, partition_uniform
+from modelpar.testing import current_groups, run_on_ranks
+
+CONFIG = TransformerConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
+BATCH, SEQ, M, SEED = 2, 8, 4, 3
+
+
+def tokens_and_targets() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, CONFIG.vocab_size, (M, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(SEED))
+    return ids[..., :-1], ids[..., 1:]
+
+
+def _pipeline_step(schedule: str) -> tuple[float, dict[str, torch.Tensor]]:
+    groups = current_groups()
+    pp = groups.layout.pp
+    part = partition_uniform(CONFIG.layers, pp)
+    chunks = [
+        build_chunk(CONFIG, groups, part.layers(c), first=part.has_embedding(c), last=part.has_head(c), seed=SEED)
+        for c in part.chunks_of(groups.pp_rank)
+    ]
+    runtime = PipelineRuntime(
+        chunks,
+        groups,
+        build_schedule(schedule, pp, M),
+        activation_shape=chunks[0].activation_shape(BATCH, SEQ),
+        loss_fn=chunks[-1].loss,
+    )
+    result = runtime.step(*tokens_and_targets())
+    grads = {name: p.grad.clone() for chunk in chunks for name, p in chunk.named_parameters()}
+    return result.loss, grads
+
+
+def reference() -> tuple[float, dict[str, torch.Tensor]]:
+    model = build_model(CONFIG, seed=SEED)
+    tokens, targets = tokens_and_targets()
+    loss = model.loss(model(tokens.flatten(0, 1)), targets.flatten(0, 1))
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_two_stage_llama_matches_the_single_device_model(schedule):
+    want_loss, want_grads = reference()
+    results = run_on_ranks(2, _pipeline_step, schedule, layout=ParallelLayout(pp=2))
+    seen: set[str] = set()
+    for rank, (loss, grads) in enumerate(results):
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"{schedule} rank {rank}"
+        for name, grad in grads.items():
+            err = (grad - want_grads[name]).norm() / want_grads[name].norm()
+            assert err <= 1e-5, f"{schedule} rank {rank} grad of {name}: relative error {err:.2e}"
+        seen |= grads.keys()
+    assert seen == want_grads.keys()
+
+
+def test_tensor_parallel_stages_give_the_single_device_loss():
+    want_loss, _ = reference()
+    losses = [loss for loss, _ in run_on_ranks(4, _pipeline_step, "1f1b", layout=ParallelLayout(tp=2, pp=2))]
+    assert losses == pytest.approx([want_loss] * 4, rel=1e-5)
