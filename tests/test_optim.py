@@ -16,6 +16,7 @@ from safetensors.torch import save as save_safetensors
 from modelpar.comm import record_comm
 from modelpar.layout import ParallelLayout
 from modelpar.optim import (
+    DataParallelOptimizer,
     GradientSynchronizer,
     ParamInfo,
     ZeroOneAdamW,
@@ -93,35 +94,16 @@ def _reference(steps: int) -> dict:
 
 
 class _DataParallelStep:
-    """One rank's optimizer side, as the trainer drives it: plain AdamW + bucket sync, or ZeRO-1."""
+    """One rank's side of training, as the trainer drives it: its dp slice of each global batch, one optimizer."""
 
-    def __init__(self, params, zero: bool):
-        self.params, self.zero, self.groups = params, zero, current_groups()
-        self.with_info = _with_info(params)
-        if zero:
-            self.opt = ZeroOneAdamW(self.with_info, self.groups.dp_group, **HYPER)
-        else:
-            self.sync = GradientSynchronizer(params.values(), self.groups.dp_group, bucket_bytes=BUCKET_BYTES)
-            self.opt = build_adamw(self.with_info, **HYPER)
-
-    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dp, rank = self.groups.layout.dp, self.groups.dp_rank
-        return tuple(t.chunk(dp)[rank] for t in _global_batch(step))
+    def __init__(self, params: dict[str, torch.nn.Parameter], zero: bool):
+        self.params, self.groups = params, current_groups()
+        self.opt = DataParallelOptimizer(_with_info(params), self.groups, zero=zero, bucket_bytes=BUCKET_BYTES, **HYPER)
 
     def backward(self, step: int) -> None:
-        final = contextlib.nullcontext if self.zero else self.sync.final_backward
-        _backward_micro_batches(self.params, *self.local_batch(step), final_backward=final)
-
-    def reduce(self) -> None:
-        if self.zero:
-            self.opt.reduce_gradients()
-        else:
-            self.sync.wait()
-
-    def clip(self) -> float:
-        if self.zero:
-            return clip_grad_norm(self.opt.shard_params_with_info(), MAX_NORM, self.groups, zero_sharded=True)
-        return clip_grad_norm(self.with_info, MAX_NORM, self.groups)
+        dp, rank = self.groups.layout.dp, self.groups.dp_rank
+        x, y = (t.chunk(dp)[rank] for t in _global_batch(step))
+        _backward_micro_batches(self.params, x, y, final_backward=self.opt.final_backward)
 
     def update(self, step: int) -> None:
         set_lr(self.opt, lr_at(step, HYPER["lr"], **SCHEDULE))
@@ -130,8 +112,8 @@ class _DataParallelStep:
 
     def train_step(self, step: int) -> float:
         self.backward(step)
-        self.reduce()
-        norm = self.clip()
+        self.opt.reduce_gradients()
+        norm = self.opt.clip_grad_norm(MAX_NORM)
         self.update(step)
         return norm
 
@@ -142,10 +124,10 @@ def _train_data_parallel(zero: bool, steps: int) -> dict:
     norms, first_grads = [], None
     for step in range(steps):
         trainer.backward(step)
-        trainer.reduce()
+        trainer.opt.reduce_gradients()
         if first_grads is None and not zero:
             first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
-        norms.append(trainer.clip())
+        norms.append(trainer.opt.clip_grad_norm(MAX_NORM))
         trainer.update(step)
     return {"params": {n: p.detach().clone() for n, p in params.items()}, "grads": first_grads, "norms": norms}
 
@@ -261,11 +243,10 @@ def test_zero1_equals_single_process_adamw(dp):
 def _zero1_moment_elements() -> tuple[int, int]:
     params = _init_params()
     trainer = _DataParallelStep(params, zero=True)
-    trainer.backward(0)
-    trainer.reduce()
-    trainer.update(0)
-    moments = sum(state["exp_avg"].numel() for state in trainer.opt.optimizer.state.values())
-    return moments, trainer.opt.shard_numel
+    trainer.train_step(0)
+    zero1 = trainer.opt.optimizer
+    moments = sum(state["exp_avg"].numel() for state in zero1.shard_optimizer.state.values())
+    return moments, zero1.shard_numel
 
 
 def test_zero1_keeps_adam_moments_for_its_shard_only():
@@ -368,7 +349,7 @@ def _train_and_save(zero: bool, steps: int) -> tuple[bytes, bytes]:
     for step in range(steps):
         trainer.train_step(step)
     weights = {n: p.detach() for n, p in params.items()}
-    return save_safetensors(weights), save_safetensors(optimizer_state_tensors(trainer.opt))
+    return save_safetensors(weights), save_safetensors(trainer.opt.state_tensors())
 
 
 def _resume(zero: bool, weights: bytes, states: list[bytes], start: int, stop: int) -> dict[str, torch.Tensor]:
@@ -376,7 +357,7 @@ def _resume(zero: bool, weights: bytes, states: list[bytes], start: int, stop: i
     loaded = load_safetensors(weights)
     params = {n: torch.nn.Parameter(loaded[n]) for n in SHAPES}  # model order, not the file's
     trainer = _DataParallelStep(params, zero)
-    load_optimizer_state_tensors(trainer.opt, {k: v for state in states for k, v in load_safetensors(state).items()})
+    trainer.opt.load_state_tensors({k: v for state in states for k, v in load_safetensors(state).items()})
     for step in range(start, stop):
         trainer.train_step(step)
     return {n: p.detach().clone() for n, p in params.items()}

@@ -1,6 +1,7 @@
 """The optimizer side of a training step: data-parallel gradient averaging, ZeRO-1, clipping, AdamW, LR.
 
-One step with plain AdamW (``optim.zero=0``)::
+``DataParallelOptimizer`` puts the pieces behind one API (see its docstring for a step). Used directly, one
+step with plain AdamW (``optim.zero=0``) reads::
 
     sync = GradientSynchronizer([p for p, _ in params_with_info], groups.dp_group, bucket_bytes)
     opt = build_adamw(params_with_info, lr=..., betas=..., eps=..., weight_decay=...)
@@ -16,6 +17,7 @@ so they may run before or after the dp average.
 
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
+from modelpar.optim.data_parallel import DataParallelOptimizer
 from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from modelpar.optim.lr_schedule import lr_at, set_lr
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, default_decay
@@ -24,6 +26,7 @@ from modelpar.optim.zero import ZeroOneAdamW
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DataParallelOptimizer",
     "GradientSynchronizer",
     "ParamInfo",
     "ParamsWithInfo",

@@ -45,7 +45,7 @@ def _pieces(opt: torch.optim.Optimizer | ZeroOneAdamW) -> tuple[torch.optim.Opti
     """The torch optimizer holding the state, its pieces, and every parameter name of this rank."""
     if isinstance(opt, ZeroOneAdamW):
         pieces = [_Piece(n, a, b, view, whole=False) for n, a, b, view in opt.named_segments()]
-        return opt.optimizer, pieces, {info.name for info in opt.infos}
+        return opt.shard_optimizer, pieces, {info.name for info in opt.infos}
     pieces = []
     for group in opt.param_groups:
         if "param_names" not in group:

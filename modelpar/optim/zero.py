@@ -78,7 +78,7 @@ class ZeroOneAdamW:
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)  # [S]
         self.segments = self._segments_in_shard()
         self._views = [self.master[self._local(seg)] for seg in self.segments]
-        self.optimizer = make_adamw(
+        self.shard_optimizer = make_adamw(
             [
                 (
                     view,
@@ -97,7 +97,7 @@ class ZeroOneAdamW:
     @property
     def param_groups(self) -> list[dict]:
         """The shard optimizer's groups (decay, no decay): ``set_lr`` writes ``lr`` here."""
-        return self.optimizer.param_groups
+        return self.shard_optimizer.param_groups
 
     def reduce_gradients(self) -> None:
         """Average ``param.grad`` over dp into this rank's shard (one reduce-scatter, one tiny all-reduce).
@@ -131,7 +131,7 @@ class ZeroOneAdamW:
     def step(self) -> None:
         """AdamW on the shard, then all-gather the shards into every rank's model parameters."""
         self._ensure_master()
-        self.optimizer.step()
+        self.shard_optimizer.step()
         full = comm.all_gather(self.master, self.dp_group) if self.dp_size > 1 else self.master  # [dp*S]
         for i, p in enumerate(self.params):
             p.copy_(full[self.offsets[i] : self.offsets[i + 1]].view_as(p))
