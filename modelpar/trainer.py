@@ -1,0 +1,398 @@
+"""One rank of a training job: its model chunks, pipeline runtime, optimizer, data shard and checkpoints.
+
+Every layout runs this same code; ``tp = pp = dp = 1`` is the single-device run. The step::
+
+    batch (this dp replica's share of the global batch) -> m micro-batches -> pipeline runtime (F/B[/W])
+      -> reduce tp-partial grads (sequence-parallel norms, replicated kv heads)
+      -> sum tied-embedding grads over the embedding group (first + last stage)
+      -> dp average (bucketed all-reduce) or ZeRO-1 reduce-scatter
+      -> global grad norm (each parameter counted once), clip, LR schedule, AdamW
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from modelpar import comm
+from modelpar.checkpoint import Piece, latest_checkpoint, load_pieces, load_rank_state, read_index, save_checkpoint
+from modelpar.config import TrainConfig
+from modelpar.data import TokenFile, WindowSampler
+from modelpar.distributed import ParallelGroups
+from modelpar.flops import model_shape, training_flops_per_token
+from modelpar.model import ModelChunk, TransformerConfig, build_chunk
+from modelpar.optim import (
+    GradientSynchronizer,
+    ParamInfo,
+    ZeroOneAdamW,
+    build_adamw,
+    clip_grad_norm,
+    default_decay,
+    load_optimizer_state_tensors,
+    lr_at,
+    optimizer_state_tensors,
+    set_lr,
+)
+from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
+from modelpar.pipeline.partition import partition_by_cost
+
+
+def transformer_config(cfg: TrainConfig) -> TransformerConfig:
+    m = cfg.model
+    return TransformerConfig(
+        vocab_size=m.vocab_size,
+        hidden=m.hidden,
+        layers=m.layers,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        ffn_hidden=m.ffn_hidden,
+        max_seq_len=m.max_seq_len,
+        rope_theta=m.rope_theta,
+        norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings,
+        init_std=m.init_std,
+        kernels=m.kernels,
+    )
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    want = cfg.trainer.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype of activations; parameters and optimizer state stay fp32 (master weights)."""
+    if cfg.trainer.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.trainer.dtype]
+
+
+def build_partition(cfg: TrainConfig) -> Partition:
+    p, layers = cfg.parallel, cfg.model.layers
+    if p.partition == "explicit":
+        return partition_explicit(list(p.stage_layers), layers, p.pp, p.vpp)
+    if p.partition == "params":
+        shape = model_shape(cfg.model)
+        embed = cfg.model.vocab_size * cfg.model.hidden
+        return partition_by_cost([shape.block_params()] * layers, p.pp, p.vpp, embedding_cost=embed, head_cost=embed)
+    return partition_uniform(layers, p.pp, p.vpp)
+
+
+@dataclass
+class RankModel:
+    """This rank's chunks and everything derived from them that a step needs."""
+
+    chunks: list[ModelChunk]
+    params: list[tuple[torch.nn.Parameter, ParamInfo]]
+    tied: list[torch.nn.Parameter]  # this rank's copies of a tied embedding that lives on two stages
+
+
+def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> RankModel:
+    """Build this rank's chunks (layout-invariant init from ``trainer.seed``) and describe their parameters."""
+    tcfg = transformer_config(cfg)
+    partition = build_partition(cfg)
+    chunks = [
+        build_chunk(
+            tcfg,
+            groups,
+            partition.layers(c),
+            first=partition.has_embedding(c),
+            last=partition.has_head(c),
+            seed=cfg.trainer.seed,
+            sequence_parallel=cfg.parallel.sp,
+            device=device,
+        )
+        for c in partition.chunks_of(groups.pp_rank)
+    ]
+    tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
+    params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
+    tied: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for chunk in chunks:
+        shards = chunk.logical_shards()
+        for name, param in chunk.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            logical = [(n, s) for n, s in shards.items() if s.param is param]
+            share = _norm_share(param, logical)
+            if tied_across_stages and any(n == "embed_tokens.weight" for n, _ in logical):
+                tied.append(param)
+                if not chunk.first:
+                    share = 0.0  # the first stage counts the tied weight; this is its copy
+            info = ParamInfo(name=f"{_chunk_name(chunk)}.{name}", decay=default_decay(name, param), norm_share=share)
+            params.append((param, info))
+    return RankModel(chunks, params, tied)
+
+
+def _norm_share(param: torch.nn.Parameter, logical) -> float | torch.Tensor:
+    """What this rank adds of ``param``'s squared gradient to the global norm: each value counted once.
+
+    Rows of a logical tensor replicated over tp (norm weights, kv heads when kv_heads < tp) count on the
+    primary rank only. A fused parameter mixing counted and uncounted rows gets a per-row weight vector.
+    """
+    rows = torch.ones(param.shape[0], dtype=torch.float32, device=param.device)
+    for _, shard in logical:
+        if not shard.primary:
+            rows[shard.local_rows] = 0.0
+    if bool((rows == rows[0]).all()):
+        return float(rows[0])
+    return rows
+
+
+def _chunk_name(chunk: ModelChunk) -> str:
+    return f"layers{chunk.layer_ids[0]}-{chunk.layer_ids[-1]}" if chunk.layer_ids else "chunk"
+
+
+# -- checkpoint mapping -----------------------------------------------------------------------------------
+
+
+def model_pieces(chunks: list[ModelChunk]) -> dict[Piece, torch.Tensor]:
+    """This rank's regions of every logical tensor, for ``save_checkpoint``."""
+    pieces = {}
+    for chunk in chunks:
+        for name, shard in chunk.logical_shards().items():
+            region = tuple(
+                (sl.start or 0, n if sl.stop is None else sl.stop)
+                for sl, n in zip(shard.index, shard.global_shape, strict=True)
+            )
+            pieces[Piece(name, tuple(shard.global_shape), region)] = shard.tensor
+    return pieces
+
+
+def load_model_from_checkpoint(chunks: list[ModelChunk], ckpt: Path, index: dict) -> None:
+    """Load every logical tensor region this rank holds, whatever layout wrote the checkpoint."""
+    wanted = model_pieces(chunks)
+    loaded = load_pieces(ckpt, index, list(wanted))
+    with torch.no_grad():
+        for piece, target in wanted.items():
+            target.copy_(loaded[piece])
+
+
+# -- the training loop ------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float | None
+    skipped: bool = False
+
+
+class Trainer:
+    """Owns one rank's state for a run; ``fit()`` trains ``trainer.steps`` steps."""
+
+    def __init__(self, cfg: TrainConfig, data_path: str, resume_from: str | None):
+        self.cfg = cfg
+        self.layout = cfg.parallel.layout()
+        self.groups = ParallelGroups.build(self.layout)
+        self.rank = dist.get_rank()
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        torch.manual_seed(cfg.trainer.seed)
+        self.model = build_rank_model(cfg, self.groups, self.device)
+        self.micro_batches = cfg.parallel.microbatches
+        self.local_batch = cfg.data.global_batch // self.layout.dp
+        self.micro_batch_size = self.local_batch // self.micro_batches
+        first, last = self.model.chunks[0], self.model.chunks[-1]
+        schedule = build_schedule(cfg.parallel.schedule, self.layout.pp, self.micro_batches, self.layout.vpp)
+        self.runtime = PipelineRuntime(
+            self.model.chunks,
+            self.groups,
+            schedule,
+            activation_shape=first.activation_shape(self.micro_batch_size, cfg.data.seq_len),
+            loss_fn=last.loss if last.last else _no_loss,
+            dtype=torch.float32,
+            device=self.device,
+        )
+        o = cfg.optim
+        adam = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        if o.zero:
+            self.optimizer = ZeroOneAdamW(self.model.params, self.groups.dp_group, **adam)
+            self.sync = None
+        else:
+            self.optimizer = build_adamw(self.model.params, **adam)
+            self.sync = GradientSynchronizer(
+                [p for p, _ in self.model.params], self.groups.dp_group, bucket_bytes=int(o.bucket_mb * 2**20)
+            )
+        self.tokens = TokenFile.open(data_path, cfg.model.vocab_size, cfg.data.seq_len)
+        self.sampler = WindowSampler(
+            self.tokens.num_windows, cfg.data.global_batch, self.groups.dp_rank, self.layout.dp, cfg.data.seed
+        )
+        self.step = 0
+        self.out_dir = Path(cfg.trainer.out_dir)
+        self.ckpt_root = self.out_dir / "checkpoints"
+        self.flops_per_step = training_flops_per_token(model_shape(cfg.model), cfg.data.seq_len) * (
+            cfg.data.global_batch * cfg.data.seq_len
+        )
+        if resume_from:
+            self.resume(Path(resume_from))
+
+    # -- one step ------------------------------------------------------------------------------------------
+
+    def train_step(self) -> StepMetrics:
+        cfg = self.cfg
+        start = time.perf_counter()
+        indices = self.sampler.next_batch()
+        inputs, targets = self.tokens.batch(indices)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        micro_inputs = list(inputs.chunk(self.micro_batches))
+        micro_targets = list(targets.chunk(self.micro_batches))
+        for p, _ in self.model.params:
+            p.grad = None
+        result = self.runtime.step(micro_inputs, micro_targets)
+        for chunk in self.model.chunks:
+            chunk.reduce_tensor_parallel_grads()
+        self._sync_tied_embedding()
+        if self.sync is not None:
+            self.sync.wait()
+            norm = clip_grad_norm(self.model.params, cfg.optim.grad_clip, self.groups)
+        else:
+            self.optimizer.reduce_gradients()
+            norm = clip_grad_norm(
+                self.optimizer.shard_params_with_info(), cfg.optim.grad_clip, self.groups, zero_sharded=True
+            )
+        lr = lr_at(self.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
+        set_lr(self.optimizer, lr)
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        loss = self._dp_mean(result.loss)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = cfg.data.global_batch * cfg.data.seq_len
+        peak = cfg.trainer.peak_tflops * 1e12 * self.layout.world_size
+        return StepMetrics(
+            step=self.step,
+            loss=loss,
+            lr=lr,
+            grad_norm=norm,
+            tokens_per_s=tokens / elapsed,
+            step_time_s=elapsed,
+            mfu=(self.flops_per_step / elapsed / peak) if peak > 0 else None,
+            skipped=skipped,
+        )
+
+    def _sync_tied_embedding(self) -> None:
+        """The embedding on the first stage and its copy on the last stage get the sum of both gradients."""
+        if not self.model.tied:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.tied]
+        flat = torch.cat([g.flatten() for g in grads])
+        with comm.comm_tag("tied_embedding"):
+            comm.all_reduce(flat, self.groups.embedding_group)
+        for p, piece in zip(self.model.tied, flat.split([g.numel() for g in grads]), strict=True):
+            p.grad = piece.view_as(p).clone()
+
+    def _dp_mean(self, value: float) -> float:
+        if self.layout.dp == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.groups.dp_group)
+        return t.item() / self.layout.dp
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        rank_state = {f"optim/{k}": v for k, v in optimizer_state_tensors(self.optimizer).items()}
+        rank_state["rng/torch"] = torch.get_rng_state()
+        meta = {
+            "layout": asdict(self.layout),
+            "sampler": self.sampler.state_dict(),
+            "model": asdict(self.cfg.model),
+            "parallel": asdict(self.cfg.parallel),
+            "world_size": self.layout.world_size,
+        }
+        return save_checkpoint(
+            self.ckpt_root, self.step, model_pieces(self.model.chunks), rank_state, meta, self.cfg.trainer.keep_last
+        )
+
+    def resume(self, ckpt: Path) -> None:
+        index = read_index(ckpt)
+        load_model_from_checkpoint(self.model.chunks, ckpt, index)
+        self.step = int(index["step"])
+        self.sampler.load_state_dict(index["sampler"])
+        same_layout = index["layout"] == asdict(self.layout)
+        if same_layout:
+            state = load_rank_state(ckpt, self.rank)
+            optim = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
+            load_optimizer_state_tensors(self.optimizer, optim)
+            torch.set_rng_state(state["rng/torch"])
+        elif self.rank == 0:
+            print(
+                f"modelpar-train: {ckpt} was saved with layout {index['layout']}; weights and data position are "
+                "resharded, optimizer state starts fresh",
+                flush=True,
+            )
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        cfg = self.cfg.trainer
+        is_logger = self.rank == 0
+        metrics_path = self.out_dir / "metrics.jsonl"
+        progress = _progress(cfg.steps, self.step) if is_logger and cfg.progress else None
+        with open(metrics_path, "a") if is_logger else contextlib.nullcontext() as log:
+            while self.step < cfg.steps:
+                m = self.train_step()
+                if is_logger:
+                    log.write(json.dumps(asdict(m)) + "\n")
+                    log.flush()
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(_postfix(m), refresh=False)
+                    elif m.step % cfg.log_every == 0 or m.step == cfg.steps:
+                        print(_line(m), flush=True)
+                if cfg.ckpt_every and (self.step % cfg.ckpt_every == 0 or self.step == cfg.steps):
+                    self.save()
+        if progress is not None:
+            progress.close()
+
+
+def _no_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the loss runs on the last pipeline stage only")
+
+
+def _postfix(m: StepMetrics) -> dict[str, str]:
+    out = {"loss": f"{m.loss:.4f}", "lr": f"{m.lr:.2e}", "tok/s": f"{m.tokens_per_s:,.0f}"}
+    if m.mfu is not None:
+        out["mfu"] = f"{100 * m.mfu:.1f}%"
+    return out
+
+
+def _line(m: StepMetrics) -> str:
+    return f"step {m.step:6d} " + " ".join(f"{k} {v}" for k, v in _postfix(m).items())
+
+
+def _progress(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train_worker(cfg: TrainConfig, data_path: str, resume_from: str | None) -> None:
+    """Entry point of every rank (after the process group is initialised)."""
+    torch.manual_seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed)
+    Trainer(cfg, data_path, resume_from).fit()
+
+
+__all__ = ["Trainer", "build_rank_model", "latest_checkpoint", "train_worker", "transformer_config"]
