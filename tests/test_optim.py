@@ -405,6 +405,17 @@ def test_partial_zero1_state_is_refused():
         assert "load the state files of every data-parallel rank" in message
 
 
+def test_state_saved_for_another_shape_is_refused():
+    params = _init_params()
+    opt = build_adamw(_with_info(params), **HYPER)
+    _backward_micro_batches(params, *_global_batch(0))
+    opt.step()
+    state = optimizer_state_tensors(opt)
+    state["exp_avg/fc1.bias"] = torch.zeros(13)
+    with pytest.raises(ValueError, match=r"'exp_avg/fc1.bias' holds 13 elements"):
+        load_optimizer_state_tensors(build_adamw(_with_info(_init_params()), **HYPER), state)
+
+
 def test_plain_adamw_state_is_keyed_by_param_name():
     params = _init_params()
     opt = build_adamw(_with_info(params), **HYPER)

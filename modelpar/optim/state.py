@@ -41,18 +41,22 @@ class _Piece:
         return f"{kind}/{self.name}" if self.whole else f"{kind}/{self.name}[{self.start}:{self.end}]"
 
 
-def _pieces(opt: torch.optim.Optimizer | ZeroOneAdamW) -> tuple[torch.optim.Optimizer, list[_Piece], set[str]]:
-    """The torch optimizer holding the state, its pieces, and every parameter name of this rank."""
+def _pieces(opt: torch.optim.Optimizer | ZeroOneAdamW) -> tuple[torch.optim.Optimizer, list[_Piece], dict[str, int]]:
+    """The torch optimizer holding the state, its pieces, and the element count of every parameter of this rank."""
     if isinstance(opt, ZeroOneAdamW):
         pieces = [_Piece(n, a, b, view, whole=False) for n, a, b, view in opt.named_segments()]
-        return opt.shard_optimizer, pieces, {info.name for info in opt.infos}
+        return (
+            opt.shard_optimizer,
+            pieces,
+            {info.name: p.numel() for p, info in zip(opt.params, opt.infos, strict=True)},
+        )
     pieces = []
     for group in opt.param_groups:
         if "param_names" not in group:
             raise ValueError("optimizer parameters have no names: build it with modelpar.optim.build_adamw")
         for p, name in zip(group["params"], group["param_names"], strict=True):
             pieces.append(_Piece(name, 0, p.numel(), p, whole=True))
-    return opt, pieces, {piece.name for piece in pieces}
+    return opt, pieces, {piece.name: piece.end for piece in pieces}
 
 
 def optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW) -> dict[str, torch.Tensor]:
@@ -72,15 +76,19 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW) -> dict[s
 class _SavedPieces:
     """Saved tensors indexed by (kind, name) -> [(start, end, flat values)], whole tensors as ``[0, numel)``."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], names: set[str]):
+    def __init__(self, tensors: dict[str, torch.Tensor], numels: dict[str, int]):
         self.ranges: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
         for key, value in tensors.items():
             match = _KEY.match(key)
-            if match is None or match[2] not in names:
+            if match is None or match[2] not in numels:
                 raise KeyError(f"optimizer state key {key!r} names no parameter of this optimizer")
             kind, name = match[1], match[2]
-            start = int(match[3]) if match[3] else 0
-            end = int(match[4]) if match[4] else (1 if kind == "step" else value.numel())
+            start, end = (int(match[3]), int(match[4])) if match[3] else (0, numels[name])
+            if kind != "step" and (end > numels[name] or value.numel() != end - start):
+                raise ValueError(
+                    f"optimizer state {key!r} holds {value.numel()} elements, which do not fit parameter {name} "
+                    f"of {numels[name]}: saved for another model shape?"
+                )
             self.ranges[kind, name].append((start, end, value.reshape(-1)))
 
     def assemble(self, kind: str, piece: _Piece) -> torch.Tensor | None:
@@ -122,8 +130,8 @@ def load_optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW, tens
     (a plain AdamW checkpoint) are taken from the model; plain AdamW ignores saved master weights (its weights
     are the model's, restored from the model checkpoint).
     """
-    torch_opt, pieces, names = _pieces(opt)
-    saved = _SavedPieces(tensors, names)
+    torch_opt, pieces, numels = _pieces(opt)
+    saved = _SavedPieces(tensors, numels)
     for piece in pieces:
         moments = [saved.assemble(kind, piece) for kind in MOMENTS]
         step = saved.step(piece)
