@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from modelpar.distributed import ParallelGroups
 from modelpar.pipeline.actions import (
@@ -78,7 +79,8 @@ class _StepState:
 
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # received or token inputs
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # activation, or scaled loss
-    output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # kept from B for W
+    output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # chunk 0: B -> W
+    param_groups: dict[tuple[int, int], list[dict]] = field(default_factory=dict)  # other chunks: B -> W
     received: dict[Action, torch.Tensor] = field(default_factory=dict)  # RECV buffers by their action
     batches: list[_PostedBatch] = field(default_factory=list)
     batch_of: dict[Action, _PostedBatch] = field(default_factory=dict)
@@ -95,6 +97,7 @@ class _StepState:
     def release(self, key: tuple[int, int]) -> None:
         del self.inputs[key], self.outputs[key]
         self.output_grads.pop(key, None)
+        self.param_groups.pop(key, None)
         self.held -= 1
 
 
@@ -106,12 +109,12 @@ class PipelineRuntime:
     micro-batch; the runtime scales it by ``1/m`` so that accumulated gradients equal the single-device
     model's on the whole batch. Gradients accumulate into ``.grad``: zero them before a step.
 
-    Zero-bubble schedules (with W actions): B computes input gradients with ``torch.autograd.grad(...,
-    retain_graph=True)`` and W then back-propagates into the parameters with ``torch.autograd.backward(...,
-    inputs=params)``. Gradients are exact, but W walks the graph again, so B + W cost more than one fused
-    backward (about one extra input-gradient pass), and the graph with its saved activations lives until W:
-    the in-flight count therefore runs from F to W. On model chunk 0 there is no input gradient to take, so
-    its B is empty and its W does the whole backward.
+    Zero-bubble schedules (with W actions) split the backward with the helpers PyTorch's own zero-bubble
+    schedules use (``torch.distributed.pipelining._backward``, private but pinned with torch): B takes the
+    input gradient and keeps the gradients reaching each parameter's node; W turns those into parameter
+    gradients without walking the graph again, so B + W cost about one fused backward. The saved tensors
+    W needs live until W, so the in-flight count runs from F to W. On model chunk 0 the input is token ids,
+    there is no input gradient to take: its B is empty and its W runs the whole backward.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class PipelineRuntime:
             )
         self.last_stage = self.pp * chunk_count - 1
         self.split_backward = any(a.kind is W for a in self.actions)
-        self.predicted_peak = peak_in_flight(self.actions)
+        self.predicted_peak = peak_in_flight(self.actions)  # what StepResult.peak_in_flight must come out as
         self.activation_shape = tuple(activation_shape)
         self.loss_fn = loss_fn
         self.dtype = dtype
@@ -172,7 +175,7 @@ class PipelineRuntime:
                 count = "None" if given is None else len(given)
                 raise ValueError(f"{name} has {count} micro-batches; the schedule runs {self.micro_batches}")
         state = _StepState()
-        dist.barrier(group=self.groups.pp_group)
+        dist.barrier(group=self.groups.pp_group)  # a shared time origin, so records line up across ranks
         t0 = time.perf_counter()
         records: dict[Action, TimedAction] = {}
         for batch in comm_batches(self.actions):
@@ -191,7 +194,13 @@ class PipelineRuntime:
         loss = self._broadcast_loss(state)
         return StepResult(loss, tuple(records[a] for a in self.actions), state.peak)
 
-    def _compute(self, action: Action, state: _StepState, micro_batches, targets) -> None:
+    def _compute(
+        self,
+        action: Action,
+        state: _StepState,
+        micro_batches: Sequence[torch.Tensor] | torch.Tensor | None,
+        targets: Sequence[torch.Tensor] | torch.Tensor | None,
+    ) -> None:
         key = (action.micro_batch, action.chunk)
         stage = action.stage(self.pp)
         if action.kind is F:
@@ -224,11 +233,13 @@ class PipelineRuntime:
         grad = self._output_grad(action, state)
         has_input_grad = action.stage(self.pp) > 0
         if self.split_backward:
-            # Keep the graph for W; on chunk 0 the input is token ids, so there is nothing to do yet.
             if has_input_grad:
-                (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+                params = self._trainable(action.chunk)
+                (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x], iter(params))
                 state.to_send[Action(self.rank, SEND_B, *key)] = dx.contiguous()
-            state.output_grads[key] = grad
+                state.param_groups[key] = groups
+            else:
+                state.output_grads[key] = grad
             return
         torch.autograd.backward(y, grad)
         if has_input_grad:
@@ -237,17 +248,22 @@ class PipelineRuntime:
 
     def _weight_backward(self, action: Action, state: _StepState) -> None:
         key = (action.micro_batch, action.chunk)
-        params = [p for p in self.chunks[action.chunk].parameters() if p.requires_grad]
-        if params:
+        params = self._trainable(action.chunk)
+        if key in state.param_groups:
+            stage_backward_weight(iter(params), state.param_groups[key])
+        elif params:
             torch.autograd.backward(state.outputs[key], state.output_grads[key], inputs=params)
         state.release(key)
+
+    def _trainable(self, chunk: int) -> list[torch.nn.Parameter]:
+        return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
 
     def _post(self, batch: list[Action], state: _StepState, t0: float) -> None:
         """Post the batch as one ``batch_isend_irecv`` (one NCCL group), without waiting."""
         ops, tensors = [], []
         for action in batch:
             peer = self.groups.pp_ranks[peer_of(action, self.pp)[0]]
-            if action.kind in (SEND_F, SEND_B):
+            if action.kind.is_send:
                 tensor = state.to_send.pop(action)
                 ops.append(dist.P2POp(dist.isend, tensor, peer, self.groups.pp_group))
             else:

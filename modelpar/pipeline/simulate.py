@@ -71,10 +71,9 @@ class Costs:
         unknown = set(durations) - {"F", "B", "W", "latency"}
         if unknown:
             raise ValueError(f"unknown duration keys {sorted(unknown)}; use F, B, W and latency")
-        backward = durations.get("B", cls.backward)
         return cls(
             forward=durations.get("F", cls.forward),
-            backward=backward,
+            backward=durations.get("B", cls.backward),
             backward_input=durations.get("B", cls.backward_input),
             backward_weight=durations.get("W", cls.backward_weight),
             latency=durations.get("latency", cls.latency),
@@ -353,9 +352,9 @@ def _check_p2p_order(schedule: Schedule, pp: int) -> None:
     recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
     for r, row in enumerate(schedule):
         for a in row:
-            if a.kind in (SEND_F, SEND_B):
+            if a.kind.is_send:
                 sends[(r, peer_of(a, pp)[0])].append(a)
-            elif a.kind in (RECV_F, RECV_B):
+            elif a.kind.is_recv:
                 recvs[(peer_of(a, pp)[0], r)].append(a)
     for channel in sorted(set(sends) | set(recvs)):
         src, dst = channel
