@@ -66,6 +66,11 @@ class DataParallelOptimizer:
         """
         return self.sync.final_backward() if self.sync else contextlib.nullcontext()
 
+    def expect_micro_batches(self, micro_batches: int) -> None:
+        """Instead of ``final_backward()``, when a pipeline runtime runs the backwards: call at the step's start."""
+        if self.sync:
+            self.sync.expect_micro_batches(micro_batches)
+
     def reduce_gradients(self) -> None:
         """Finish the data-parallel average of this step's gradients."""
         if self.sync:

@@ -1,8 +1,10 @@
 """Data-parallel gradient averaging in buckets, overlapped with the last micro-batch's backward.
 
-Gradients accumulate locally over the m micro-batches; only the backward of the last one (``arm()``)
-triggers communication. Buckets hold parameters in reverse order, the order backward finishes them, and each
-one's all-reduce starts as soon as all its parameters have their final gradient::
+Gradients accumulate locally over the m micro-batches; only the backward of the last one triggers
+communication: the caller either wraps it (``final_backward()``/``arm()``) or, when a pipeline runtime runs
+the backwards, says up front how many there will be (``expect_micro_batches(m)``). Buckets hold parameters in
+reverse order, the order backward finishes them, and each one's all-reduce starts as soon as all its
+parameters have their final gradient::
 
     backward:  grad(w_L) ... grad(w_k) | grad(w_k-1) ... grad(w_j) | ...
     buckets:   [------- bucket 0 ------] [------- bucket 1 ------]
@@ -121,7 +123,7 @@ class GradientSynchronizer:
         self.buckets = _build_buckets(params, bucket_bytes) if self.dp_size > 1 else []
         self._where = {id(p): (b, pos) for b, bucket in enumerate(self.buckets) for pos, p in enumerate(bucket.params)}
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._armed: set[int] = set()
+        self._accumulations_left: dict[int, int] = {}  # id(param) -> accumulations until its gradient is final
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if self.dp_size > 1]
 
@@ -131,8 +133,18 @@ class GradientSynchronizer:
         Call before the backward of the last micro-batch. A pipeline stage with several model chunks can arm
         each chunk's parameters before that chunk's last backward.
         """
-        chosen = self._where if params is None else (id(p) for p in params)
-        self._armed.update(key for key in chosen if key in self._where)
+        chosen = self._where if params is None else [id(p) for p in params]
+        self._accumulations_left.update({key: 1 for key in chosen if key in self._where})
+
+    def expect_micro_batches(self, micro_batches: int) -> None:
+        """From now on, each parameter's ``micro_batches``-th gradient accumulation is its final one.
+
+        For runtimes that execute every backward themselves (pipeline schedules, split input/weight backward):
+        call once at the start of the step. A parameter that misses some micro-batch reduces in ``wait()``.
+        """
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+        self._accumulations_left.update({key: micro_batches for key in self._where})
 
     @contextlib.contextmanager
     def final_backward(self) -> Iterator[None]:
@@ -146,7 +158,7 @@ class GradientSynchronizer:
             self._launch_next()
         for bucket in self.buckets:
             bucket.unpack_average(self.dp_size)
-        self._armed.clear()
+        self._accumulations_left.clear()
         self._next_launch = 0
 
     def remove_hooks(self) -> None:
@@ -157,15 +169,20 @@ class GradientSynchronizer:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         key = id(param)
-        if key not in self._armed:
-            return
         b, pos = self._where[key]
         bucket = self.buckets[b]
         if pos in bucket.ready:
             raise RuntimeError(
-                f"parameter #{self._index[key]} {tuple(param.shape)} accumulated a second gradient while armed; "
+                f"parameter #{self._index[key]} {tuple(param.shape)} accumulated a gradient after its final one; "
                 "arm() only right before the last micro-batch's backward, and wait() before the next step"
             )
+        left = self._accumulations_left.get(key)
+        if left is None:
+            return
+        if left > 1:
+            self._accumulations_left[key] = left - 1
+            return
+        del self._accumulations_left[key]
         bucket.ready.add(pos)
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].is_ready():
             self._launch_next()
