@@ -108,8 +108,8 @@ class GradientSynchronizer:
                 loss(micro_batch).backward()        # loss already scaled by 1/m
         sync.wait()                                 # param.grad: mean over the global batch
 
-    With dp == 1 every call is a no-op. Without any ``arm()``, ``wait()`` still averages everything (no overlap),
-    for runtimes that accumulate gradients outside autograd's hooks.
+    With dp == 1 every call is a no-op. Gradients that no hook saw finish (nothing armed, or accumulated outside
+    autograd, as torch's split weight backward does) are averaged by ``wait()`` all the same, just not overlapped.
     """
 
     def __init__(
