@@ -12,7 +12,8 @@ step with plain AdamW (``optim.zero=0``) reads::
 
 With ZeRO-1 (``optim.zero=1``) ``ZeroOneAdamW`` replaces both the synchronizer and AdamW; see its docstring.
 Gradient reductions over tp (sequence-parallel norms) and over the embedding group (tied weights) are linear,
-so they may run before or after the dp average.
+so they commute with the dp average, but run them after ``wait()``: a bucket copies its gradients when it
+launches, and ``wait()`` writes the averages of those copies back over ``param.grad``.
 """
 
 from modelpar.optim.adamw import build_adamw

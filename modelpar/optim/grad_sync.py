@@ -108,6 +108,9 @@ class GradientSynchronizer:
                 loss(micro_batch).backward()        # loss already scaled by 1/m
         sync.wait()                                 # param.grad: mean over the global batch
 
+    ``wait()`` overwrites ``param.grad`` with the average of what each bucket copied at launch, so other
+    gradient reductions (tp, tied embeddings) belong after it.
+
     With dp == 1 every call is a no-op. Gradients that no hook saw finish (nothing armed, or accumulated outside
     autograd, as torch's split weight backward does) are averaged by ``wait()`` all the same, just not overlapped.
     """
