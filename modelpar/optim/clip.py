@@ -23,8 +23,13 @@ def _local_sum_of_squares(params_with_info: ParamsWithInfo, group: dist.ProcessG
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for grad, share in grads:
-        if share:  # a zero share must not turn an inf in an uncounted copy into nan
-            total += share * grad.detach().float().square().sum()
+        squares = grad.detach().float().square()
+        if isinstance(share, torch.Tensor):  # per-row weights: a fused weight mixing counted and uncounted rows
+            weights = share.to(squares.device).view(share.shape + (1,) * (squares.dim() - share.dim()))
+            squares = torch.where(weights > 0, squares * weights, torch.zeros_like(squares))
+            total += squares.sum()
+        elif share:  # a zero share must not turn an inf in an uncounted copy into nan
+            total += share * squares.sum()
     return total
 
 

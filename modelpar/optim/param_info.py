@@ -19,12 +19,13 @@ class ParamInfo:
     ``norm_share`` is the fraction of this parameter's squared-gradient sum that this rank adds to the global
     gradient norm, chosen so that every parameter counts exactly once over tp and pp: 1.0 for a tp-sharded
     weight, ``1/tp`` for a weight replicated over tp (a norm), 0.0 for the tied embedding's copy on the last
-    pipeline stage.
+    pipeline stage. A 1-D tensor gives one share per row (dim 0) instead: a fused weight such as q/k/v whose
+    k/v rows are replicated over tp while its q rows are sharded.
     """
 
     name: str
     decay: bool
-    norm_share: float = 1.0
+    norm_share: float | torch.Tensor = 1.0
 
 
 ParamsWithInfo = Sequence[tuple[torch.Tensor, ParamInfo]]

@@ -13,7 +13,7 @@ after a DP all-reduce, to fp32 round-off, at 1/dp of the optimizer memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,16 @@ class ZeroOneAdamW:
 
         Pass to ``clip_grad_norm(..., zero_sharded=True)``: each element lives in exactly one dp shard.
         """
-        return [(view, self.infos[seg.index]) for seg, view in zip(self.segments, self._views, strict=True)]
+        return [(view, self._segment_info(seg)) for seg, view in zip(self.segments, self._views, strict=True)]
+
+    def _segment_info(self, seg: _Segment) -> ParamInfo:
+        """The parameter's info, with per-row norm shares cut down to this segment's elements."""
+        info = self.infos[seg.index]
+        if not isinstance(info.norm_share, torch.Tensor):
+            return info
+        param = self.params[seg.index]
+        per_element = info.norm_share.repeat_interleave(param[0].numel()).to(self.master.device)
+        return replace(info, norm_share=per_element[seg.start - seg.param_start : seg.end - seg.param_start])
 
     @torch.no_grad()
     def step(self) -> None:

@@ -16,7 +16,7 @@ def make_config(tmp_path, **parallel) -> TrainConfig:
     return TrainConfig(
         model=TINY,
         parallel=ParallelConfig(**{"microbatches": 2, **parallel}),
-        optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, grad_clip=1.0, bucket_mb=0.001),
+        optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, grad_clip=0.5, bucket_mb=0.001),
         data=DataConfig(seq_len=16, global_batch=8, seed=7),
         trainer=TrainerConfig(steps=3, out_dir=str(tmp_path), progress=False, timeout_s=60.0),
     )
@@ -30,13 +30,14 @@ def token_path(tmp_path_factory):
 
 
 def train_and_collect(cfg: TrainConfig, data_path: str, resume_from=None, save_at=()):
-    """On every rank: train to ``cfg.trainer.steps``, return losses and this rank's pieces of every tensor."""
+    """On every rank: train to ``cfg.trainer.steps``; return (loss, grad norm) per step and this rank's pieces."""
     from modelpar.trainer import Trainer, model_pieces
 
     trainer = Trainer(cfg, data_path, resume_from)
     losses = []
     while trainer.step < cfg.trainer.steps:
-        losses.append(trainer.train_step().loss)
+        metrics = trainer.train_step()
+        losses.append((metrics.loss, metrics.grad_norm))
         if trainer.step in save_at:
             trainer.save()
     pieces = {(p.name, p.region): t.detach().clone() for p, t in model_pieces(trainer.model.chunks).items()}
@@ -75,6 +76,8 @@ LAYOUTS = [
     dict(pp=2, schedule="zb-h1", microbatches=4),
     dict(pp=2, vpp=2, schedule="interleaved", microbatches=2),
     dict(dp=2, pp=2, zero_=1),
+    dict(tp=4),  # kv_heads=2 < tp: k/v rows replicated, counted once in the grad norm
+    dict(tp=4, zero_=1),
 ]
 
 
