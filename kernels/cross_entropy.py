@@ -185,7 +185,10 @@ def cross_entropy_forward_in_place(
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """Triton vocab-parallel cross-entropy; the input logits are overwritten with their gradient in forward."""
+    """Triton vocab-parallel cross-entropy; the input logits are overwritten with their gradient in forward.
+
+    Backward scales that stored gradient in place, so it runs once per forward (no ``retain_graph`` replays).
+    """
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index):

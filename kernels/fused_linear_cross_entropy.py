@@ -49,7 +49,10 @@ def default_chunk_size(n: int, hidden_size: int, n_local: int) -> int:
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Chunked head + cross-entropy; gradients are computed in forward (see the module docstring)."""
+    """Chunked head + cross-entropy; gradients are computed in forward (see the module docstring).
+
+    Backward scales the stored hidden gradient in place, so it runs once per forward.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, vocab_size, group, ignore_index, chunk_size):

@@ -195,7 +195,7 @@ class RMSNormFunction(torch.autograd.Function):
         y, x_sum, x2, rstd = rms_norm_forward(x, weight, eps, residual)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
-        ctx.has_residual = residual is not None
+        ctx.residual_dtype = None if residual is None else residual.dtype
         if residual is None:
             return y
         return y, x_sum
@@ -205,7 +205,8 @@ class RMSNormFunction(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         dx, dweight = rms_norm_backward(dy, dx_sum, x2, weight, rstd)
         dx = dx.view(ctx.shape)
-        return dx, dweight, None, dx if ctx.has_residual else None
+        dresidual = None if ctx.residual_dtype is None else dx.to(ctx.residual_dtype)
+        return dx, dweight, None, dresidual
 
 
 def rms_norm_triton(

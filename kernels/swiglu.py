@@ -64,11 +64,13 @@ def _rows(t: torch.Tensor, f: int) -> torch.Tensor:
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
+    """One program per (row, block of columns): rows can be wide (the MLP's hidden size)."""
     block, num_warps = row_block(n_cols, max_block=4096)
     return (n_rows, triton.cdiv(n_cols, block)), block, num_warps
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up: [..., f] (any row strides) -> silu(gate) * up, a new contiguous [..., f]."""
     shape, f = gate.shape, gate.shape[-1]
     gate2, up2 = _rows(gate, f), _rows(up, f)
     out = torch.empty(gate2.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
@@ -80,6 +82,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) for the output gradient ``dout``, recomputing sigmoid(gate)."""
     f = gate.shape[-1]
     gate2, up2, dout2 = _rows(gate, f), _rows(up, f), _rows(dout, f)
     dgate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
