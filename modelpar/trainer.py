@@ -257,12 +257,17 @@ class Trainer:
         micro_targets = list(targets.chunk(self.micro_batches))
         for p, _ in self.model.params:
             p.grad = None
+        if self.sync is not None:
+            self.sync.expect_micro_batches(self.micro_batches)  # buckets all-reduce during the last backward
         result = self.runtime.step(micro_inputs, micro_targets)
+        if self.sync is not None:
+            self.sync.wait()
+        # tp and tied-embedding reductions are sums, so they commute with the dp average; after it, because
+        # the overlapped buckets copied the gradients when they launched.
         for chunk in self.model.chunks:
             chunk.reduce_tensor_parallel_grads()
         self._sync_tied_embedding()
         if self.sync is not None:
-            self.sync.wait()
             norm = clip_grad_norm(self.model.params, cfg.optim.grad_clip, self.groups)
         else:
             self.optimizer.reduce_gradients()
