@@ -77,7 +77,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             )
             torch.mm(logits, weight, out=grad_hidden[chunk])
             if ctx.needs_input_grad[1]:
-                grad_weight += (logits.t() @ hidden[chunk]).float()
+                grad_weight.add_(logits.t() @ hidden[chunk])  # product in the input dtype, summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
