@@ -280,10 +280,10 @@ def _liger_rms_norm(liger, x, w):
 
 
 def _liger_rope(liger, q, cos, sin):
-    # Liger takes [b, h, s, d] and full-width tables; it rotates q and k together, k is a throwaway here.
+    # Liger takes [b, h, s, d], [1, s, d] full-width tables, and rotates q and k together (k is a throwaway here).
     q = q.transpose(1, 2)
-    cos2, sin2 = torch.cat((cos, cos), -1).to(q.dtype), torch.cat((sin, sin), -1).to(q.dtype)
-    return liger.liger_rotary_pos_emb(q, q[:, :1].detach().clone(), cos2, sin2)[0]
+    cos2, sin2 = (torch.cat((t, t), -1)[None].to(q.dtype) for t in (cos, sin))
+    return liger.liger_rotary_pos_emb(q, q[:, :1].detach().clone(), cos2, sin2)[0].transpose(1, 2)
 
 
 def _liger_swiglu(g, u):
@@ -333,8 +333,10 @@ def _peak_mib(run: Callable, device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _max_rel_diff(a, b) -> float:
+def _max_rel_diff(a, b) -> float | None:
     a, b = (t if torch.is_tensor(t) else t[0] for t in (a, b))
+    if a.shape != b.shape:
+        return None
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
 
 
