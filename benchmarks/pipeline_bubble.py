@@ -7,9 +7,10 @@ For each (pp, schedule) the ranks run a toy model sized so compute dominates p2p
 for a warm-up step and ``--steps`` timed steps. From the runtime's action records it reports
 
 - measured bubble: idle time between the first and last action, over ranks x span (median over steps);
-- simulated bubble: ``simulate`` with the measured mean F, B (and W) durations and zero latency;
-- replayed bubble: ``simulate`` with every action's own measured duration (median over steps), so the gap
-  to the measured bubble is what p2p and runtime overhead cost, not uneven stages;
+- simulated bubble: ``simulate`` with the measured mean F, B (and W) durations and zero latency, and again
+  with the p2p latency measured by a ping-pong of one activation between ranks 0 and 1;
+- replayed bubble: ``simulate`` with every action's own measured duration and the measured latency (median
+  over steps), so the gap to the measured bubble is runtime overhead and noise, not uneven stages or p2p;
 - the unit-cost bubble (F=1, B=2 or B=W=1) for reference.
 
 Results: a table on stdout, ``benchmarks/results/pipeline_bubble.json`` and the measured and simulated text
@@ -26,11 +27,13 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -83,8 +86,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def bench_rank(cfg: BenchConfig, name: str, m: int, steps: int) -> list:
-    """On one rank: a warm-up step, then ``steps`` timed steps; the records of each timed step."""
+def bench_rank(cfg: BenchConfig, name: str, m: int, steps: int) -> tuple[list, float]:
+    """On one rank: the p2p latency, a warm-up step, then ``steps`` timed steps; the records of each timed step."""
     groups = current_groups()
     pp = groups.layout.pp
     vpp = 2 if name == "interleaved" else 1
@@ -99,13 +102,38 @@ def bench_rank(cfg: BenchConfig, name: str, m: int, steps: int) -> list:
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, cfg.vocab, (m, cfg.batch, cfg.seq + 1), generator=gen)
     records = []
+    latency = p2p_latency(cfg)
     for step in range(steps + 1):
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
         result = runtime.step(tokens[..., :-1], tokens[..., 1:])
         if step > 0:
             records.append(result.records)
-    return records
+    return records, latency
+
+
+def p2p_latency(cfg: BenchConfig, rounds: int = 50) -> float:
+    """Median one-way time (s) of one activation between pipeline ranks 0 and 1: half a ping-pong."""
+    groups = current_groups()
+    buf = torch.zeros(cfg.batch, cfg.seq, cfg.hidden)
+    peer = groups.pp_ranks[1 - groups.pp_rank] if groups.pp_rank < 2 else None
+    times = []
+    for _ in range(rounds):
+        dist.barrier(group=groups.pp_group)
+        start = time.perf_counter()
+        if groups.pp_rank == 0:
+            dist.send(buf, peer, group=groups.pp_group)
+            dist.recv(buf, peer, group=groups.pp_group)
+        elif groups.pp_rank == 1:
+            dist.recv(buf, peer, group=groups.pp_group)
+            dist.send(buf, peer, group=groups.pp_group)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
+def measured_durations(timeline: Timeline) -> dict:
+    """Each compute action's own measured duration."""
+    return {t.action: t.duration for row in timeline.rows for t in row if t.action.kind.is_compute}
 
 
 def mean_durations(timelines: list[Timeline]) -> dict[str, float]:
@@ -125,15 +153,15 @@ def run(cfg: BenchConfig, pps: list[int], m: int, steps: int) -> tuple[list[dict
         for name in ("gpipe", "1f1b", "interleaved", "zb-h1"):
             vpp = 2 if name == "interleaved" else 1
             per_rank = run_on_ranks(pp, bench_rank, cfg, name, m, steps, layout=ParallelLayout(pp=pp), timeout_s=600)
-            timelines = [Timeline(tuple(per_rank[r][s] for r in range(pp))) for s in range(steps)]
+            timelines = [Timeline(tuple(per_rank[r][0][s] for r in range(pp))) for s in range(steps)]
+            latency = per_rank[0][1]
             durations = mean_durations(timelines)
             schedule = build_schedule(name, pp, m, vpp)
             predicted = simulate(schedule, Costs.from_mapping(durations))
+            with_latency = simulate(schedule, Costs.from_mapping(durations | {"latency": latency}))
             measured = statistics.median(t.bubble_fraction for t in timelines)
             replayed = statistics.median(
-                simulate(
-                    schedule, Costs(per_action={t.action: t.duration for row in tl.rows for t in row})
-                ).bubble_fraction
+                simulate(schedule, Costs(latency=latency, per_action=measured_durations(tl))).bubble_fraction
                 for tl in timelines
             )
             rows.append(
@@ -146,7 +174,9 @@ def run(cfg: BenchConfig, pps: list[int], m: int, steps: int) -> tuple[list[dict
                     "step_ms": round(statistics.median(t.span for t in timelines) * 1e3, 2),
                     "simulated_step_ms": round(predicted.makespan * 1e3, 2),
                     "measured_bubble": round(measured, 4),
+                    "p2p_latency_ms": round(latency * 1e3, 3),
                     "simulated_bubble": round(predicted.bubble_fraction, 4),
+                    "simulated_bubble_with_latency": round(with_latency.bubble_fraction, 4),
                     "replayed_bubble": round(replayed, 4),
                     "unit_cost_bubble": round(simulate(schedule).bubble_fraction, 4),
                 }
@@ -163,7 +193,7 @@ def run(cfg: BenchConfig, pps: list[int], m: int, steps: int) -> tuple[list[dict
 
 
 HEADER = f"{'pp':>3} {'schedule':<12} {'m':>3} {'F/B/W ms':>20} {'step ms':>9} {'sim ms':>9} " + (
-    f"{'measured':>9} {'simulated':>9} {'replayed':>9} {'unit-cost':>9}"
+    f"{'measured':>9} {'simulated':>9} {'+latency':>9} {'replayed':>9} {'unit-cost':>9}"
 )
 
 
@@ -172,7 +202,7 @@ def format_row(row: dict) -> str:
     return (
         f"{row['pp']:>3} {row['schedule']:<12} {row['m']:>3} {fbw:>20} {row['step_ms']:>9.1f} "
         f"{row['simulated_step_ms']:>9.1f} {row['measured_bubble']:>9.1%} {row['simulated_bubble']:>9.1%} "
-        f"{row['replayed_bubble']:>9.1%} {row['unit_cost_bubble']:>9.1%}"
+        f"{row['simulated_bubble_with_latency']:>9.1%} {row['replayed_bubble']:>9.1%} {row['unit_cost_bubble']:>9.1%}"
     )
 
 
@@ -184,6 +214,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "pipeline_bubble.json")
     args = parser.parse_args()
     cfg = BenchConfig()
+    load_before = os.getloadavg()[0]
     print("bubble fraction: measured from the runtime's records vs simulated from measured mean durations")
     print(HEADER)
     rows, gantt = run(cfg, args.pp, args.m, args.steps)
@@ -191,8 +222,13 @@ def main() -> None:
     report = {
         "config": asdict(cfg),
         "steps": args.steps,
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform()},
-        "note": "emulated ranks (gloo, 1 thread each) share the cores; latency is taken as 0 in the simulation",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "note": "emulated ranks (gloo, 1 thread each) share the cores with whatever else runs (see load average)",
         "rows": rows,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
