@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from modelpar import ParallelLayout
+from modelpar.pipeline.actions import Action
 from modelpar.pipeline.partition import partition_uniform
 from modelpar.pipeline.runtime import PipelineRuntime, measured_timeline
 from modelpar.pipeline.schedule import SCHEDULES, ScheduleError, build_schedule
@@ -17,6 +18,7 @@ from tests.pipeline.toy_model import ToyConfig
 
 CFG = ToyConfig()
 RTOL = 1e-5
+LAYOUT_2 = ParallelLayout(pp=2)
 
 
 def vpp_of(schedule: str) -> int:
@@ -126,3 +128,36 @@ def test_every_tp_and_dp_replica_of_a_stage_runs_its_own_pipeline(layout):
         assert abs(loss - want_loss) <= RTOL * abs(want_loss), f"rank {rank}: loss {loss}"
         for param, grad in grads.items():
             assert_close(grad, want_grads[param], f"{layout} rank {rank} grad of {param}")
+
+
+def _construction_errors(cfg: ToyConfig) -> list[str]:
+    """Messages from runtimes built wrongly, collected on each rank (nothing is sent)."""
+    groups = current_groups()
+    chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, 2), groups.pp_rank)
+    shape = (cfg.batch, cfg.seq, cfg.hidden)
+    broken = build_schedule("1f1b", 2, 1)
+    broken[0].append(broken[0].pop(broken[0].index(Action.parse("0SEND_F0"))))  # sent only after its reply
+    attempts = [
+        lambda: PipelineRuntime(chunks, groups, broken, activation_shape=shape, loss_fn=toy_model.loss_fn),
+        lambda: PipelineRuntime(
+            chunks, groups, build_schedule("interleaved", 2, 2, 2), activation_shape=shape, loss_fn=toy_model.loss_fn
+        ),
+        lambda: PipelineRuntime(
+            chunks, groups, build_schedule("1f1b", 2, 3), activation_shape=shape, loss_fn=toy_model.loss_fn
+        ).step(*toy_model.batch(cfg, 2)),
+    ]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append("no error")
+        except (ScheduleError, ValueError) as exc:
+            messages.append(str(exc).splitlines()[0])
+    return messages
+
+
+def test_runtime_refuses_bad_schedules_and_batches_before_sending_anything():
+    for rank, (deadlock, chunks, count) in enumerate(run_on_ranks(2, _construction_errors, CFG, layout=LAYOUT_2)):
+        assert deadlock.startswith("schedule deadlocks"), f"rank {rank}: {deadlock}"
+        assert "schedule uses 2 chunks per rank but rank" in chunks, f"rank {rank}: {chunks}"
+        assert "has 2 micro-batches; the schedule runs 3" in count, f"rank {rank}: {count}"
