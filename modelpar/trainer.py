@@ -334,17 +334,18 @@ class Trainer:
         index = read_index(ckpt)
         load_model_from_checkpoint(self.model.chunks, ckpt, index)
         self.step = int(index["step"])
-        self.sampler.load_state_dict(index["sampler"])
+        if index.get("sampler"):
+            self.sampler.load_state_dict(index["sampler"])
         same_layout = index["layout"] == asdict(self.layout)
-        if same_layout:
+        if same_layout and index.get("optimizer", True):
             state = load_rank_state(ckpt, self.rank)
             optim = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
             load_optimizer_state_tensors(self.optimizer, optim)
             torch.set_rng_state(state["rng/torch"])
         elif self.rank == 0:
             print(
-                f"modelpar-train: {ckpt} was saved with layout {index['layout']}; weights and data position are "
-                "resharded, optimizer state starts fresh",
+                f"modelpar-train: {ckpt} holds no optimizer state for layout {asdict(self.layout)} (saved with "
+                f"{index['layout']}); weights and data position are loaded, the optimizer starts fresh",
                 flush=True,
             )
 

@@ -1,0 +1,120 @@
+"""The command-line tools: bad input is one clear line before any rank starts; conversions round-trip."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from modelpar.ckpt import main as ckpt_main
+from modelpar.generate import load_single_device_model
+from modelpar.testing import run_on_ranks
+from tests.training.test_layouts import TINY, make_config, train_and_collect
+
+
+def train_cli(*overrides, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "modelpar.train", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, TINY.vocab_size, size=4000, dtype=np.uint16))
+    return path
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["parallel.tp=3"], "tp=3 does not divide heads=4; try tp in [1, 2, 4]"),
+        (["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences per dp replica"),
+        (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown; choose one of"),
+        (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=256"),
+        (["data.path=/nonexistent/tokens.npy"], "/nonexistent/tokens.npy"),
+        (["trainer.resume=/nonexistent/ckpt"], "/nonexistent/ckpt is not a checkpoint directory"),
+    ],
+)
+def test_bad_recipe_is_one_line_before_any_rank_starts(overrides, needle, tmp_path):
+    proc = train_cli(*overrides, f"hydra.run.dir={tmp_path}")
+    line = error_line(proc)
+    assert proc.returncode == 2, proc.stderr
+    assert line.startswith("modelpar-train: error: ") and needle in line, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [("model.hiden=3", "Key 'hiden' not in 'ModelConfig'"), ("trainer.steps=many", "trainer.steps")],
+)
+def test_unknown_key_and_wrong_type_are_rejected_by_the_schema(override, needle, tmp_path):
+    proc = train_cli(override, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_token_file_with_ids_beyond_vocab_is_named(tmp_path):
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.full(5000, 300, dtype=np.uint16))
+    proc = train_cli(f"data.path={bad}", f"hydra.run.dir={tmp_path / 'run'}")
+    line = error_line(proc)
+    assert "300" in line and "vocab" in line and str(bad) in line, line
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tokens, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    run_on_ranks(4, train_and_collect, make_config(root, tp=2, pp=2), str(tokens), None, (3,))
+    return root / "checkpoints" / "step-00000003"
+
+
+def test_truncated_checkpoint_is_one_line(checkpoint, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    shard = copy / "model-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert ckpt_main(["verify", str(copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model-00003.safetensors" in err and "truncated" in err
+
+
+def test_export_hf_loads_in_transformers_with_equal_logits_and_reimports_exactly(checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_dir, back = tmp_path / "hf", tmp_path / "back"
+    assert ckpt_main(["export-hf", str(checkpoint), str(hf_dir)]) == 0
+    ours = load_single_device_model(checkpoint)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, TINY.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ours(ids)[..., : TINY.vocab_size]
+        got = hf(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert ckpt_main(["import-hf", str(hf_dir), str(back)]) == 0
+    again = load_single_device_model(back / "step-00000000")
+    for name, tensor in ours.full_state().items():
+        assert torch.equal(again.full_state()[name], tensor), name
+
+
+def test_reshard_writes_a_loadable_checkpoint_of_the_new_layout(checkpoint, tmp_path):
+    dst = tmp_path / "tp4"
+    assert ckpt_main(["reshard", str(checkpoint), str(dst), "--tp", "4"]) == 0
+    assert ckpt_main(["verify", str(dst)]) == 0
+    a, b = load_single_device_model(checkpoint), load_single_device_model(dst / "step-00000003")
+    assert all(torch.equal(t, b.full_state()[n]) for n, t in a.full_state().items())
+    assert len(list(dst.glob("step-*/model-*.safetensors"))) == 4
+    assert ckpt_main(["reshard", str(checkpoint), str(dst), "--tp", "2"]) == 2  # never overwrites
