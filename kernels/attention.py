@@ -14,10 +14,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from einops import rearrange
-from modelpar_kernels.launch import attention_blocks, check_device
+from modelpar_kernels.launch import attention_blocks, check_device, tl, triton
 
 LOG2E = 1.4426950408889634
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
-from modelpar_kernels.launch import check_device, row_block
+from modelpar_kernels.launch import check_device, row_block, tl, triton
 
 from modelpar import comm
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import triton
 from modelpar_kernels.cross_entropy import cross_entropy_forward_in_place, vocab_parallel_cross_entropy_reference
-from modelpar_kernels.launch import check_device
+from modelpar_kernels.launch import check_device, triton
 
 
 def fused_linear_cross_entropy_reference(

@@ -17,6 +17,31 @@ import torch
 if torch.version.cuda is None and torch.version.hip is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+class _TritonMissing:
+    """Stands in for ``triton`` and ``triton.language`` where Triton has no wheels (macOS, Windows).
+
+    Kernels can still be defined, so the torch references in the same files import and run; launching a kernel
+    fails with one line. ``backend="auto"`` never picks Triton without CUDA, so only an explicit
+    ``model.kernels=triton`` gets here.
+    """
+
+    def jit(self, fn=None, **_):
+        def unavailable(*_, **__):
+            raise RuntimeError("backend='triton' needs the triton package (Linux wheels); use model.kernels=torch")
+
+        return unavailable if fn is not None else (lambda _fn: unavailable)
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"triton.{name}: the triton package is not installed; use model.kernels=torch")
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on platforms without triton wheels
+    triton = tl = _TritonMissing()
+
 MAX_FUSED_SIZE = 65536 // 2  # widest row block one program holds in registers (fp32 elements)
 
 
@@ -25,7 +50,8 @@ def interpreting() -> bool:
 
     Asks triton itself: what counts is the setting when triton was first imported, not the variable now.
     """
-    import triton.language as tl
+    if isinstance(tl, _TritonMissing):
+        return False
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(tl.sum, InterpretedFunction)
@@ -33,6 +59,8 @@ def interpreting() -> bool:
 
 def check_device(*tensors: torch.Tensor) -> None:
     """Fail with one clear line when a kernel is asked to run somewhere it cannot."""
+    if isinstance(tl, _TritonMissing):
+        raise RuntimeError("backend='triton' needs the triton package (Linux wheels); use model.kernels=torch")
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"backend='triton' needs all tensors on one device, got {sorted(map(str, devices))}")

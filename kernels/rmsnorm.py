@@ -8,9 +8,7 @@ are summed.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from modelpar_kernels.launch import check_device, program_count, row_block
+from modelpar_kernels.launch import check_device, program_count, row_block, tl, triton
 
 
 def rms_norm_reference(

@@ -8,9 +8,7 @@ the tables: build them with ``rope_tables(s, d, theta, offset=p)``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from modelpar_kernels.launch import check_device
+from modelpar_kernels.launch import check_device, tl, triton
 
 
 def rope_tables(

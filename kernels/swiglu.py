@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from modelpar_kernels.launch import check_device, row_block
+from modelpar_kernels.launch import check_device, row_block, tl, triton
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
