@@ -1,5 +1,6 @@
 """The command-line tools: bad input is one clear line before any rank starts; conversions round-trip."""
 
+import json
 import subprocess
 import sys
 
@@ -118,3 +119,29 @@ def test_reshard_writes_a_loadable_checkpoint_of_the_new_layout(checkpoint, tmp_
     assert all(torch.equal(t, b.full_state()[n]) for n, t in a.full_state().items())
     assert len(list(dst.glob("step-*/model-*.safetensors"))) == 4
     assert ckpt_main(["reshard", str(checkpoint), str(dst), "--tp", "2"]) == 2  # never overwrites
+
+
+TINY_OVERRIDES = [
+    f"model.{k}={getattr(TINY, k)}" for k in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden")
+] + [f"model.max_seq_len={TINY.max_seq_len}", "data.seq_len=16"]
+
+
+@pytest.mark.parametrize("parallel", ["single", "tp2-pp2"])
+def test_eval_under_any_layout_equals_the_single_device_loss(checkpoint, tokens, parallel):
+    from modelpar.data import TokenFile
+
+    windows = 8
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.eval", f"eval.checkpoint={checkpoint}", f"eval.windows={windows}",
+         f"data.path={tokens}", f"parallel={parallel}", "parallel.microbatches=2", *TINY_OVERRIDES],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    model = load_single_device_model(checkpoint)
+    inputs, targets = TokenFile.open(tokens, TINY.vocab_size, 16).batch(range(windows))
+    with torch.no_grad():
+        logits = model(inputs)[..., : TINY.vocab_size]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, TINY.vocab_size), targets.reshape(-1))
+    assert result["eval_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert result["windows"] == windows and result["tokens"] == windows * 16
