@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from modelpar.distributed import ParallelGroups
 from modelpar.pipeline.actions import (
@@ -45,6 +44,7 @@ from modelpar.pipeline.actions import (
     peer_of,
 )
 from modelpar.pipeline.simulate import TimedAction, Timeline, check_schedule, peak_in_flight
+from modelpar.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -80,7 +80,7 @@ class _StepState:
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # received or token inputs
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # activation, or scaled loss
     output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # chunk 0: B -> W
-    param_groups: dict[tuple[int, int], list[dict]] = field(default_factory=dict)  # other chunks: B -> W
+    pending_weight: dict[tuple[int, int], PendingWeightGrad] = field(default_factory=dict)  # other chunks: B -> W
     received: dict[Action, torch.Tensor] = field(default_factory=dict)  # RECV buffers by their action
     batches: list[_PostedBatch] = field(default_factory=list)
     batch_of: dict[Action, _PostedBatch] = field(default_factory=dict)
@@ -97,7 +97,7 @@ class _StepState:
     def release(self, key: tuple[int, int]) -> None:
         del self.inputs[key], self.outputs[key]
         self.output_grads.pop(key, None)
-        self.param_groups.pop(key, None)
+        self.pending_weight.pop(key, None)
         self.held -= 1
 
 
@@ -109,12 +109,14 @@ class PipelineRuntime:
     micro-batch; the runtime scales it by ``1/m`` so that accumulated gradients equal the single-device
     model's on the whole batch. Gradients accumulate into ``.grad``: zero them before a step.
 
-    Zero-bubble schedules (with W actions) split the backward with the helpers PyTorch's own zero-bubble
-    schedules use (``torch.distributed.pipelining._backward``, private but pinned with torch): B takes the
-    input gradient and keeps the gradients reaching each parameter's node; W turns those into parameter
-    gradients without walking the graph again, so B + W cost about one fused backward. The saved tensors
-    W needs live until W, so the in-flight count runs from F to W. On model chunk 0 the input is token ids,
+    Zero-bubble schedules (with W actions) split the backward (``modelpar.pipeline.split_backward``): B takes
+    the input gradient and keeps the gradients reaching each parameter's node; W turns those into parameter
+    gradients without walking the graph again, so B + W cost about one fused backward. The saved tensors W
+    needs live until W, so the in-flight count runs from F to W. On model chunk 0 the input is token ids and
     there is no input gradient to take: its B is empty and its W runs the whole backward.
+
+    Every backward goes through autograd's gradient accumulation, once per micro-batch and parameter, so
+    post-accumulate-grad hooks (data-parallel overlap) see all ``m`` accumulations under every schedule.
     """
 
     def __init__(
@@ -234,10 +236,8 @@ class PipelineRuntime:
         has_input_grad = action.stage(self.pp) > 0
         if self.split_backward:
             if has_input_grad:
-                params = self._trainable(action.chunk)
-                (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x], iter(params))
+                dx, state.pending_weight[key] = backward_input(y, grad, x, self._trainable(action.chunk))
                 state.to_send[Action(self.rank, SEND_B, *key)] = dx.contiguous()
-                state.param_groups[key] = groups
             else:
                 state.output_grads[key] = grad
             return
@@ -249,8 +249,8 @@ class PipelineRuntime:
     def _weight_backward(self, action: Action, state: _StepState) -> None:
         key = (action.micro_batch, action.chunk)
         params = self._trainable(action.chunk)
-        if key in state.param_groups:
-            stage_backward_weight(iter(params), state.param_groups[key])
+        if key in state.pending_weight:
+            backward_weight(state.pending_weight[key])
         elif params:
             torch.autograd.backward(state.outputs[key], state.output_grads[key], inputs=params)
         state.release(key)

@@ -30,22 +30,27 @@ def cases(pp: int) -> list[tuple[str, int]]:
 
 
 def _run_cases(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
-    """On each rank: one step per (schedule, m); loss, grads, measured peak and records (or the rejection)."""
+    """On each rank, one step per (schedule, m): what it produced, or the rejection message."""
     groups = current_groups()
     pp, out = groups.layout.pp, {}
     for name, m in todo:
         try:
             schedule = build_schedule(name, pp, m, vpp_of(name))
         except ScheduleError as exc:
-            out[(name, m)] = ("rejected", str(exc))
+            out[(name, m)] = {"rejected": str(exc)}
             continue
         chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, pp, vpp_of(name)), groups.pp_rank)
         runtime = PipelineRuntime(
             chunks, groups, schedule, activation_shape=(cfg.batch, cfg.seq, cfg.hidden), loss_fn=toy_model.loss_fn
         )
-        tokens, targets = toy_model.batch(cfg, m)
-        result = runtime.step(tokens, targets)
-        out[(name, m)] = ("ran", result.loss, toy_model.named_grads(chunks), result.peak_in_flight, result)
+        accumulations = toy_model.count_accumulations(chunks)
+        result = runtime.step(*toy_model.batch(cfg, m))
+        out[(name, m)] = {
+            "loss": result.loss,
+            "grads": toy_model.named_grads(chunks),
+            "result": result,
+            "accumulations": dict(accumulations),
+        }
     return out
 
 
@@ -69,8 +74,9 @@ def test_loss_and_gradients_equal_the_single_device_model(runs, name, pp, m):
     want_loss, want_grads = toy_model.reference(CFG, m)
     seen: set[str] = set()
     for rank, per_rank in enumerate(runs[pp]):
-        status, loss, grads, *_ = per_rank[(name, m)]
-        assert status == "ran", f"{name} pp={pp} m={m} rank {rank}: {loss}"
+        case = per_rank[(name, m)]
+        assert "rejected" not in case, f"{name} pp={pp} m={m} rank {rank}: {case.get('rejected')}"
+        loss, grads = case["loss"], case["grads"]
         assert abs(loss - want_loss) <= RTOL * abs(want_loss), f"{name} pp={pp} m={m} rank {rank}: loss {loss}"
         for param, grad in grads.items():
             assert_close(grad, want_grads[param], f"{name} pp={pp} m={m} rank {rank} grad of {param}")
@@ -81,19 +87,26 @@ def test_loss_and_gradients_equal_the_single_device_model(runs, name, pp, m):
 @pytest.mark.parametrize("name, pp, m", ran_cases(), ids=lambda v: str(v))
 def test_measured_peak_in_flight_equals_the_simulated_one(runs, name, pp, m):
     predicted = simulate(build_schedule(name, pp, m, vpp_of(name))).peak_in_flight
-    measured = tuple(per_rank[(name, m)][3] for per_rank in runs[pp])
+    measured = tuple(per_rank[(name, m)]["result"].peak_in_flight for per_rank in runs[pp])
     assert measured == predicted, f"{name} pp={pp} m={m}: measured {measured}, simulated {predicted}"
+
+
+@pytest.mark.parametrize("name, pp, m", ran_cases(), ids=lambda v: str(v))
+def test_every_parameter_accumulates_once_per_micro_batch_through_autograd(runs, name, pp, m):
+    """Data-parallel overlap counts post-accumulate-grad hooks; split backwards must fire them too."""
+    for rank, per_rank in enumerate(runs[pp]):
+        counts = per_rank[(name, m)]["accumulations"]
+        assert counts and set(counts.values()) == {m}, f"{name} pp={pp} m={m} rank {rank}: {counts}"
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_interleaved_rejects_a_micro_batch_count_pp_does_not_divide(runs, pp):
-    status, message = runs[pp][0][("interleaved", 5)]
-    assert status == "rejected"
+    message = runs[pp][0][("interleaved", 5)]["rejected"]
     assert "multiple of pp" in message and "\n" not in message, message
 
 
 def test_records_cover_every_action_in_order_on_a_shared_clock(runs):
-    results = [per_rank[("1f1b", 8)][4] for per_rank in runs[4]]
+    results = [per_rank[("1f1b", 8)]["result"] for per_rank in runs[4]]
     schedule = build_schedule("1f1b", 4, 8)
     for rank, result in enumerate(results):
         assert [t.action for t in result.records] == schedule[rank]

@@ -7,7 +7,7 @@ from any rank can be set beside the single-device model's.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +74,15 @@ def batch(cfg: ToyConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def named_grads(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Gradients under global parameter names (``block3.proj.weight``)."""
     return {name: p.grad.detach().clone() for chunk in chunks for name, p in chunk.named_parameters()}
+
+
+def count_accumulations(chunks: list[nn.Module]) -> Counter[str]:
+    """A counter of gradient accumulations per parameter name, kept up to date by post-accumulate-grad hooks."""
+    counts: Counter[str] = Counter()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: counts.update([name]))
+    return counts
 
 
 def reference(cfg: ToyConfig, m: int) -> tuple[float, dict[str, torch.Tensor]]:
