@@ -1,5 +1,14 @@
-"""Pipeline parallelism: layers -> chunks (partition), schedules as data (actions, schedule, p2p_order),
-their timing and deadlock check (simulate, gantt), and the executor of one rank's list (runtime)."""
+"""Pipeline parallelism.
+
+partition       layers -> model chunks -> ranks (uniform, by cost, explicit; Megatron interleaving)
+actions         the schedule IR: ``Action`` ("1F0", "0B3c1", "1RECV_F0"), per-rank lists, parse/format
+schedule        generators (gpipe, 1f1b, interleaved, zb-h1), ``SCHEDULES``, ``build_schedule``
+p2p_order       where SEND/RECV go so that no schedule can deadlock, even with NCCL's blocking sends
+simulate        timeline, bubble, peak in-flight activations, ``ScheduleDeadlock`` with a step x rank table
+gantt           text and PNG Gantt charts of a simulated or measured timeline
+split_backward  B (input gradient) and W (weight gradients) for zero-bubble schedules
+runtime         ``PipelineRuntime``: executes one rank's list with batched isend/irecv
+"""
 
 from modelpar.pipeline.actions import Action, ActionKind, Schedule, ScheduleError, format_schedule, parse_schedule
 from modelpar.pipeline.partition import (

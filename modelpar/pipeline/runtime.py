@@ -2,10 +2,10 @@
 
 The runtime decides nothing about order; the schedule does (``modelpar.pipeline.schedule``). Each run of
 consecutive SEND/RECV actions is posted, when the list reaches it, as one ``batch_isend_irecv``; a compute
-action waits for the batch holding the receive it consumes, and sends are waited for at the end of the step.
-That is the rule under which ``simulate`` proved the schedule cannot deadlock, NCCL's single p2p stream
-included. No tags are used, so gloo matches messages in order as NCCL does, and a misordered schedule
-fails here too.
+action waits for the batch holding the receive it consumes and, first, for every batch posted before it (as
+NCCL's single p2p stream would), which also lets go of the tensors sent so far. That is the rule under which
+``simulate`` proved the schedule cannot deadlock. No tags are used, so gloo matches messages in order as
+NCCL does, and a misordered schedule fails here too.
 
 What a chunk must look like (one ``torch.nn.Module`` per local virtual stage, local chunk ``c`` of rank
 ``r`` being model chunk ``c * pp + r``)::
@@ -54,7 +54,8 @@ class StepResult:
     """What one pipeline step returns on every rank of the pipeline group.
 
     ``records`` are this rank's actions with start/end in seconds since the step began (after a barrier over
-    the pipeline group, so ranks share an origin). A send's end is when the runtime saw it complete.
+    the pipeline group, so ranks share an origin). A SEND/RECV runs from its batch's posting until the
+    runtime waited for that batch.
     """
 
     loss: float  # mean over micro-batches, computed on the last stage and broadcast
@@ -62,10 +63,11 @@ class StepResult:
     peak_in_flight: int  # most (micro-batch, chunk) activations held at once on this rank
 
 
-@dataclass
+@dataclass(eq=False)
 class _PostedBatch:
     """One ``batch_isend_irecv`` in flight; holds its send tensors alive until it is waited for."""
 
+    index: int  # position in posting order
     actions: list[Action]
     works: list[dist.Work]
     tensors: list[torch.Tensor]
@@ -82,7 +84,8 @@ class _StepState:
     output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # chunk 0: B -> W
     pending_weight: dict[tuple[int, int], PendingWeightGrad] = field(default_factory=dict)  # other chunks: B -> W
     received: dict[Action, torch.Tensor] = field(default_factory=dict)  # RECV buffers by their action
-    batches: list[_PostedBatch] = field(default_factory=list)
+    batches: list[_PostedBatch] = field(default_factory=list)  # in posting order
+    waited: int = 0  # batches[:waited] are complete
     batch_of: dict[Action, _PostedBatch] = field(default_factory=dict)
     to_send: dict[Action, torch.Tensor] = field(default_factory=dict)  # SEND payloads by their action
     loss_sum: torch.Tensor | None = None
@@ -184,14 +187,15 @@ class PipelineRuntime:
             if batch[0].kind.is_compute:
                 recv = input_recv(batch[0], self.pp, self.last_stage)
                 if recv is not None:
-                    self._wait(state.batch_of[recv], t0)
+                    self._wait_through(state.batch_of[recv], state, t0)
                 start = time.perf_counter() - t0
                 self._compute(batch[0], state, micro_batches, targets)
                 records[batch[0]] = TimedAction(batch[0], start, time.perf_counter() - t0)
             else:
                 self._post(batch, state, t0)
+        if state.batches:
+            self._wait_through(state.batches[-1], state, t0)
         for posted in state.batches:
-            self._wait(posted, t0)
             records |= {a: TimedAction(a, posted.posted_at, posted.done_at) for a in posted.actions}
         loss = self._broadcast_loss(state)
         return StepResult(loss, tuple(records[a] for a in self.actions), state.peak)
@@ -271,22 +275,23 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.groups.pp_group))
                 state.received[action] = tensor
             tensors.append(tensor)
-        posted = _PostedBatch(batch, dist.batch_isend_irecv(ops), tensors, time.perf_counter() - t0)
+        posted = _PostedBatch(len(state.batches), batch, dist.batch_isend_irecv(ops), tensors, time.perf_counter() - t0)
         state.batches.append(posted)
         state.batch_of |= dict.fromkeys(batch, posted)
 
-    def _wait(self, posted: _PostedBatch, t0: float) -> None:
-        """Wait for a whole batch once; name the stuck actions if the backend gives up."""
-        if posted.done_at is not None:
-            return
-        try:
-            for work in posted.works:
-                work.wait()
-        except RuntimeError as exc:
-            names = " ".join(map(str, posted.actions))
-            raise RuntimeError(f"pipeline rank {self.rank} stuck in {names}: {exc}") from exc
-        posted.done_at = time.perf_counter() - t0
-        posted.tensors.clear()  # the payloads may go now; received ones live on in state.received
+    def _wait_through(self, last: _PostedBatch, state: _StepState, t0: float) -> None:
+        """Wait, in posting order, for every batch up to ``last``; name the stuck actions if the backend gives up."""
+        while state.waited <= last.index:
+            posted = state.batches[state.waited]
+            try:
+                for work in posted.works:
+                    work.wait()
+            except RuntimeError as exc:
+                names = " ".join(map(str, posted.actions))
+                raise RuntimeError(f"pipeline rank {self.rank} stuck in {names}: {exc}") from exc
+            posted.done_at = time.perf_counter() - t0
+            posted.tensors.clear()  # sent payloads may go now; received ones live on in state.received
+            state.waited += 1
 
     def _broadcast_loss(self, state: _StepState) -> float:
         holder = self.last_stage % self.pp
