@@ -1,0 +1,602 @@
+"""modelpar-bench: layout benchmarks of the trainer's step, raced run by run against PyTorch's own parallelism.
+
+    modelpar-bench                                              # recipes/bench.yaml: bench-tiny, the default sweep
+    modelpar-bench bench.sweep='[tp2,pp2-1f1b]' bench.rounds=3
+    modelpar-bench -m parallel=single,tp2,pp2,tp2-pp2 bench.sweep='[]'   # one layout per Hydra job
+    modelpar-bench bench.peak_tflops=989 trainer.device=cuda ...          # MFU against a GPU's peak
+
+For each layout (a ``bench.sweep`` entry such as ``tp2-pp2-1f1b-m8``, or the recipe's ``parallel`` group when
+the sweep is empty) the ranks (``modelpar.testing.run_on_ranks``: local processes, gloo over loopback, one
+thread each) build our ``Trainer`` and the peer of the layout (``modelpar.bench_peers``) from the same weights
+and data, then alternate: a warm-up step of each, one step of each with memory and communication meters on,
+then ``rounds`` x (``steps_per_round`` of ours, ``steps_per_round`` of the peer), each step timed between
+barriers (the slowest rank's time counts). From the timed steps it reports
+
+- tokens/s (median step), achieved TFLOP/s per rank and MFU against ``bench.peak_tflops`` per rank (0: a
+  one-thread fp32 matmul measured here); FLOPs per token are ``modelpar.flops.training_flops_per_token``,
+  6 N + 12 L h s (Kaplan et al. 2020; Chowdhery et al. 2022), model FLOPs without recomputation;
+- the measured bubble (idle compute time over ranks x span, from the runtime's per-action records of the
+  first pipeline) beside ``simulate`` of the schedule with the measured mean F/B(/W) durations; and for
+  pipelines the bubble-bound ideal ``single-rank tokens/s x ranks x m / (m + p - 1)`` when the sweep ran
+  ``single`` too;
+- peak activation memory per pipeline stage: the CUDA allocator's peak over the step on GPU, on CPU the
+  most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``);
+- communication bytes per step by kind (``modelpar.comm.record_comm``, summed over ranks) plus the
+  pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``);
+- the peer's tokens/s, our ratio to it, and whether the first step's losses agree (relative 1e-5).
+
+Results accumulate in ``bench.results_dir`` (``benchmarks/results``): ``bench.json`` (one row per layout; a
+rerun replaces its layout's row), ``bench.md``, ``bench_throughput.png`` and, per pipeline layout, the
+measured timeline of one step, ``bench_timeline_<layout>.png``. The table is printed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from modelpar.comm import record_comm
+from modelpar.config import ParallelConfig, TrainConfig, validate
+from modelpar.flops import model_shape, training_flops_per_token
+from modelpar.layout import SCHEDULES
+from modelpar.pipeline import Costs, Timeline, build_schedule, simulate
+from modelpar.pipeline.actions import SEND_B, SEND_F
+from modelpar.testing import run_on_ranks
+
+RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
+
+
+@dataclass
+class BenchOptions:
+    sweep: list[str] = field(default_factory=list)  # layout specs (``parse_layout``); empty: the recipe's layout
+    warmup: int = 1  # untimed steps of each side before the measured ones
+    rounds: int = 4  # ours, peer, ours, peer ...
+    steps_per_round: int = 2
+    peer: bool = True
+    peak_tflops: float = 0.0  # per rank; 0: measure a one-thread fp32 matmul
+    results_dir: str = "benchmarks/results"
+    name: str = "bench"  # file stem of the results
+    profile_rank: int = -1  # >= 0: cProfile our timed steps on this rank, top functions to <name>_profile_*.txt
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class BenchRecipe(TrainConfig):
+    """A training recipe plus the benchmark's own options (``bench.*``)."""
+
+    bench: BenchOptions = field(default_factory=BenchOptions)
+
+
+def register_bench_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="modelpar_bench_schema", node=BenchRecipe)
+
+
+# -- layouts --------------------------------------------------------------------------------------------------
+
+_SPEC_TOKEN = re.compile(r"^(tp|pp|dp|vpp|m)(\d+)$")
+
+
+def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
+    """``base`` with the settings of ``spec``: dash-separated ``tpN ppN dpN vppN mN sp`` and a schedule name
+    (``gpipe 1f1b interleaved zb-h1``); ``single`` is tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``, ``pp2-vpp2-interleaved``.
+    Unset degrees are 1; the schedule defaults to 1f1b (interleaved when vpp > 1); m to ``base.microbatches``."""
+    values: dict = dict(tp=1, pp=1, dp=1, vpp=1, sp=False, schedule="", microbatches=base.microbatches)
+    text = spec.strip().replace("zb-h1", "zbh1")
+    for token in [] if text == "single" else text.split("-"):
+        match = _SPEC_TOKEN.match(token)
+        if match:
+            values["microbatches" if match[1] == "m" else match[1]] = int(match[2])
+        elif token == "sp":
+            values["sp"] = True
+        elif token.replace("zbh1", "zb-h1") in SCHEDULES:
+            values["schedule"] = token.replace("zbh1", "zb-h1")
+        else:
+            raise ValueError(
+                f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, ppN, dpN, vppN, mN, sp or a schedule "
+                f"({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
+            )
+    values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
+    return replace(base, **values)
+
+
+def layout_name(p: ParallelConfig) -> str:
+    """The canonical spec of a layout, its key in ``bench.json``."""
+    if p.tp == p.pp == p.dp == 1:
+        return "single" + (f"-m{p.microbatches}" if p.microbatches != 8 else "")
+    parts = [f"{k}{getattr(p, k)}" for k in ("tp", "pp", "dp", "vpp") if getattr(p, k) > 1]
+    parts += ["sp"] * (p.sp and p.tp > 1)
+    if p.pp > 1:
+        parts.append(p.schedule)
+    if p.microbatches != 8:
+        parts.append(f"m{p.microbatches}")
+    return "-".join(parts)
+
+
+# -- activation memory on CPU ---------------------------------------------------------------------------------
+
+
+class SavedTensorMeter:
+    """Bytes held by tensors autograd saved for backward, live and at peak, counted once per storage.
+
+    Inside ``with meter:`` every saved tensor is packed into a holder that keeps it alive exactly as long as
+    autograd would (the graph owns the holder); the holder adds its storage's bytes when the first holder of
+    that storage is made and subtracts them when the last one dies. Parameters (``exclude``) are not
+    activations and are skipped. ``shapes`` tallies the saved tensors' shapes (for a breakdown).
+    """
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        self.excluded = {_storage_key(t) for t in exclude}
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[tuple, int] = {}
+        self.shapes: dict[tuple[tuple[int, ...], str], int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor):
+        key = _storage_key(tensor)
+        if key in self.excluded or isinstance(tensor, torch.nn.Parameter):
+            return tensor
+        count = self._refs.get(key, 0)
+        if count == 0:
+            self.live += key[2]
+            self.peak = max(self.peak, self.live)
+            sig = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+            self.shapes[sig] = self.shapes.get(sig, 0) + 1
+        self._refs[key] = count + 1
+        return _Saved(self, key, tensor)
+
+    def _release(self, key: tuple) -> None:
+        count = self._refs[key] - 1
+        if count:
+            self._refs[key] = count
+        else:
+            del self._refs[key]
+            self.live -= key[2]
+
+
+class _Saved:
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, meter: SavedTensorMeter, key: tuple, tensor: torch.Tensor):
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    storage = t.untyped_storage()
+    return (t.device.type, storage.data_ptr(), storage.nbytes())
+
+
+# -- on every rank --------------------------------------------------------------------------------------------
+
+
+class _StepRecorder:
+    """Keeps the ``StepResult`` of the runtime's last step (the trainer's step returns only metrics)."""
+
+    def __init__(self, runtime):
+        self.last = None
+        self._step = runtime.step
+        runtime.step = self
+
+    def __call__(self, *args, **kwargs):
+        self.last = self._step(*args, **kwargs)
+        return self.last
+
+
+def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -> tuple[float, float]:
+    """(seconds, loss) of ``fn()``, started after a barrier so that every rank's clock starts together."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    loss = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.disable()
+    return time.perf_counter() - start, loss
+
+
+def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
+    """One rank's measurements of ours and the peer (see the module docstring for the order of steps)."""
+    from modelpar.bench_peers import Peer, peer_name
+    from modelpar.data import WindowSampler
+    from modelpar.trainer import Trainer, build_partition, transformer_config
+
+    opts = cfg.bench
+    torch.manual_seed(cfg.trainer.seed)
+    trainer = Trainer(cfg, data_path, None)
+    recorder = _StepRecorder(trainer.runtime)
+    device = trainer.device
+    peer = None
+    if opts.peer and peer_name(cfg) is not None:
+        peer = Peer(cfg, transformer_config(cfg), build_partition(cfg), device)
+        peer_sampler = WindowSampler(
+            trainer.tokens.num_windows,
+            cfg.data.global_batch,
+            trainer.groups.dp_rank,
+            trainer.layout.dp,
+            cfg.data.seed,
+        )
+
+    def ours() -> float:
+        return trainer.train_step().loss
+
+    def theirs() -> float:
+        inputs, targets = trainer.tokens.batch(peer_sampler.next_batch())
+        return peer.step(inputs.to(device), targets.to(device))
+
+    out: dict = {"rank": dist.get_rank(), "pp_rank": trainer.groups.pp_rank, "tp_rank": trainer.groups.tp_rank}
+    out["dp_rank"] = trainer.groups.dp_rank
+    sides = [("ours", ours)] + [("peer", theirs)] * (peer is not None)
+    first = {name: _timed(fn, device)[1] for name, fn in sides}
+    out["first_loss"] = first
+    for _ in range(opts.warmup - 1):
+        for _, fn in sides:
+            _timed(fn, device)
+    out |= _measure_memory_and_comm(trainer, recorder, ours, device)
+    profiler = cProfile.Profile() if opts.profile_rank == dist.get_rank() else None
+    times: dict[str, list[float]] = {name: [] for name, _ in sides}
+    losses: dict[str, list[float]] = {name: [] for name, _ in sides}
+    records = []
+    for _ in range(opts.rounds):
+        for name, fn in sides:
+            for _ in range(opts.steps_per_round):
+                seconds, loss = _timed(fn, device, profiler if name == "ours" else None)
+                times[name].append(seconds)
+                losses[name].append(loss)
+                if name == "ours":
+                    records.append(recorder.last.records)
+    out |= {"times": times, "losses": losses, "records": records}
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        out["profile"] = text.getvalue()
+    return out
+
+
+def _measure_memory_and_comm(trainer, recorder, step, device: torch.device) -> dict:
+    """One step with the memory meter (saved tensors on CPU, allocator peak on CUDA) and ``record_comm`` on."""
+    params = [p for p, _ in trainer.model.params]
+    meter = SavedTensorMeter(exclude=params)
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    with record_comm() as log, meter if device.type != "cuda" else contextlib.nullcontext():
+        step()
+    if device.type == "cuda":
+        activation_peak = torch.cuda.max_memory_allocated() - before
+    else:
+        activation_peak = meter.peak
+    comm = log.by_kind()
+    sends = sum(1 for a in trainer.runtime.actions if a.kind in (SEND_F, SEND_B))
+    if sends:
+        elements = 1
+        for n in trainer.runtime.activation_shape:
+            elements *= n
+        comm["p2p_send"] = sends * elements * torch.tensor([], dtype=trainer.runtime.dtype).element_size()
+    return {"activation_peak_bytes": activation_peak, "comm_bytes": comm}
+
+
+# -- in the launching process --------------------------------------------------------------------------------
+
+
+def matmul_peak_tflops(n: int = 1024, reps: int = 10) -> float:
+    """TFLOP/s of a square fp32 matmul on one thread (median of ``reps``): the CPU MFU reference."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: str | None) -> dict:
+    """The row of one layout: medians over the timed steps (each step's time is its slowest rank's)."""
+    p = cfg.parallel
+    layout = p.layout()
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    flops = training_flops_per_token(model_shape(cfg.model), cfg.data.seq_len) * tokens
+
+    def side(name: str) -> dict | None:
+        if name not in per_rank[0]["times"]:
+            return None
+        steps = [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
+        step_s = statistics.median(steps)
+        tflops = flops / step_s / layout.world_size / 1e12
+        return {
+            "step_s": step_s,
+            "step_s_all": steps,
+            "tokens_per_s": tokens / step_s,
+            "tflops_per_rank": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops > 0 else None,
+            "first_loss": per_rank[0]["first_loss"][name],
+            "losses": per_rank[0]["losses"][name],
+        }
+
+    ours, theirs = side("ours"), side("peer")
+    pipeline = sorted((r for r in per_rank if r["tp_rank"] == 0 and r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    timelines = [Timeline(tuple(r["records"][i] for r in pipeline)) for i in range(len(pipeline[0]["records"]))]
+    durations = _mean_durations(timelines)
+    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)
+    row = {
+        "layout": layout_name(p),
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "vpp": p.vpp,
+        "sp": p.sp,
+        "schedule": p.schedule if p.pp > 1 else "none",
+        "micro_batches": p.microbatches,
+        "world_size": layout.world_size,
+        "tokens_per_step": tokens,
+        "model_flops_per_step": flops,
+        "peak_tflops_per_rank": peak_tflops,
+        "ours": ours,
+        "peer_name": peer,
+        "peer": theirs,
+        "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None,
+        "first_loss_rel_diff": abs(ours["first_loss"] - theirs["first_loss"]) / abs(ours["first_loss"])
+        if theirs
+        else None,
+        "bubble_measured": statistics.median(t.bubble_fraction for t in timelines),
+        "bubble_simulated": simulate(schedule, Costs.from_mapping(durations)).bubble_fraction,
+        "mean_action_ms": {k: v * 1e3 for k, v in durations.items()},
+        "activation_peak_bytes_per_stage": [r["activation_peak_bytes"] for r in pipeline],
+        "comm_bytes_per_step": _sum_comm(per_rank),
+    }
+    row["losses_agree"] = row["first_loss_rel_diff"] <= 1e-5 if theirs else None
+    row["_timeline"] = timelines[-1]
+    return row
+
+
+def _mean_durations(timelines: list[Timeline]) -> dict[str, float]:
+    by_kind: dict[str, list[float]] = {}
+    for timeline in timelines:
+        for row in timeline.rows:
+            for timed in row:
+                if timed.action.kind.is_compute:
+                    by_kind.setdefault(timed.action.kind.value, []).append(timed.duration)
+    return {kind: statistics.fmean(values) for kind, values in sorted(by_kind.items())}
+
+
+def _sum_comm(per_rank: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in per_rank:
+        for kind, nbytes in r["comm_bytes"].items():
+            total[kind] = total.get(kind, 0) + nbytes
+    return dict(sorted(total.items()))
+
+
+def add_ideal(rows: dict[str, dict]) -> None:
+    """Pipeline rows get the bubble-bound ideal from the single-rank row (same model and batch), if any."""
+    for row in rows.values():
+        single = rows.get("single" + (f"-m{row['micro_batches']}" if row["micro_batches"] != 8 else ""))
+        if row["pp"] > 1 and row["tp"] == row["dp"] == 1 and single:
+            m, p = row["micro_batches"], row["pp"]
+            ideal = single["ours"]["tokens_per_s"] * p * m / (m + p - 1)
+            row["bubble_bound_ideal_tokens_per_s"] = ideal
+            row["fraction_of_ideal"] = row["ours"]["tokens_per_s"] / ideal
+
+
+# -- report ---------------------------------------------------------------------------------------------------
+
+COLUMNS = (
+    "layout",
+    "ranks",
+    "ours tok/s",
+    "peer",
+    "peer tok/s",
+    "ratio",
+    "TFLOP/s/rank",
+    "MFU",
+    "bubble meas/sim",
+    "of ideal",
+    "act. MiB per stage",
+    "comm MiB/step",
+    "loss rel. diff",
+)
+
+
+def table_rows(rows: dict[str, dict]) -> list[list[str]]:
+    out = []
+    for row in rows.values():
+        ours, peer = row["ours"], row["peer"]
+        mib = [f"{b / 2**20:.1f}" for b in row["activation_peak_bytes_per_stage"]]
+        comm = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in row["comm_bytes_per_step"].items()) or "-"
+        out.append(
+            [
+                row["layout"],
+                str(row["world_size"]),
+                f"{ours['tokens_per_s']:,.0f}",
+                row["peer_name"] or "-",
+                f"{peer['tokens_per_s']:,.0f}" if peer else "-",
+                f"{row['ratio']:.2f}x" if row["ratio"] else "-",
+                f"{ours['tflops_per_rank']:.4f}",
+                f"{ours['mfu']:.1%}" if ours["mfu"] is not None else "-",
+                f"{row['bubble_measured']:.1%} / {row['bubble_simulated']:.1%}",
+                f"{row['fraction_of_ideal']:.2f}" if "fraction_of_ideal" in row else "-",
+                " / ".join(mib),
+                comm,
+                f"{row['first_loss_rel_diff']:.1e}" if peer else "-",
+            ]
+        )
+    return out
+
+
+def markdown_table(rows: dict[str, dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(rows)]
+    return "\n".join(lines)
+
+
+def text_table(rows: dict[str, dict]) -> str:
+    body = table_rows(rows)
+    widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(lines)
+
+
+def plot_throughput(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    ours = [rows[n]["ours"]["tokens_per_s"] for n in names]
+    peer = [rows[n]["peer"]["tokens_per_s"] if rows[n]["peer"] else 0.0 for n in names]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
+    ax.bar([i - 0.2 for i in x], ours, width=0.4, label="modelpar")
+    ax.bar([i + 0.2 for i in x], peer, width=0.4, label="PyTorch peer")
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("throughput per layout (median step)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
+    """Merge ``new_rows`` into ``<results_dir>/<name>.json`` and rewrite the table, plots and timelines."""
+    from modelpar.pipeline.gantt import render_png
+
+    out_dir = Path(cfg.bench.results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{cfg.bench.name}.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    rows = report.get("rows", {})
+    for row in new_rows:
+        timeline = row.pop("_timeline")
+        if row["pp"] > 1:
+            png = out_dir / f"{cfg.bench.name}_timeline_{row['layout']}.png"
+            title = f"{row['layout']}: one measured step, bubble {row['bubble_measured']:.1%}"
+            render_png(timeline, str(png), title=title)
+            row["timeline_png"] = png.name
+        rows[row["layout"]] = row
+    add_ideal(rows)
+    report = {
+        "model": asdict(cfg.model),
+        "data": {"seq_len": cfg.data.seq_len, "global_batch": cfg.data.global_batch},
+        "trainer": {"device": cfg.trainer.device, "dtype": cfg.trainer.dtype, "threads_per_rank": 1},
+        "bench": {k: v for k, v in asdict(cfg.bench).items() if k not in ("sweep", "results_dir", "name")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0],
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "flops": "modelpar.flops.training_flops_per_token: 6 N + 12 L h s per token (model FLOPs)",
+        "rows": rows,
+    }
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    (out_dir / f"{cfg.bench.name}.md").write_text(
+        f"# modelpar-bench: {cfg.model.name}, batch {cfg.data.global_batch} x {cfg.data.seq_len}\n\n"
+        f"{markdown_table(rows)}\n\n"
+        "ratio: our tokens/s over the peer's, interleaved run by run; bubble: idle compute over ranks x span, "
+        "measured from the runtime's records / simulated with the measured mean F/B/W; of ideal: tokens/s over "
+        "single-rank tokens/s x ranks x m/(m+p-1); act.: peak bytes of saved activations per pipeline stage; "
+        "comm: bytes per step summed over ranks.\n"
+    )
+    plot_throughput(rows, out_dir / f"{cfg.bench.name}_throughput.png")
+    return rows
+
+
+def run(cfg: BenchRecipe) -> dict[str, dict]:
+    """Benchmark every layout of ``cfg.bench.sweep`` (or ``cfg.parallel``); returns all rows of the results."""
+    from modelpar.bench_peers import peer_name
+    from modelpar.data import DataError, TokenFile
+    from modelpar.train import resolve_data
+
+    opts = cfg.bench
+    layouts = [parse_layout(s, cfg.parallel) for s in opts.sweep] or [cfg.parallel]
+    cases = []
+    for parallel in layouts:
+        case = replace(cfg, parallel=parallel)
+        case.trainer.steps = max(case.trainer.steps, 1 + opts.warmup + opts.rounds * opts.steps_per_round)
+        validate(case)
+        cases.append(case)
+    train_path, _ = resolve_data(cfg)
+    if TokenFile.open(train_path, cfg.model.vocab_size, cfg.data.seq_len).num_windows < cfg.data.global_batch:
+        raise DataError(f"{train_path} holds fewer than data.global_batch={cfg.data.global_batch} windows")
+    peak = opts.peak_tflops or run_on_ranks(1, matmul_peak_tflops)[0]
+    print(f"modelpar-bench: {cfg.model.name}, {len(cases)} layouts, MFU against {peak:.4f} TFLOP/s per rank")
+    rows = []
+    for case in cases:
+        name = layout_name(case.parallel)
+        peer = peer_name(case) if opts.peer else None
+        print(f"modelpar-bench: {name} ({case.parallel.layout().world_size} ranks) vs {peer or 'no peer'}", flush=True)
+        world = case.parallel.layout().world_size
+        per_rank = run_on_ranks(world, bench_rank, case, train_path, timeout_s=opts.timeout_s)
+        row = summarize(case, per_rank, peak, peer)
+        rows.append(row)
+        for r in per_rank:
+            if "profile" in r:
+                out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_rank{r['rank']}.txt"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(r["profile"])
+    all_rows = write_results(cfg, rows)
+    print(text_table({r["layout"]: all_rows[r["layout"]] for r in rows}), flush=True)
+    return all_rows
+
+
+register_bench_schema()
+
+
+@hydra.main(version_base="1.3", config_path=RECIPES, config_name="bench")
+def _app(dcfg: DictConfig) -> None:
+    cfg: BenchRecipe = OmegaConf.to_object(dcfg)
+    try:
+        run(cfg)
+    except ValueError as exc:
+        print(f"modelpar-bench: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    _app()
+
+
+__all__ = ["BenchOptions", "BenchRecipe", "SavedTensorMeter", "main", "parse_layout", "run"]
