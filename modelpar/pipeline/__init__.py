@@ -8,6 +8,9 @@ simulate        timeline, bubble, peak in-flight activations, ``ScheduleDeadlock
 gantt           text and PNG Gantt charts of a simulated or measured timeline
 split_backward  B (input gradient) and W (weight gradients) for zero-bubble schedules
 runtime         ``PipelineRuntime``: executes one rank's list with batched isend/irecv
+
+The function ``simulate`` is re-exported here, so as a package attribute it hides the module of that name:
+write ``from modelpar.pipeline.simulate import ...``, not ``import modelpar.pipeline.simulate as s``.
 """
 
 from modelpar.pipeline.actions import Action, ActionKind, Schedule, ScheduleError, format_schedule, parse_schedule
