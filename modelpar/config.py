@@ -90,6 +90,12 @@ class TrainerConfig:
     sample_tokens: int = 64
     progress: bool = True
     peak_tflops: float = 0.0  # per rank, for MFU; 0: a CPU estimate is not reported
+    nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the step on every rank, or halt
+    spike_factor: float = 0.0  # > 0: a loss above this factor x the recent mean is a spike
+    spike_action: str = "skip"  # skip | halt
+    check_every: int = 25  # steps between replica-drift and straggler checks (0: never)
+    drift_action: str = "warn"  # warn | halt
+    straggler_factor: float = 2.0  # a rank whose compute time exceeds this x the median is named
 
 
 @dataclass
@@ -172,6 +178,15 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(f"optim.zero={cfg.optim.zero} must be 0 or 1 (ZeRO-1 shards optimizer state over dp)")
     if cfg.trainer.dtype not in ("auto", "fp32", "bf16"):
         raise RecipeError(f"trainer.dtype={cfg.trainer.dtype!r} must be auto, fp32 or bf16")
+    for key, value, allowed in (
+        ("trainer.nonfinite", cfg.trainer.nonfinite, ("skip", "halt")),
+        ("trainer.spike_action", cfg.trainer.spike_action, ("skip", "halt")),
+        ("trainer.drift_action", cfg.trainer.drift_action, ("warn", "halt")),
+    ):
+        if value not in allowed:
+            raise RecipeError(f"{key}={value!r} must be one of {', '.join(allowed)}")
+    if cfg.trainer.timeout_s <= 0:
+        raise RecipeError(f"trainer.timeout_s={cfg.trainer.timeout_s} must be > 0 (seconds before a stuck rank fails)")
     if cfg.trainer.device not in ("auto", "cpu", "cuda"):
         raise RecipeError(f"trainer.device={cfg.trainer.device!r} must be auto, cpu or cuda")
     return layout

@@ -16,6 +16,7 @@ from modelpar.layout import ParallelLayout
 
 DEFAULT_TIMEOUT_S = 300.0
 LOCAL_ADDR = "127.0.0.1"
+_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)  # of the world; every group we create inherits it
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,14 @@ def init_distributed(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
         init_method=init_method or f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=_timeout,
     )
     return env
 
@@ -168,7 +171,7 @@ class ParallelGroups:
             ("embedding", layout.all_embedding_groups()),
         ):
             for ranks in groups:
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=_timeout)
                 if rank in ranks:
                     mine[kind] = (group, tuple(ranks))
         built = cls(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -61,12 +62,14 @@ def launch(
     *args: Any,
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,
+    flight_dir: str | None = None,
 ) -> None:
     """Run ``fn(*args)`` on every rank of a ``world_size`` job.
 
     Under torchrun or SLURM this process is one rank: it joins the job described by the environment.
     Otherwise ``world_size`` local processes are spawned (gloo on CPU, one per GPU with NCCL).
-    Raises ``LaunchError`` naming the first rank that failed.
+    Raises ``LaunchError`` naming the first rank that failed; with ``flight_dir`` (where the ranks' flight
+    recorders write), the message also names the rank that stopped making progress and its action.
     """
     env = launch_env_from_environ()
     if env is not None:
@@ -93,7 +96,7 @@ def launch(
     for p in procs:
         p.start()
     try:
-        _watch(procs, errors)
+        _watch(procs, errors, flight_dir)
     finally:
         for p in procs:
             if p.is_alive():
@@ -105,21 +108,37 @@ def launch(
                 p.join()
 
 
-def _watch(procs: list, errors) -> None:
+def _watch(procs: list, errors, flight_dir: str | None) -> None:
     """Wait for every rank; on the first failure, give the others a moment to report, then raise."""
     while True:
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
             reports = _drain(errors, deadline=time.monotonic() + _STOP_GRACE_S)
+            alive = [r for r, p in enumerate(procs) if p.exitcode is None]
+            hang = _hang_summary(flight_dir, alive)
             if reports:
                 rank = next(iter(reports))  # the first to report is the likeliest cause; the rest follow it
                 message, trace = reports[rank]
-                raise LaunchError(rank, f"rank {rank} failed: {message}\n{trace}")
+                raise LaunchError(rank, f"rank {rank} failed: {message}\n{trace.rstrip()}{hang}")
             rank = failed[0]
-            raise LaunchError(rank, f"rank {rank} died with exit code {procs[rank].exitcode}")
+            code = procs[rank].exitcode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            raise LaunchError(rank, f"rank {rank} died ({how}); the other ranks were stopped{hang}")
         if all(p.exitcode == 0 for p in procs):
             return
         time.sleep(0.05)
+
+
+def _hang_summary(flight_dir: str | None, alive: list[int]) -> str:
+    """The flight recorders' account of who was stuck where, when there are records to read."""
+    if flight_dir is None:
+        return ""
+    from modelpar.flight import hang_report, read_flight
+
+    snapshots = read_flight(flight_dir)
+    if not snapshots:
+        return ""
+    return "\n" + hang_report(snapshots, suspects=alive or None)
 
 
 def _drain(errors, deadline: float) -> dict[int, tuple[str, str]]:

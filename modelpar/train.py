@@ -99,6 +99,7 @@ def run(cfg: TrainConfig) -> None:
             resume_from,
             timeout_s=cfg.trainer.timeout_s,
             threads_per_rank=cfg.trainer.threads_per_rank,
+            flight_dir=str(out_dir / "flight"),
         )
     except LaunchError as exc:
         print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)

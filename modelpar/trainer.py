@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +28,10 @@ from modelpar.checkpoint import Piece, latest_checkpoint, load_pieces, load_rank
 from modelpar.config import TrainConfig
 from modelpar.data import TokenFile, WindowSampler
 from modelpar.distributed import ParallelGroups
+from modelpar.faults import fire, parse_faults
+from modelpar.flight import FlightRecorder
 from modelpar.flops import model_shape, training_flops_per_token
+from modelpar.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.model import ModelChunk, TransformerConfig, build_chunk
 from modelpar.optim import (
     GradientSynchronizer,
@@ -193,7 +197,10 @@ class StepMetrics:
     tokens_per_s: float
     step_time_s: float
     mfu: float | None
-    skipped: bool = False
+    skipped: str | None = None  # why the update was not applied (non-finite, spike), else None
+    skipped_total: int = 0
+    stragglers: list[int] | None = None  # ranks named slow at this step's check
+    drift: list[str] | None = None  # parameters found differing at this step's check
 
 
 class Trainer:
@@ -242,8 +249,24 @@ class Trainer:
         self.flops_per_step = training_flops_per_token(model_shape(cfg.model), cfg.data.seq_len) * (
             cfg.data.global_batch * cfg.data.seq_len
         )
+        t = cfg.trainer
+        self.guard = LossGuard(t.nonfinite, t.spike_factor, t.spike_action)
+        self.faults = parse_faults()
+        g = self.groups
+        self.flight = FlightRecorder(
+            self.out_dir / "flight", self.rank, f"pp {g.pp_rank} tp {g.tp_rank} dp {g.dp_rank}"
+        )
+        self.runtime.observer = self.flight
+        self._compute_s = 0.0
+        if self.faults:
+            for chunk in self.model.chunks:
+                chunk.register_forward_pre_hook(self._forward_faults)
         if resume_from:
             self.resume(Path(resume_from))
+
+    def _forward_faults(self, module, args) -> None:
+        for kind in ("sleep", "kill", "delay"):
+            fire(self.faults, kind, self.rank, self.step)
 
     # -- one step ------------------------------------------------------------------------------------------
 
@@ -259,7 +282,9 @@ class Trainer:
             p.grad = None
         if self.sync is not None:
             self.sync.expect_micro_batches(self.micro_batches)  # buckets all-reduce during the last backward
+        self.flight.step = self.step
         result = self.runtime.step(micro_inputs, micro_targets)
+        self._compute_s = sum(r.end - r.start for r in result.records if r.action.kind.is_compute)
         if self.sync is not None:
             self.sync.wait()
         # tp and tied-embedding reductions are sums, so they commute with the dp average; after it, because
@@ -276,12 +301,20 @@ class Trainer:
             )
         lr = lr_at(self.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
         set_lr(self.optimizer, lr)
-        skipped = not math.isfinite(norm)
-        if not skipped:
+        loss = self._dp_mean(result.loss)
+        if fire(self.faults, "nan", self.rank, self.step):
+            loss = self._dp_mean(math.nan)  # as if this rank's batch were poisoned: every replica sees it
+        skipped = self.guard.check(self.step, loss, norm)  # same inputs on every rank: the same decision
+        if skipped is None:
             self.optimizer.step()
         self.optimizer.zero_grad()
-        loss = self._dp_mean(result.loss)
+        if fire(self.faults, "perturb", self.rank, self.step):
+            with torch.no_grad():
+                self.model.params[0][0].add_(1e-3)
         self.step += 1
+        stragglers = drift = None
+        if cfg.trainer.check_every and self.step % cfg.trainer.check_every == 0:
+            stragglers, drift = self.check_health()
         elapsed = time.perf_counter() - start
         tokens = cfg.data.global_batch * cfg.data.seq_len
         peak = cfg.trainer.peak_tflops * 1e12 * self.layout.world_size
@@ -294,7 +327,42 @@ class Trainer:
             step_time_s=elapsed,
             mfu=(self.flops_per_step / elapsed / peak) if peak > 0 else None,
             skipped=skipped,
+            skipped_total=self.guard.skipped,
+            stragglers=stragglers,
+            drift=drift,
         )
+
+    def check_health(self) -> tuple[list[int], list[str]]:
+        """Straggler and replica-drift checks (collective over the world); logs on rank 0, may halt."""
+        slow, times = find_stragglers(self._compute_s, self.cfg.trainer.straggler_factor)
+        drift = self._find_drift()
+        if self.rank == 0 and slow:
+            listing = ", ".join(f"rank {r}: {times[r] * 1e3:.1f} ms" for r in slow)
+            median = sorted(times)[len(times) // 2]
+            print(f"modelpar-train: straggler at step {self.step}: {listing} (median {median * 1e3:.1f} ms)")
+        if drift:
+            message = f"replica drift at step {self.step} (seen by rank {self.rank}): " + "; ".join(drift)
+            if self.cfg.trainer.drift_action == "halt":
+                raise HealthError(message + "; halting (trainer.drift_action=halt)")
+            print(f"modelpar-train: {message}", flush=True)
+        return slow, drift
+
+    def _find_drift(self) -> list[str]:
+        """Values that must agree: everything across dp replicas, tp-replicated rows, the tied embedding."""
+        g = self.groups
+        named = [(info.name, p) for p, info in self.model.params]
+        problems = find_drift(named, g.dp_group, list(g.dp_ranks))
+        replicated = []
+        for chunk in self.model.chunks:
+            for name, shard in chunk.logical_shards().items():
+                if shard.replicated_over_tp:
+                    replicated.append((name, shard.tensor))
+        problems += find_drift(replicated, g.tp_group, list(g.tp_ranks))
+        if self.model.tied and g.embedding_group is not None:
+            problems += find_drift(
+                [("embed_tokens.weight", self.model.tied[0])], g.embedding_group, list(g.embedding_ranks)
+            )
+        return problems
 
     def _sync_tied_embedding(self) -> None:
         """The embedding on the first stage and its copy on the last stage get the sum of both gradients."""
@@ -326,9 +394,9 @@ class Trainer:
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
         }
-        return save_checkpoint(
-            self.ckpt_root, self.step, model_pieces(self.model.chunks), rank_state, meta, self.cfg.trainer.keep_last
-        )
+        rank_state = _crash_midway(rank_state, self.faults, self.rank, self.step)
+        pieces = model_pieces(self.model.chunks)
+        return save_checkpoint(self.ckpt_root, self.step, pieces, rank_state, meta, self.cfg.trainer.keep_last)
 
     def resume(self, ckpt: Path) -> None:
         index = read_index(ckpt)
@@ -371,6 +439,26 @@ class Trainer:
                     self.save()
         if progress is not None:
             progress.close()
+        self.flight.close()
+
+
+def _crash_midway(state: dict, faults, rank: int, step: int):
+    """The rank's state, wrapped so that the save dies after its model file is written and before the rest."""
+    if not any(f.kind == "save_crash" and f.rank == rank and f.step == step for f in faults):
+        return state
+
+    class Crashing(Mapping):
+        def __getitem__(self, key):
+            return state[key]
+
+        def __iter__(self):
+            fire(faults, "save_crash", rank, step)
+            return iter(state)
+
+        def __len__(self):
+            return len(state)
+
+    return Crashing()
 
 
 def _no_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

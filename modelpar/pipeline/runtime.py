@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,22 @@ from modelpar.pipeline.simulate import TimedAction, Timeline, check_schedule, pe
 from modelpar.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ActionObserver(Protocol):
+    """Told when each action starts and ends (a flight recorder, for hang reports)."""
+
+    def begin(self, label: str, waiting: bool = False) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class _NoObserver:
+    def begin(self, label: str, waiting: bool = False) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,7 @@ class PipelineRuntime:
             first_param = next((p for c in self.chunks for p in c.parameters()), None)
             device = first_param.device if first_param is not None else "cpu"
         self.device = torch.device(device)
+        self.observer: ActionObserver = _NoObserver()  # e.g. a FlightRecorder: told each action as it starts
 
     # -- one step -----------------------------------------------------------------------------------------
 
@@ -183,21 +201,30 @@ class PipelineRuntime:
         dist.barrier(group=self.groups.pp_group)  # a shared time origin, so records line up across ranks
         t0 = time.perf_counter()
         records: dict[Action, TimedAction] = {}
+        observer = self.observer
         for batch in comm_batches(self.actions):
             if batch[0].kind.is_compute:
                 recv = input_recv(batch[0], self.pp, self.last_stage)
                 if recv is not None:
+                    observer.begin(f"wait {recv}", waiting=True)
                     self._wait_through(state.batch_of[recv], state, t0)
+                    observer.end()
+                observer.begin(str(batch[0]))
                 start = time.perf_counter() - t0
                 self._compute(batch[0], state, micro_batches, targets)
                 records[batch[0]] = TimedAction(batch[0], start, time.perf_counter() - t0)
+                observer.end()
             else:
                 self._post(batch, state, t0)
         if state.batches:
+            observer.begin(f"wait {' '.join(map(str, state.batches[-1].actions))}", waiting=True)
             self._wait_through(state.batches[-1], state, t0)
+            observer.end()
         for posted in state.batches:
             records |= {a: TimedAction(a, posted.posted_at, posted.done_at) for a in posted.actions}
+        observer.begin("loss broadcast", waiting=True)
         loss = self._broadcast_loss(state)
+        observer.end()
         return StepResult(loss, tuple(records[a] for a in self.actions), state.peak)
 
     def _compute(

@@ -1,0 +1,118 @@
+"""A flight recorder per rank: what it is doing now and its last events, always on disk within a second.
+
+A stuck rank cannot report itself, and the ranks waiting on it only learn that a collective timed out. So
+every rank keeps a small ring of events (step, action, start, end) and a background thread writes it to
+``<out_dir>/flight/rank-00003.json`` every ``period_s`` (and once more on exit). After a failure the launcher
+reads these files and names the rank that stopped making progress and the action it was in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+
+class FlightRecorder:
+    """``begin(label)`` / ``end()`` around each action; ``step`` is set by the trainer."""
+
+    def __init__(self, directory: str | Path, rank: int, where: str = "", capacity: int = 64, period_s: float = 1.0):
+        self.path = Path(directory) / f"rank-{rank:05d}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.where = where  # e.g. "pp 0 tp 1 dp 0": action labels use pipeline ranks
+        self.step = 0
+        self.current: tuple[str, float, bool] | None = None
+        self.events: deque[tuple[int, str, float, float]] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._period = period_s
+        self._thread = threading.Thread(target=self._run, name="flight-recorder", daemon=True)
+        self._thread.start()
+
+    def begin(self, label: str, waiting: bool = False) -> None:
+        """Start ``label``; ``waiting``: it waits on other ranks (a receive), rather than computing."""
+        self.current = (label, time.time(), waiting)
+
+    def end(self) -> None:
+        if self.current is not None:
+            label, start, _ = self.current
+            self.events.append((self.step, label, start, time.time()))
+            self.current = None
+
+    def snapshot(self) -> dict:
+        current = self.current
+        return {
+            "rank": self.rank,
+            "where": self.where,
+            "pid": os.getpid(),
+            "step": self.step,
+            "now": time.time(),
+            "current": None if current is None else {"action": current[0], "since": current[1], "waiting": current[2]},
+            "last_progress": self.events[-1][3] if self.events else None,
+            "events": [{"step": s, "action": a, "start": t0, "end": t1} for s, a, t0, t1 in list(self.events)],
+        }
+
+    def dump(self) -> None:
+        with self._lock:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(self.snapshot()))
+            os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._period)
+        self.dump()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.dump()
+            except OSError:
+                return  # the run directory went away: nothing left to report into
+
+
+def read_flight(directory: str | Path) -> list[dict]:
+    """Every rank's last snapshot, in rank order (ranks that never wrote one are absent)."""
+    out = []
+    for path in sorted(Path(directory).glob("rank-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def hang_report(snapshots: list[dict], suspects: list[int] | None = None) -> str:
+    """One line naming the rank that stopped making progress, then a line per rank.
+
+    ``suspects``: ranks still running after the others gave up (the launcher knows them). Among the
+    candidates, a rank computing (not waiting on a receive) for the longest time is the stuck one.
+    """
+    if not snapshots:
+        return "no flight records were written"
+    now = max(s["now"] for s in snapshots)
+
+    def stalled_since(s: dict) -> float:
+        if s["current"] is not None:
+            return s["current"]["since"]
+        return s["last_progress"] or now
+
+    def waiting(s: dict) -> bool:
+        return bool(s["current"] and s["current"].get("waiting"))
+
+    candidates = [s for s in snapshots if suspects and s["rank"] in suspects] or snapshots
+    stuck = min(candidates, key=lambda s: (waiting(s), stalled_since(s)))
+    current = stuck["current"]["action"] if stuck["current"] else "between actions"
+    where = f" ({stuck['where']})" if stuck.get("where") else ""
+    lines = [
+        f"rank {stuck['rank']}{where} stuck in {current} at step {stuck['step']} "
+        f"(no progress for {now - stalled_since(stuck):.0f} s)"
+    ]
+    for s in snapshots:
+        doing = s["current"]["action"] if s["current"] else "idle"
+        lines.append(f"  rank {s['rank']:>3}: step {s['step']}, in {doing} for {now - stalled_since(s):.0f} s")
+    return "\n".join(lines)
