@@ -1,0 +1,132 @@
+"""modelpar-bench: layouts parse, the meters count what they claim, a tiny sweep reports every field, and the
+PyTorch peers start from our weights (their first loss equals ours). No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from modelpar.bench import RECIPES, SavedTensorMeter, layout_name, parse_layout
+from modelpar.bench_peers import regroup_rows
+from modelpar.config import ParallelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        ("single", dict(tp=1, pp=1, dp=1, vpp=1, schedule="1f1b")),
+        ("tp2-pp2", dict(tp=2, pp=2, schedule="1f1b")),
+        ("pp2-vpp2", dict(pp=2, vpp=2, schedule="interleaved")),
+        ("pp2-zb-h1-m4", dict(pp=2, schedule="zb-h1", microbatches=4)),
+        ("tp2-sp", dict(tp=2, sp=True)),
+    ],
+)
+def test_layout_specs_set_the_parallel_config(spec, want):
+    got = parse_layout(spec, ParallelConfig(microbatches=8))
+    assert {k: getattr(got, k) for k in want} == want
+
+
+def test_layout_name_reads_back_as_the_same_layout():
+    for spec in ("single", "tp2", "pp2-gpipe", "pp2-vpp2-interleaved", "dp2", "tp2-pp2-1f1b-m4", "tp2-sp"):
+        parallel = parse_layout(spec, ParallelConfig(microbatches=8))
+        assert parse_layout(layout_name(parallel), ParallelConfig(microbatches=8)) == parallel
+
+
+def test_unknown_layout_token_is_one_line_with_the_fix():
+    with pytest.raises(ValueError, match="cannot read 'xx3'.*tpN"):
+        parse_layout("tp2-xx3", ParallelConfig())
+
+
+def test_saved_tensor_meter_counts_each_storage_once_and_frees_after_backward():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    meter = SavedTensorMeter(exclude=[w])
+    with meter:
+        h = x @ w  # saves x (and w: excluded)
+        y = (h * h).sum()  # saves h twice: one storage
+    assert meter.live == x.numel() * 4 + h.numel() * 4
+    y.backward()
+    del y, h
+    assert meter.live == 0
+    assert meter.peak == x.numel() * 4 + 4 * 8 * 4
+
+
+def test_regrouped_fused_weight_shards_like_our_tensor_parallel_layer():
+    q, k, v = torch.randn(8, 3), torch.randn(4, 3), torch.randn(4, 3)
+    regrouped = regroup_rows(torch.cat([q, k, v]), [8, 4, 4], tp=2)
+    for rank in range(2):
+        ours = torch.cat([q.chunk(2)[rank], k.chunk(2)[rank], v.chunk(2)[rank]])
+        assert torch.equal(regrouped.chunk(2)[rank], ours)
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.bench import run
+
+    tmp = tmp_path_factory.mktemp("bench")
+    tokens = tmp / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16))
+    overrides = [
+        "model=tiny",
+        "model.tie_embeddings=false",
+        "data.seq_len=16",
+        "data.global_batch=8",
+        f"data.path={tokens}",
+        "parallel.microbatches=4",
+        "bench.sweep=[single,tp2,pp2-1f1b]",
+        "bench.warmup=1",
+        "bench.rounds=1",
+        "bench.steps_per_round=1",
+        "bench.peak_tflops=0.1",
+        f"bench.results_dir={tmp}",
+        "trainer.out_dir=" + str(tmp / "run"),
+    ]
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
+    run(cfg)
+    return tmp
+
+
+def test_sweep_writes_every_field_per_layout(tiny_sweep):
+    rows = json.loads((tiny_sweep / "bench.json").read_text())["rows"]
+    assert set(rows) == {"single-m4", "tp2-m4", "pp2-1f1b-m4"}
+    for row in rows.values():
+        for side in ("ours", "peer"):
+            assert row[side]["tokens_per_s"] > 0 and row[side]["tflops_per_rank"] > 0
+        assert row["ours"]["mfu"] == pytest.approx(row["ours"]["tflops_per_rank"] / 0.1)
+        assert row["ratio"] > 0
+        assert 0 <= row["bubble_measured"] < 1 and 0 <= row["bubble_simulated"] < 1
+        assert len(row["activation_peak_bytes_per_stage"]) == row["pp"]
+        assert all(b > 0 for b in row["activation_peak_bytes_per_stage"])
+    assert rows["pp2-1f1b-m4"]["comm_bytes_per_step"]["p2p_send"] > 0
+    assert rows["tp2-m4"]["comm_bytes_per_step"]["all_reduce"] > 0
+    assert rows["pp2-1f1b-m4"]["fraction_of_ideal"] > 0
+    assert (tiny_sweep / "bench_timeline_pp2-1f1b-m4.png").is_file()
+    assert (tiny_sweep / "bench_throughput.png").is_file()
+    assert "| pp2-1f1b-m4 |" in (tiny_sweep / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("layout", ["single-m4", "tp2-m4", "pp2-1f1b-m4"])
+def test_peer_starts_from_our_weights_and_data(tiny_sweep, layout):
+    row = json.loads((tiny_sweep / "bench.json").read_text())["rows"][layout]
+    assert row["first_loss_rel_diff"] <= 1e-5
+    assert row["losses_agree"]
+
+
+def test_gpu_script_smoke_runs_on_cpu(tmp_path):
+    out = tmp_path / "mfu.json"
+    script = ROOT / "benchmarks" / "gpu_llama1b_mfu.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["model"] == "smoke" and result["tokens_per_s"] > 0 and result["mfu_vs_measured_peak"] > 0
