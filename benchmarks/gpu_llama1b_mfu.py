@@ -188,7 +188,7 @@ def main() -> None:
         "build_s": run["build_s"],
     }
     rows = [
-        ("model", f"{name} ({sum(p for p in [shape.matmul_params()]) / 1e9:.2f} B matmul params)"),
+        ("model", f"{name} ({shape.matmul_params() / 1e9:.2f} B matmul params)"),
         ("kernels", kernels + (f" (fallback: {fallback})" if fallback else "")),
         ("batch", f"{args.accum} x {args.micro_batch} x {args.seq} = {tokens} tokens"),
         ("step (median)", f"{step_s * 1e3:.1f} ms over {len(run['step_s'])} steps"),

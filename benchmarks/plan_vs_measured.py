@@ -144,9 +144,10 @@ def main() -> None:
     peak = run_on_ranks(1, matmul_flops)[0]
     links = run_on_ranks(2, gloo_links)[0]
     bandwidth, latency = fit_ring(links["all_reduce_s"])
+    p2p_ms = links["p2p_one_way_s"][262144] * 1e3
     print(
         f"calibrated: peak {peak / 1e9:.1f} GFLOP/s (1 thread fp32), gloo {bandwidth / 1e9:.2f} GB/s, "
-        f"latency {latency * 1e6:.0f} us per ring step; p2p 256 KiB one way {links['p2p_one_way_s'][262144] * 1e3:.2f} ms"
+        f"latency {latency * 1e6:.0f} us per ring step; p2p 256 KiB one way {p2p_ms:.2f} ms"
     )
     if args.from_json:
         report = json.loads(args.from_json.read_text())
