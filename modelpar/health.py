@@ -84,12 +84,12 @@ def find_drift(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup |
 
 
 def find_stragglers(compute_s: float, factor: float) -> tuple[list[int], list[float]]:
-    """All-gather every rank's compute time; return the ranks slower than ``factor`` x the median, and the times."""
+    """All-gather every rank's compute time; the ranks slower than ``factor`` x the (low) median, and the times."""
     world = dist.get_world_size()
     mine = torch.tensor([compute_s], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     times = [t.item() for t in everyone]
-    median = statistics.median(times)
+    median = statistics.median_low(times)  # with two ranks, the faster one: the mean would hide a slow one
     slow = [r for r, t in enumerate(times) if median > 0 and t > factor * median]
     return slow, times

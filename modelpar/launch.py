@@ -116,14 +116,19 @@ def _watch(procs: list, errors, flight_dir: str | None) -> None:
             reports = _drain(errors, deadline=time.monotonic() + _STOP_GRACE_S)
             alive = [r for r, p in enumerate(procs) if p.exitcode is None]
             hang = _hang_summary(flight_dir, alive)
+            killed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
+            if killed:  # a rank killed by a signal is the cause; the errors of its peers are the consequence
+                rank = killed[0]
+                after = f"; ranks {sorted(reports)} failed after it" if reports else ""
+                name = signal.Signals(-procs[rank].exitcode).name
+                raise LaunchError(rank, f"rank {rank} died (signal {name}){after}; the other ranks were stopped{hang}")
             if reports:
                 rank = next(iter(reports))  # the first to report is the likeliest cause; the rest follow it
                 message, trace = reports[rank]
                 raise LaunchError(rank, f"rank {rank} failed: {message}\n{trace.rstrip()}{hang}")
             rank = failed[0]
             code = procs[rank].exitcode
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            raise LaunchError(rank, f"rank {rank} died ({how}); the other ranks were stopped{hang}")
+            raise LaunchError(rank, f"rank {rank} died (exit code {code}); the other ranks were stopped{hang}")
         if all(p.exitcode == 0 for p in procs):
             return
         time.sleep(0.05)

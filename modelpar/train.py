@@ -54,10 +54,28 @@ def resolve_resume(cfg: TrainConfig) -> str | None:
             )
         return None
     if mode == "auto":
-        found = latest_checkpoint(Path(cfg.trainer.out_dir) / "checkpoints")
+        found = newest_good_checkpoint(Path(cfg.trainer.out_dir) / "checkpoints")
         return str(found) if found else None
     read_index(mode)  # verify before starting ranks
     return mode
+
+
+def newest_good_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies; each one skipped is named with the reason."""
+    if not root.is_dir():
+        return None
+    for debris in sorted(root.glob("step-*.tmp")):
+        print(f"modelpar-train: ignoring {debris}: a save that did not complete", file=sys.stderr)
+    for ckpt in sorted(root.glob("step-*[0-9]"), reverse=True):
+        try:
+            read_index(ckpt, verify=True)
+        except CheckpointError as exc:
+            aside = ckpt.with_name(ckpt.name + ".corrupt")
+            ckpt.rename(aside)  # kept for inspection; the run will write this step again
+            print(f"modelpar-train: skipping {ckpt.name} (moved to {aside.name}): {exc}", file=sys.stderr)
+            continue
+        return ckpt
+    return None
 
 
 def preflight(cfg: TrainConfig) -> tuple[str, str, str | None]:

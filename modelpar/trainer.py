@@ -303,7 +303,8 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss = self._dp_mean(result.loss)
         if fire(self.faults, "nan", self.rank, self.step):
-            loss = self._dp_mean(math.nan)  # as if this rank's batch were poisoned: every replica sees it
+            loss = math.nan  # as if this rank's batch were poisoned
+        loss, norm = self._agree_on_nonfinite(loss, norm)
         skipped = self.guard.check(self.step, loss, norm)  # same inputs on every rank: the same decision
         if skipped is None:
             self.optimizer.step()
@@ -374,6 +375,14 @@ class Trainer:
             comm.all_reduce(flat, self.groups.embedding_group)
         for p, piece in zip(self.model.tied, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = piece.view_as(p).clone()
+
+    def _agree_on_nonfinite(self, loss: float, norm: float) -> tuple[float, float]:
+        """One tiny all-reduce so that a NaN/Inf seen by any rank is seen by all, and all skip together."""
+        bad = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(norm) else 1.0], device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() and math.isfinite(loss) and math.isfinite(norm):
+            return math.nan, norm
+        return loss, norm
 
     def _dp_mean(self, value: float) -> float:
         if self.layout.dp == 1:
