@@ -23,10 +23,10 @@ from modelpar.config import RecipeError, TrainConfig, register_schema, validate
 from modelpar.data import DataError, TokenFile, default_corpus
 from modelpar.launch import LaunchError, launch
 from modelpar.layout import LayoutError
-from modelpar.pipeline import ScheduleError, build_schedule
+from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
-USER_ERRORS = (RecipeError, LayoutError, DataError, ScheduleError, CheckpointError, ValueError)
+USER_ERRORS = (RecipeError, LayoutError, DataError, ScheduleError, PartitionError, CheckpointError, ValueError)
 
 
 def fail(message: str) -> None:
@@ -78,10 +78,18 @@ def newest_good_checkpoint(root: Path) -> Path | None:
     return None
 
 
-def preflight(cfg: TrainConfig) -> tuple[str, str, str | None]:
-    """Every check that needs no rank: recipe, layout, schedule, data, checkpoint."""
+def check_recipe(cfg: TrainConfig) -> None:
+    """The recipe alone: fields, layout against the model, schedule against the micro-batches, partition."""
+    from modelpar.trainer import build_partition
+
     validate(cfg)
     build_schedule(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, cfg.parallel.vpp)
+    build_partition(cfg)
+
+
+def preflight(cfg: TrainConfig) -> tuple[str, str, str | None]:
+    """Every check that needs no rank: recipe, layout, schedule, data, checkpoint."""
+    check_recipe(cfg)
     train_path, val_path = resolve_data(cfg)
     tokens = TokenFile.open(train_path, cfg.model.vocab_size, cfg.data.seq_len)
     if tokens.num_windows < cfg.data.global_batch:
