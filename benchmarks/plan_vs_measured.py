@@ -1,6 +1,6 @@
 """The planner's predicted step time against measured ``modelpar-bench`` steps on this CPU machine.
 
-    python benchmarks/plan_vs_measured.py                      # calibrate, bench 6 layouts, compare (~5 min)
+    python benchmarks/plan_vs_measured.py                      # calibrate, bench 6 layouts twice (~6 min)
     python benchmarks/plan_vs_measured.py --from-json benchmarks/results/bench.json   # reuse a bench run
 
 In one run:
@@ -97,7 +97,7 @@ def fit_ring(all_reduce_s: dict[int, float], ranks: int = 2) -> tuple[float, flo
     return 1.0 / inv_bw, max(latency, 0.0)
 
 
-def bench_rows(layouts: list[str], rounds: int, results_dir: Path) -> dict[str, dict]:
+def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path) -> dict[str, dict]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -107,6 +107,7 @@ def bench_rows(layouts: list[str], rounds: int, results_dir: Path) -> dict[str, 
         f"bench.sweep=[{','.join(layouts)}]",
         "bench.peer=false",
         f"bench.rounds={rounds}",
+        f"bench.passes={passes}",
         "bench.steps_per_round=2",
         f"bench.results_dir={results_dir}",
         "bench.name=plan_vs_measured_steps",
@@ -137,6 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=LAYOUTS)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=2, help="sweeps of the layouts, round-robin (load drifts)")
     parser.add_argument("--from-json", type=Path, help="use the rows of an earlier modelpar-bench run")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_vs_measured.json")
     args = parser.parse_args()
@@ -153,7 +155,7 @@ def main() -> None:
         report = json.loads(args.from_json.read_text())
         rows = {name: report["rows"][name] for name in args.layouts if name in report["rows"]}
     else:
-        rows = bench_rows(args.layouts, args.rounds, args.out.parent)
+        rows = bench_rows(args.layouts, args.rounds, args.passes, args.out.parent)
         report = json.loads((args.out.parent / "plan_vs_measured_steps.json").read_text())
     hardware = dataclasses.replace(
         HARDWARE["cpu"], peak_flops=peak, intra_node_bw=bandwidth, inter_node_bw=bandwidth, latency_s=latency

@@ -10,13 +10,17 @@ the sweep is empty) the ranks (``modelpar.testing.run_on_ranks``: local processe
 thread each) build our ``Trainer`` and the peer of the layout (``modelpar.bench_peers``) from the same weights
 and data, then alternate: a warm-up step of each, one step of each with memory and communication meters on,
 then ``rounds`` x (``steps_per_round`` of ours, ``steps_per_round`` of the peer), each step timed between
-barriers (the slowest rank's time counts). From the timed steps it reports
+barriers (the slowest rank's time counts). With ``passes > 1`` the whole sweep repeats round-robin and the
+timed steps of all passes pool (load from other jobs drifts over minutes). From the timed steps it reports
 
 - tokens/s (median step), achieved TFLOP/s per rank and MFU against ``bench.peak_tflops`` per rank (0: a
   one-thread fp32 matmul measured here); FLOPs per token are ``modelpar.flops.training_flops_per_token``,
   6 N + 12 L h s (Kaplan et al. 2020; Chowdhery et al. 2022), model FLOPs without recomputation;
+- each rank's CPU share (process CPU seconds over wall seconds: how much of a core it got while other jobs
+  share the machine);
 - the measured bubble (idle compute time over ranks x span, from the runtime's per-action records of the
-  first pipeline) beside ``simulate`` of the schedule with the measured mean F/B(/W) durations; and for
+  first pipeline) beside ``simulate`` of the schedule with the measured mean F/B(/W) durations, and with
+  every action's own measured duration (the replay: stage imbalance included, runtime overhead not); and for
   pipelines the bubble-bound ideal ``single-rank tokens/s x ranks x m / (m + p - 1)`` when the sweep ran
   ``single`` too;
 - peak activation memory per pipeline stage: the CUDA allocator's peak over the step on GPU, on CPU the
@@ -68,6 +72,7 @@ class BenchOptions:
     warmup: int = 1  # untimed steps of each side before the measured ones
     rounds: int = 4  # ours, peer, ours, peer ...
     steps_per_round: int = 2
+    passes: int = 1  # sweep the layouts this many times round-robin; steps of every pass pool into one median
     peer: bool = True
     peak_tflops: float = 0.0  # per rank; 0: measure a one-thread fp32 matmul
     results_dir: str = "benchmarks/results"
@@ -127,6 +132,10 @@ def layout_name(p: ParallelConfig) -> str:
         parts.append(p.schedule)
     if p.microbatches != 8:
         parts.append(f"m{p.microbatches}")
+    if p.partition == "explicit":
+        parts.append("split" + ".".join(map(str, p.stage_layers)))
+    elif p.partition != "uniform":
+        parts.append(p.partition)
     return "-".join(parts)
 
 
@@ -214,11 +223,13 @@ class _StepRecorder:
         return self.last
 
 
-def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -> tuple[float, float]:
-    """(seconds, loss) of ``fn()``, started after a barrier so that every rank's clock starts together."""
+def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -> tuple[float, float, float]:
+    """(seconds, loss, CPU seconds of this process) of ``fn()``, started after a barrier so that every rank's
+    clock starts together. CPU over wall seconds is the share of a core the rank got (other jobs share them)."""
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    cpu = time.process_time()
     start = time.perf_counter()
     if profiler is not None:
         profiler.enable()
@@ -227,7 +238,7 @@ def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -
         torch.cuda.synchronize()
     if profiler is not None:
         profiler.disable()
-    return time.perf_counter() - start, loss
+    return time.perf_counter() - start, loss, time.process_time() - cpu
 
 
 def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
@@ -270,17 +281,19 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     out |= _measure_memory_and_comm(trainer, recorder, ours, device)
     profiler = cProfile.Profile() if opts.profile_rank == dist.get_rank() else None
     times: dict[str, list[float]] = {name: [] for name, _ in sides}
+    cpu_times: dict[str, list[float]] = {name: [] for name, _ in sides}
     losses: dict[str, list[float]] = {name: [] for name, _ in sides}
     records = []
     for _ in range(opts.rounds):
         for name, fn in sides:
             for _ in range(opts.steps_per_round):
-                seconds, loss = _timed(fn, device, profiler if name == "ours" else None)
+                seconds, loss, cpu = _timed(fn, device, profiler if name == "ours" else None)
                 times[name].append(seconds)
+                cpu_times[name].append(cpu)
                 losses[name].append(loss)
                 if name == "ours":
                     records.append(recorder.last.records)
-    out |= {"times": times, "losses": losses, "records": records}
+    out |= {"times": times, "cpu_times": cpu_times, "losses": losses, "records": records}
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
@@ -316,6 +329,15 @@ def _measure_memory_and_comm(trainer, recorder, step, device: torch.device) -> d
 # -- in the launching process --------------------------------------------------------------------------------
 
 
+def _pool(a: dict, b: dict) -> dict:
+    """One rank's results of two passes as one: the timed steps of both (memory and comm of the first)."""
+    out = dict(a)
+    for key in ("times", "cpu_times", "losses"):
+        out[key] = {name: a[key][name] + b[key][name] for name in a[key]}
+    out["records"] = a["records"] + b["records"]
+    return out
+
+
 def matmul_peak_tflops(n: int = 1024, reps: int = 10) -> float:
     """TFLOP/s of a square fp32 matmul on one thread (median of ``reps``): the CPU MFU reference."""
     torch.set_num_threads(1)
@@ -343,8 +365,10 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         steps = [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
         step_s = statistics.median(steps)
         tflops = flops / step_s / layout.world_size / 1e12
+        cpu = [r["cpu_times"][name][i] / r["times"][name][i] for r in per_rank for i in range(len(steps))]
         return {
             "step_s": step_s,
+            "cpu_share": statistics.fmean(cpu),
             "step_s_all": steps,
             "tokens_per_s": tokens / step_s,
             "tflops_per_rank": tflops,
@@ -380,6 +404,10 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         else None,
         "bubble_measured": statistics.median(t.bubble_fraction for t in timelines),
         "bubble_simulated": simulate(schedule, Costs.from_mapping(durations)).bubble_fraction,
+        "bubble_replayed": statistics.median(
+            simulate(schedule, Costs(per_action=_action_durations(t))).bubble_fraction for t in timelines
+        ),
+        "compute_s_per_stage": [statistics.median(t.compute_time(r) for t in timelines) for r in range(p.pp)],
         "mean_action_ms": {k: v * 1e3 for k, v in durations.items()},
         "activation_peak_bytes_per_stage": [r["activation_peak_bytes"] for r in pipeline],
         "comm_bytes_per_step": _sum_comm(per_rank),
@@ -399,6 +427,10 @@ def _mean_durations(timelines: list[Timeline]) -> dict[str, float]:
     return {kind: statistics.fmean(values) for kind, values in sorted(by_kind.items())}
 
 
+def _action_durations(timeline: Timeline) -> dict:
+    return {t.action: t.duration for row in timeline.rows for t in row if t.action.kind.is_compute}
+
+
 def _sum_comm(per_rank: list[dict]) -> dict[str, int]:
     total: dict[str, int] = {}
     for r in per_rank:
@@ -416,6 +448,8 @@ def add_ideal(rows: dict[str, dict]) -> None:
             ideal = single["ours"]["tokens_per_s"] * p * m / (m + p - 1)
             row["bubble_bound_ideal_tokens_per_s"] = ideal
             row["fraction_of_ideal"] = row["ours"]["tokens_per_s"] / ideal
+            # > 1: the stages together computed longer than the single rank did (stage imbalance is not in it)
+            row["compute_vs_single"] = sum(row["compute_s_per_stage"]) / sum(single["compute_s_per_stage"])
 
 
 # -- report ---------------------------------------------------------------------------------------------------
@@ -429,7 +463,8 @@ COLUMNS = (
     "ratio",
     "TFLOP/s/rank",
     "MFU",
-    "bubble meas/sim",
+    "CPU share",
+    "bubble meas/sim/replay",
     "of ideal",
     "act. MiB per stage",
     "comm MiB/step",
@@ -453,7 +488,8 @@ def table_rows(rows: dict[str, dict]) -> list[list[str]]:
                 f"{row['ratio']:.2f}x" if row["ratio"] else "-",
                 f"{ours['tflops_per_rank']:.4f}",
                 f"{ours['mfu']:.1%}" if ours["mfu"] is not None else "-",
-                f"{row['bubble_measured']:.1%} / {row['bubble_simulated']:.1%}",
+                f"{ours['cpu_share']:.2f}" + (f" / {peer['cpu_share']:.2f}" if peer else ""),
+                f"{row['bubble_measured']:.1%} / {row['bubble_simulated']:.1%} / {row['bubble_replayed']:.1%}",
                 f"{row['fraction_of_ideal']:.2f}" if "fraction_of_ideal" in row else "-",
                 " / ".join(mib),
                 comm,
@@ -535,8 +571,10 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
     (out_dir / f"{cfg.bench.name}.md").write_text(
         f"# modelpar-bench: {cfg.model.name}, batch {cfg.data.global_batch} x {cfg.data.seq_len}\n\n"
         f"{markdown_table(rows)}\n\n"
-        "ratio: our tokens/s over the peer's, interleaved run by run; bubble: idle compute over ranks x span, "
-        "measured from the runtime's records / simulated with the measured mean F/B/W; of ideal: tokens/s over "
+        "ratio: our tokens/s over the peer's, interleaved run by run; CPU share: process CPU seconds over wall "
+        "seconds per rank, ours / peer (1.0 = a whole core; other jobs share the 2 cores); bubble: idle compute "
+        "over ranks x span, measured from the runtime's records / simulated with the measured mean F/B/W / "
+        "replayed with every action's measured duration (so stage imbalance included); of ideal: tokens/s over "
         "single-rank tokens/s x ranks x m/(m+p-1); act.: peak bytes of saved activations per pipeline stage; "
         "comm: bytes per step summed over ranks.\n"
     )
@@ -563,20 +601,23 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
         raise DataError(f"{train_path} holds fewer than data.global_batch={cfg.data.global_batch} windows")
     peak = opts.peak_tflops or run_on_ranks(1, matmul_peak_tflops)[0]
     print(f"modelpar-bench: {cfg.model.name}, {len(cases)} layouts, MFU against {peak:.4f} TFLOP/s per rank")
-    rows = []
-    for case in cases:
-        name = layout_name(case.parallel)
-        peer = peer_name(case) if opts.peer else None
-        print(f"modelpar-bench: {name} ({case.parallel.layout().world_size} ranks) vs {peer or 'no peer'}", flush=True)
-        world = case.parallel.layout().world_size
-        per_rank = run_on_ranks(world, bench_rank, case, train_path, timeout_s=opts.timeout_s)
-        row = summarize(case, per_rank, peak, peer)
-        rows.append(row)
-        for r in per_rank:
-            if "profile" in r:
-                out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_rank{r['rank']}.txt"
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(r["profile"])
+    pooled: dict[int, list[dict]] = {}
+    for k in range(opts.passes):
+        for i, case in enumerate(cases):
+            name = layout_name(case.parallel)
+            peer = peer_name(case) if opts.peer else None
+            world = case.parallel.layout().world_size
+            print(
+                f"modelpar-bench: pass {k + 1}/{opts.passes} {name} ({world} ranks) vs {peer or 'no peer'}", flush=True
+            )
+            per_rank = run_on_ranks(world, bench_rank, case, train_path, timeout_s=opts.timeout_s)
+            pooled[i] = per_rank if k == 0 else [_pool(a, b) for a, b in zip(pooled[i], per_rank, strict=True)]
+            for r in per_rank:
+                if "profile" in r:
+                    out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_rank{r['rank']}_pass{k}.txt"
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(r["profile"])
+    rows = [summarize(case, pooled[i], peak, peer_name(case) if opts.peer else None) for i, case in enumerate(cases)]
     all_rows = write_results(cfg, rows)
     print(text_table({r["layout"]: all_rows[r["layout"]] for r in rows}), flush=True)
     return all_rows
