@@ -11,6 +11,7 @@ torchrun/SLURM the ranks are spawned locally; under them, this process is one ra
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from modelpar.checkpoint import CheckpointError, latest_checkpoint, read_index
 from modelpar.config import RecipeError, TrainConfig, register_schema, validate
 from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.distributed import launch_env_from_environ
 from modelpar.launch import LaunchError, launch
 from modelpar.layout import LayoutError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
@@ -71,7 +73,8 @@ def newest_good_checkpoint(root: Path) -> Path | None:
             read_index(ckpt, verify=True)
         except CheckpointError as exc:
             aside = ckpt.with_name(ckpt.name + ".corrupt")
-            ckpt.rename(aside)  # kept for inspection; the run will write this step again
+            with contextlib.suppress(OSError):  # under torchrun every rank checks; one of them moves it
+                ckpt.rename(aside)  # kept for inspection; the run will write this step again
             print(f"modelpar-train: skipping {ckpt.name} (moved to {aside.name}): {exc}", file=sys.stderr)
             continue
         return ckpt
@@ -130,7 +133,9 @@ def run(cfg: TrainConfig) -> None:
     except LaunchError as exc:
         print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    summarize(cfg, val_path)
+    env = launch_env_from_environ()
+    if env is None or env.rank == 0:  # under torchrun/SLURM every rank ran this function
+        summarize(cfg, val_path)
 
 
 def summarize(cfg: TrainConfig, val_path: str) -> None:
