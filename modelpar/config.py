@@ -96,6 +96,8 @@ class TrainerConfig:
     check_every: int = 25  # steps between replica-drift and straggler checks (0: never)
     drift_action: str = "warn"  # warn | halt
     straggler_factor: float = 2.0  # a rank whose compute time exceeds this x the median is named
+    timeline_step: int = 0  # > 0: draw the pipeline timeline of this step to <out_dir>/timeline.png
+    tensorboard: bool = False  # also write scalars to <out_dir>/tensorboard (needs the tensorboard package)
 
 
 @dataclass

@@ -283,7 +283,10 @@ class Trainer:
         if self.sync is not None:
             self.sync.expect_micro_batches(self.micro_batches)  # buckets all-reduce during the last backward
         self.flight.step = self.step
-        result = self.runtime.step(micro_inputs, micro_targets)
+        with self._autocast():
+            result = self.runtime.step(micro_inputs, micro_targets)
+        if self.step + 1 == cfg.trainer.timeline_step:
+            self._draw_timeline(result)
         self._compute_s = sum(r.end - r.start for r in result.records if r.action.kind.is_compute)
         if self.sync is not None:
             self.sync.wait()
@@ -376,6 +379,25 @@ class Trainer:
         for p, piece in zip(self.model.tied, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = piece.view_as(p).clone()
 
+    def _autocast(self):
+        """bf16 compute over fp32 master weights: parameters, gradients and optimizer state stay fp32."""
+        if self.dtype == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _draw_timeline(self, result) -> None:
+        """The measured timeline of this step across pipeline stages (tp/dp rank 0 of each), as a PNG."""
+        from modelpar.pipeline import measured_timeline
+        from modelpar.pipeline.gantt import render_png
+
+        g = self.groups
+        gathered: list = [None] * self.layout.pp
+        dist.all_gather_object(gathered, result, group=g.pp_group)
+        if self.rank == 0:
+            path = self.out_dir / "timeline.png"
+            title = f"{self.layout} {self.cfg.parallel.schedule}, m={self.micro_batches}, step {self.step + 1}"
+            render_png(measured_timeline(gathered), str(path), title=title)
+
     def _agree_on_nonfinite(self, loss: float, norm: float) -> tuple[float, float]:
         """One tiny all-reduce so that a NaN/Inf seen by any rank is seen by all, and all skip together."""
         bad = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(norm) else 1.0], device=self.device)
@@ -432,6 +454,7 @@ class Trainer:
         cfg = self.cfg.trainer
         is_logger = self.rank == 0
         metrics_path = self.out_dir / "metrics.jsonl"
+        board = _tensorboard(self.out_dir) if is_logger and cfg.tensorboard else None
         progress = _progress(cfg.steps, self.step) if is_logger and cfg.progress else None
         with open(metrics_path, "a") if is_logger else contextlib.nullcontext() as log:
             while self.step < cfg.steps:
@@ -439,6 +462,10 @@ class Trainer:
                 if is_logger:
                     log.write(json.dumps(asdict(m)) + "\n")
                     log.flush()
+                    if board is not None:
+                        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                            if getattr(m, key) is not None:
+                                board.add_scalar(f"train/{key}", getattr(m, key), m.step)
                     if progress is not None:
                         progress.update(1)
                         progress.set_postfix(_postfix(m), refresh=False)
@@ -448,6 +475,8 @@ class Trainer:
                     self.save()
         if progress is not None:
             progress.close()
+        if board is not None:
+            board.close()
         self.flight.close()
 
 
@@ -483,6 +512,14 @@ def _postfix(m: StepMetrics) -> dict[str, str]:
 
 def _line(m: StepMetrics) -> str:
     return f"step {m.step:6d} " + " ".join(f"{k} {v}" for k, v in _postfix(m).items())
+
+
+def _tensorboard(out_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise RuntimeError("trainer.tensorboard=true needs the tensorboard package: pip install tensorboard") from exc
+    return SummaryWriter(str(out_dir / "tensorboard"))
 
 
 def _progress(total: int, initial: int):

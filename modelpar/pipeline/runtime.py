@@ -247,7 +247,8 @@ class PipelineRuntime:
                 y = self.loss_fn(y, target) / self.micro_batches
                 state.loss_sum = y.detach() if state.loss_sum is None else state.loss_sum + y.detach()
             else:
-                state.to_send[Action(self.rank, SEND_F, *key)] = y.detach().contiguous()
+                # under autocast a chunk may return bf16; the receiver's buffer is ``self.dtype``
+                state.to_send[Action(self.rank, SEND_F, *key)] = y.detach().to(self.dtype).contiguous()
             state.hold(key, x, y)
         elif action.kind is B:
             self._backward(action, state)
