@@ -145,3 +145,17 @@ def test_eval_under_any_layout_equals_the_single_device_loss(checkpoint, tokens,
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, TINY.vocab_size), targets.reshape(-1))
     assert result["eval_loss"] == pytest.approx(expected.item(), rel=1e-5)
     assert result["windows"] == windows and result["tokens"] == windows * 16
+
+
+def test_multirun_sweeps_layouts_with_equal_losses(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.train", "-m", "parallel=single,tp2", "trainer.steps=2",
+         "trainer.progress=false", "trainer.sample_tokens=0", "model.layers=2", "data.corpus_max_bytes=200000",
+         f"hydra.sweep.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = [[json.loads(line)["loss"] for line in (tmp_path / job / "metrics.jsonl").read_text().splitlines()]
+            for job in ("0", "1")]  # fmt: skip
+    assert len(runs[0]) == 2
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
