@@ -16,7 +16,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -50,21 +50,8 @@ from modelpar.pipeline.partition import partition_by_cost
 
 
 def transformer_config(cfg: TrainConfig) -> TransformerConfig:
-    m = cfg.model
-    return TransformerConfig(
-        vocab_size=m.vocab_size,
-        hidden=m.hidden,
-        layers=m.layers,
-        heads=m.heads,
-        kv_heads=m.kv_heads,
-        ffn_hidden=m.ffn_hidden,
-        max_seq_len=m.max_seq_len,
-        rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps,
-        tie_embeddings=m.tie_embeddings,
-        init_std=m.init_std,
-        kernels=m.kernels,
-    )
+    """The model's shape from the recipe (the recipe's ``model`` group adds only its ``name``)."""
+    return TransformerConfig(**{f.name: getattr(cfg.model, f.name) for f in fields(TransformerConfig)})
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
