@@ -21,6 +21,16 @@ Why the two differ (the JSON's ``breakdown`` lists every saved shape and dtype, 
 - Llama's block is not GPT's: RMSNorm instead of LayerNorm, RoPE on q and k, and a SwiGLU MLP with
   ``ffn_hidden`` (688 = 2.69 h here) instead of GELU at 4 h, so the MLP keeps gate, up and their product
   instead of two 4h tensors.
+
+Where our tp=1 layer's 22.85 s*b*h fp32 elements go (the breakdown below, storages counted whole): the fused
+gate|up output (5.38, silu's and the product's input), silu(gate) (2.69) and the product feeding down_proj
+(2.69): 10.75 against GELU's 9 (h + 4h + 4h); q and k after RoPE (2), the fused qkv output kept whole because
+v is a view of it (3), the attention output (1): 6 plus the flattened inputs of the projections, against
+the paper's 5 (input, q, k, v, softmax-weighted values) without scores; each RMSNorm keeps its input and the
+normalised copy (2 per norm, LayerNorm 1). In 16-bit units that is 45.7 s*b*h bytes against the paper's 34
+(its 5*a*s/h = 20 more of scores we never store); with tp=2 the attention and MLP parts halve and the rest
+does not (14.46), and SP shards the norms' and residual's share too (12.46; the paper's /t assumes all of it
+shards, while the all-gathered inputs of the column-parallel projections stay whole here).
 """
 
 from __future__ import annotations
@@ -65,19 +75,12 @@ def measure_layer(config: TransformerConfig, batch: int, seq: int, sp: bool) -> 
     unit = seq * batch * config.hidden
     breakdown = sorted(
         (
-            {"shape": list(shape), "dtype": dtype, "count": n, "sbh": n * _numel(shape) / unit}
-            for (shape, dtype), n in meter.shapes.items()
+            {"shape": list(shape), "dtype": dtype, "count": n, "storage_bytes": nbytes, "sbh": nbytes / 4 / unit}
+            for (shape, dtype), (n, nbytes) in meter.shapes.items()
         ),
         key=lambda e: -e["sbh"],
     )
     return {"bytes": measured, "peak_bytes": meter.peak, "breakdown": breakdown}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def run(config: TransformerConfig, batch: int, seq: int) -> list[dict]:
@@ -154,7 +157,8 @@ def main() -> None:
             f"{r['ratio_measured_to_fp32_without_scores']:.2f} |"
         )
     breakdown = "\n".join(
-        f"- {e['count']} x {e['dtype']} {e['shape']}: {e['sbh']:.2f} s*b*h elements" for e in rows[0]["breakdown"]
+        f"- {e['count']} x {e['dtype']} {e['shape']}: storage of {e['sbh']:.2f} s*b*h fp32 elements"
+        for e in rows[0]["breakdown"]
     )
     args.out.with_suffix(".md").write_text(
         f"# Activation memory per layer: s={s}, b={b}, h={h}, a={a}, fp32 on CPU\n\n"

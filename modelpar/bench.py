@@ -148,7 +148,8 @@ class SavedTensorMeter:
     Inside ``with meter:`` every saved tensor is packed into a holder that keeps it alive exactly as long as
     autograd would (the graph owns the holder); the holder adds its storage's bytes when the first holder of
     that storage is made and subtracts them when the last one dies. Parameters (``exclude``) are not
-    activations and are skipped. ``shapes`` tallies the saved tensors' shapes (for a breakdown).
+    activations and are skipped. ``shapes`` maps (shape, dtype) of each newly held storage's first saved view
+    to (count, storage bytes), for a breakdown.
     """
 
     def __init__(self, exclude: list[torch.Tensor] = ()):
@@ -156,7 +157,7 @@ class SavedTensorMeter:
         self.live = 0
         self.peak = 0
         self._refs: dict[tuple, int] = {}
-        self.shapes: dict[tuple[tuple[int, ...], str], int] = {}
+        self.shapes: dict[tuple[tuple[int, ...], str], tuple[int, int]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def __enter__(self) -> SavedTensorMeter:
@@ -175,7 +176,8 @@ class SavedTensorMeter:
             self.live += key[2]
             self.peak = max(self.peak, self.live)
             sig = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-            self.shapes[sig] = self.shapes.get(sig, 0) + 1
+            count, nbytes = self.shapes.get(sig, (0, 0))
+            self.shapes[sig] = (count + 1, nbytes + key[2])
         self._refs[key] = count + 1
         return _Saved(self, key, tensor)
 
