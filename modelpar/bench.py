@@ -176,8 +176,8 @@ class SavedTensorMeter:
             self.live += key[2]
             self.peak = max(self.peak, self.live)
             sig = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-            count, nbytes = self.shapes.get(sig, (0, 0))
-            self.shapes[sig] = (count + 1, nbytes + key[2])
+            seen, nbytes = self.shapes.get(sig, (0, 0))
+            self.shapes[sig] = (seen + 1, nbytes + key[2])
         self._refs[key] = count + 1
         return _Saved(self, key, tensor)
 
