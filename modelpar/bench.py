@@ -1,17 +1,18 @@
 """modelpar-bench: layout benchmarks of the trainer's step, raced run by run against PyTorch's own parallelism.
 
-    modelpar-bench                                              # recipes/bench.yaml: bench-tiny, the default sweep
+    modelpar-bench                                     # recipes/bench.yaml: bench-tiny, the default sweep
     modelpar-bench bench.sweep='[tp2,pp2-1f1b]' bench.rounds=3
-    modelpar-bench -m parallel=single,tp2,pp2,tp2-pp2 bench.sweep='[]'   # one layout per Hydra job
-    modelpar-bench bench.peak_tflops=989 trainer.device=cuda ...          # MFU against a GPU's peak
+    modelpar-bench -m parallel=single,tp2,pp2,tp2-pp2  # one layout per Hydra job; the rows merge
+    modelpar-bench bench.peak_tflops=989 trainer.device=cuda ...   # MFU against a GPU's peak
 
-For each layout (a ``bench.sweep`` entry such as ``tp2-pp2-1f1b-m8``, or the recipe's ``parallel`` group when
-the sweep is empty) the ranks (``modelpar.testing.run_on_ranks``: local processes, gloo over loopback, one
-thread each) build our ``Trainer`` and the peer of the layout (``modelpar.bench_peers``) from the same weights
-and data, then alternate: a warm-up step of each, one step of each with memory and communication meters on,
-then ``rounds`` x (``steps_per_round`` of ours, ``steps_per_round`` of the peer), each step timed between
-barriers (the slowest rank's time counts). With ``passes > 1`` the whole sweep repeats round-robin and the
-timed steps of all passes pool (load from other jobs drifts over minutes). From the timed steps it reports
+For each layout (a ``bench.sweep`` entry such as ``tp2-pp2-1f1b-m8``; or the recipe's ``parallel`` group when
+the sweep is empty, in a multirun, or when ``parallel=`` is given without ``bench.sweep=``) the ranks
+(``modelpar.testing.run_on_ranks``: local processes, gloo over loopback, one thread each) build our
+``Trainer`` and the peer of the layout (``modelpar.bench_peers``) from the same weights and data, then
+alternate: a warm-up step of each, one step of each with memory and communication meters on, then ``rounds`` x
+(``steps_per_round`` of ours, ``steps_per_round`` of the peer), each step timed between barriers (the slowest
+rank's time counts). With ``passes > 1`` the whole sweep repeats round-robin and the timed steps of all passes
+pool (load from other jobs drifts over minutes). From the timed steps it reports
 
 - tokens/s (median step), achieved TFLOP/s per rank and MFU against ``bench.peak_tflops`` per rank (0: a
   one-thread fp32 matmul measured here); FLOPs per token are ``modelpar.flops.training_flops_per_token``,
@@ -628,9 +629,23 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
 register_bench_schema()
 
 
+def _recipe_layout_requested() -> bool:
+    """A multirun, or a ``parallel=`` group on the command line, without ``bench.sweep=``: bench that layout."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    task = list(hydra_cfg.overrides.task)
+    if any(o.lstrip("+~").startswith("bench.sweep=") for o in task):
+        return False
+    return hydra_cfg.mode == RunMode.MULTIRUN or any(o.startswith("parallel=") for o in task)
+
+
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="bench")
 def _app(dcfg: DictConfig) -> None:
     cfg: BenchRecipe = OmegaConf.to_object(dcfg)
+    if _recipe_layout_requested():
+        cfg.bench.sweep = []
     try:
         run(cfg)
     except ValueError as exc:
