@@ -10,6 +10,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -87,10 +88,45 @@ def _record(kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) ->
             log.events.append(event)
 
 
+class CollectiveObserver(Protocol):
+    """Told when this rank blocks in a collective and when it returns (a flight recorder, for hang reports)."""
+
+    def wait(self, label: str) -> None: ...
+
+    def done_waiting(self) -> None: ...
+
+
+_observer: CollectiveObserver | None = None
+
+
+def set_collective_observer(observer: CollectiveObserver | None) -> None:
+    """Report every blocking collective of this process to ``observer`` (None: stop)."""
+    global _observer
+    _observer = observer
+
+
+@contextlib.contextmanager
+def _blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+    observer = _observer
+    if observer is None:
+        yield
+        return
+    observer.wait(f"{kind} over {dist.get_world_size(group)} ranks")
+    try:
+        yield
+    finally:
+        observer.done_waiting()
+
+
+# torch renamed all_gather_into_tensor; keep working on releases before the rename
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``tensor`` over ``group``; returns it."""
     _record("all_reduce", tensor, group)
-    dist.all_reduce(tensor, op=op, group=group)
+    with _blocking("all_reduce", group):
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -100,7 +136,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     _record("all_gather", out, group)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    with _blocking("all_gather", group):
+        _all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -112,7 +149,8 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
         raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} is not divisible by {world} ranks")
     out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     _record("reduce_scatter", moved, group)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    with _blocking("reduce_scatter", group):
+        dist.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim)
 
 

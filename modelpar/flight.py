@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 
@@ -26,16 +27,26 @@ class FlightRecorder:
         self.where = where  # e.g. "pp 0 tp 1 dp 0": action labels use pipeline ranks
         self.step = 0
         self.current: tuple[str, float, bool] | None = None
+        self.waiting: tuple[str, float] | None = None  # a blocking collective inside the current action
         self.events: deque[tuple[int, str, float, float]] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._period = period_s
-        self._thread = threading.Thread(target=self._run, name="flight-recorder", daemon=True)
+        # the thread holds only a weak reference: a recorder nobody uses any more stops writing by itself
+        self._thread = threading.Thread(
+            target=_dump_periodically, args=(weakref.ref(self), self._stop, period_s), name="flight", daemon=True
+        )
         self._thread.start()
 
     def begin(self, label: str, waiting: bool = False) -> None:
         """Start ``label``; ``waiting``: it waits on other ranks (a receive), rather than computing."""
         self.current = (label, time.time(), waiting)
+
+    def wait(self, label: str) -> None:
+        """Blocked in a collective (inside the current action): waiting on the other ranks, not stuck itself."""
+        self.waiting = (label, time.time())
+
+    def done_waiting(self) -> None:
+        self.waiting = None
 
     def end(self) -> None:
         if self.current is not None:
@@ -44,7 +55,9 @@ class FlightRecorder:
             self.current = None
 
     def snapshot(self) -> dict:
-        current = self.current
+        current, waiting = self.current, self.waiting
+        if current is not None and waiting is not None:
+            current = (f"{current[0]} ({waiting[0]})", current[1], True)
         return {
             "rank": self.rank,
             "where": self.where,
@@ -64,15 +77,20 @@ class FlightRecorder:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * self._period)
+        self._thread.join(timeout=5.0)
         self.dump()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            try:
-                self.dump()
-            except OSError:
-                return  # the run directory went away: nothing left to report into
+
+def _dump_periodically(ref: weakref.ref, stop: threading.Event, period_s: float) -> None:
+    while not stop.wait(period_s):
+        recorder = ref()
+        if recorder is None:
+            return
+        try:
+            recorder.dump()
+        except OSError:
+            return  # the run directory went away: nothing left to report into
+        del recorder
 
 
 def read_flight(directory: str | Path) -> list[dict]:

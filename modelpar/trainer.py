@@ -244,6 +244,7 @@ class Trainer:
             self.out_dir / "flight", self.rank, f"pp {g.pp_rank} tp {g.tp_rank} dp {g.dp_rank}"
         )
         self.runtime.observer = self.flight
+        comm.set_collective_observer(self.flight)
         self._compute_s = 0.0
         if self.faults:
             for chunk in self.model.chunks:
@@ -464,6 +465,7 @@ class Trainer:
             progress.close()
         if board is not None:
             board.close()
+        comm.set_collective_observer(None)
         self.flight.close()
 
 
