@@ -190,6 +190,7 @@ def main() -> None:
                 k: getattr(fit, k) for k in ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s")
             },
             "ranks_exceed_cores": row["world_size"] > (os.cpu_count() or 1),
+            "cpu_share": row["ours"].get("cpu_share"),
         }
         out_rows.append(entry)
         parts = "/".join(f"{v:.3f}" for v in entry["fitted_parts_s"].values())
@@ -220,15 +221,20 @@ def main() -> None:
         f"Calibrated in the same run: peak {peak / 1e9:.1f} GFLOP/s, gloo {bandwidth / 1e9:.2f} GB/s, latency "
         f"{latency * 1e6:.0f} us; fitted efficiency {fitted.efficiency if fitted else float('nan'):.2f} "
         f"(shipped {CostModel().efficiency}).\n",
-        "| layout | ranks | measured s | planned s | residual | planned (fitted eff.) s | residual |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | ranks | CPU share | measured s | planned s | residual | planned (fitted eff.) s | residual |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in out_rows:
         note = " (ranks > cores)" if e["ranks_exceed_cores"] else ""
         lines.append(
-            f"| {e['layout']}{note} | {e['ranks']} | {e['measured_step_s']:.3f} | {e['predicted_step_s']:.3f} | "
+            f"| {e['layout']}{note} | {e['ranks']} | {e['cpu_share'] or float('nan'):.2f} | "
+            f"{e['measured_step_s']:.3f} | {e['predicted_step_s']:.3f} | "
             f"{e['residual']:+.1%} | {e['predicted_step_s_fitted']:.3f} | {e['residual_fitted']:+.1%} |"
         )
+    lines.append(
+        "\nCPU share: process CPU seconds over wall seconds per rank (1.0 = a whole core); other jobs share the "
+        "machine's cores, and the planner assumes a whole core per rank."
+    )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
