@@ -658,3 +658,7 @@ def main() -> None:
 
 
 __all__ = ["BenchOptions", "BenchRecipe", "SavedTensorMeter", "main", "parse_layout", "run"]
+
+
+if __name__ == "__main__":
+    main()

@@ -130,3 +130,29 @@ def test_gpu_script_smoke_runs_on_cpu(tmp_path):
     subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, timeout=120)
     result = json.loads(out.read_text())
     assert result["model"] == "smoke" and result["tokens_per_s"] > 0 and result["mfu_vs_measured_peak"] > 0
+
+
+def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16))
+    overrides = [
+        "-m",
+        "parallel=single,pp2",
+        "model=tiny",
+        "model.tie_embeddings=false",
+        "data.seq_len=16",
+        "data.global_batch=8",
+        f"data.path={tokens}",
+        "parallel.microbatches=4",
+        "bench.peer=false",
+        "bench.rounds=1",
+        "bench.steps_per_round=1",
+        "bench.passes=1",
+        "bench.peak_tflops=0.1",
+        f"bench.results_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path / 'hydra'}",
+    ]
+    subprocess.run([sys.executable, "-m", "modelpar.bench", *overrides], check=True, timeout=120, cwd=ROOT)
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert set(rows) == {"single-m4", "pp2-1f1b-m4"}
+    assert rows["pp2-1f1b-m4"]["peer"] is None
