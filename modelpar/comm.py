@@ -207,6 +207,38 @@ def _current_tag() -> str:
     return _tags[-1] if _tags else ""
 
 
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``f`` fused with the column-parallel matmul, so backward overlaps the all-reduce of the input gradient
+    with the weight-gradient matmul (Megatron's asynchronous grad all-reduce). Same collectives as
+    ``copy_to_tp_region`` followed by ``F.linear``; autocast-safe (backward casts to the gradient's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tp):
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.tag = tp, _current_tag()
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_x = torch.matmul(grad_y, weight.to(grad_y.dtype)).to(x.dtype)  # [..., in]
+        with comm_tag(ctx.tag):
+            work = all_reduce_async(grad_x, ctx.tp.group)
+        flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w = torch.matmul(flat_grad.t(), x.reshape(-1, x.shape[-1]).to(grad_y.dtype)).to(weight.dtype)
+        with _blocking("all_reduce", ctx.tp.group):
+            work.wait()
+        return grad_x, grad_w, None
+
+
+def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """``copy_to_tp_region(x) @ weight.T`` with the backward all-reduce overlapped. x: [..., in] -> [..., out/t]."""
+    if tp.size == 1:
+        return torch.nn.functional.linear(x, weight)
+    return _ColumnParallelMatmul.apply(x, weight, tp)
+
+
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):

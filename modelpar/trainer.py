@@ -246,6 +246,7 @@ class Trainer:
         self.runtime.observer = self.flight
         comm.set_collective_observer(self.flight)
         self._compute_s = 0.0
+        self.last_result = None  # the runtime's StepResult of the latest step (per-action times, peak in flight)
         if self.faults:
             for chunk in self.model.chunks:
                 chunk.register_forward_pre_hook(self._forward_faults)
@@ -272,7 +273,7 @@ class Trainer:
             self.sync.expect_micro_batches(self.micro_batches)  # buckets all-reduce during the last backward
         self.flight.step = self.step
         with self._autocast():
-            result = self.runtime.step(micro_inputs, micro_targets)
+            result = self.last_result = self.runtime.step(micro_inputs, micro_targets)
         if self.step + 1 == cfg.trainer.timeline_step:
             self._draw_timeline(result)
         self._compute_s = sum(r.end - r.start for r in result.records if r.action.kind.is_compute)

@@ -10,7 +10,7 @@ from torch import nn
 
 from modelpar.comm import (
     TensorParallelGroup,
-    copy_to_tp_region,
+    column_parallel_matmul,
     gather_from_sequence_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
@@ -23,8 +23,9 @@ class ColumnParallelLinear(nn.Module):
 
                  W [out, in]
             +----------------+      x [b, s, in] replicated, or [b, s/t, in] under sequence parallel
-        r0  |      W_0       |      f: copy_to_tp_region (identity fwd, all-reduce bwd), or under sequence
-            +----------------+         parallel gather_from_sequence_region (all-gather fwd, reduce-scatter bwd)
+        r0  |      W_0       |      f: identity fwd, all-reduce bwd (overlapped with the weight gradient), or
+            +----------------+         under sequence parallel gather_from_sequence_region (all-gather fwd,
+                                       reduce-scatter bwd)
         r1  |      W_1       |      each rank: y_r = x @ W_r.T  [b, s, out/t], no communication
             +----------------+
 
@@ -54,10 +55,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, in] (or [b, s/t, in] with sequence parallel) -> [b, s, local out]."""
         if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp)
-        else:
-            x = copy_to_tp_region(x, self.tp)
-        return F.linear(x, self.weight)
+            return F.linear(gather_from_sequence_region(x, self.tp), self.weight)
+        return column_parallel_matmul(x, self.weight, self.tp)
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
         shards, start = {}, 0
