@@ -180,7 +180,10 @@ class SavedTensorMeter:
             seen, nbytes = self.shapes.get(sig, (0, 0))
             self.shapes[sig] = (seen + 1, nbytes + key[2])
         self._refs[key] = count + 1
-        return _Saved(self, key, tensor)
+        # detached: a saved *output* would otherwise point back at its own grad_fn through this holder, a
+        # cycle through autograd's C++ graph that keeps nodes retained by retain_graph=True (zero-bubble's B)
+        # alive until the step ends, and the meter would report bytes autograd itself has already let go
+        return _Saved(self, key, tensor.detach())
 
     def _release(self, key: tuple) -> None:
         count = self._refs[key] - 1
