@@ -156,3 +156,42 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert set(rows) == {"single-m4", "pp2-1f1b-m4"}
     assert rows["pp2-1f1b-m4"]["peer"] is None
+
+
+def _live_after_each_weight_backward(cfg, data_path):
+    from modelpar.bench import SavedTensorMeter
+    from modelpar.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    meter = SavedTensorMeter([p for p, _ in trainer.model.params])
+    weight_backward, live = trainer.runtime._weight_backward, []
+
+    def recorded(action, state):
+        weight_backward(action, state)
+        live.append(meter.live)
+
+    trainer.runtime._weight_backward = recorded
+    with meter:
+        trainer.train_step()
+    return live
+
+
+def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
+    """Saved activations do not pile up on the last stage: after every W the same bytes are live."""
+    import numpy as np
+
+    from modelpar.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
+    from modelpar.testing import run_on_ranks
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 97, size=20000, dtype=np.uint16))
+    cfg = TrainConfig(
+        model=ModelConfig(vocab_size=97, hidden=32, layers=4, heads=4, kv_heads=4, ffn_hidden=64, max_seq_len=32),
+        parallel=ParallelConfig(pp=2, schedule="zb-h1", microbatches=6),
+        data=DataConfig(seq_len=32, global_batch=12),
+        trainer=TrainerConfig(out_dir=str(tmp_path), progress=False),
+    )
+    _, last_stage = run_on_ranks(2, _live_after_each_weight_backward, cfg, str(data))
+    steady = last_stage[:-1]  # the last W leaves nothing in flight
+    assert len(set(steady)) == 1, f"live saved bytes grew across micro-batches: {steady}"
+    assert last_stage[-1] == 0
