@@ -74,6 +74,17 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return target
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A ``step-*`` directory as given, or the one a checkpoints root's ``latest`` names."""
+    path = Path(path)
+    if (path / "index.json").exists():
+        return path
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"{path} is neither a checkpoint (no index.json) nor a directory with a 'latest' pointer")
+    return found
+
+
 # -- writing -----------------------------------------------------------------------------------------------
 
 

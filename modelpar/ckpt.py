@@ -16,21 +16,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from modelpar.checkpoint import CheckpointError, latest_checkpoint, read_index, save_checkpoint
+from modelpar.checkpoint import CheckpointError, read_index, resolve_checkpoint, save_checkpoint
 from modelpar.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
 from modelpar.launch import LaunchError
 from modelpar.layout import LayoutError, ParallelLayout
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A ``step-*`` directory as given, or the one a checkpoints root's ``latest`` names."""
-    path = Path(path)
-    if (path / "index.json").exists():
-        return path
-    found = latest_checkpoint(path) if path.is_dir() else None
-    if found is None:
-        raise CheckpointError(f"{path} is neither a checkpoint (no index.json) nor a directory with a 'latest' pointer")
-    return found
 
 
 def refuse_existing(dst: Path) -> None:

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from modelpar.checkpoint import read_index
-from modelpar.ckpt import resolve_checkpoint
+from modelpar.checkpoint import read_index, resolve_checkpoint
 from modelpar.config import RecipeError, TrainConfig, register_schema, validate
 from modelpar.data import DataError, TokenFile, default_corpus
 from modelpar.launch import LaunchError, launch

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from modelpar.checkpoint import CheckpointError, Piece, load_pieces, read_index
+from modelpar.checkpoint import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
 from modelpar.model import ModelChunk, TransformerConfig, build_model
 
 
 def load_single_device_model(ckpt: str | Path) -> ModelChunk:
-    """The whole model on this process (tp = pp = 1), weights from ``ckpt``."""
+    """The whole model on this process (tp = pp = 1), weights from ``ckpt`` (a step directory or its root)."""
+    ckpt = resolve_checkpoint(ckpt)
     index = read_index(ckpt)
     fields = {k: v for k, v in index["model"].items() if k in TransformerConfig.__dataclass_fields__}
     model = build_model(TransformerConfig(**fields), seed=0)
