@@ -456,8 +456,8 @@ class Trainer:
                             if getattr(m, key) is not None:
                                 board.add_scalar(f"train/{key}", getattr(m, key), m.step)
                     if progress is not None:
-                        progress.update(1)
                         progress.set_postfix(_postfix(m), refresh=False)
+                        progress.update(1)
                     elif m.step % cfg.log_every == 0 or m.step == cfg.steps:
                         print(_line(m), flush=True)
                 if cfg.ckpt_every and (self.step % cfg.ckpt_every == 0 or self.step == cfg.steps):
