@@ -102,7 +102,8 @@ _SPEC_TOKEN = re.compile(r"^(tp|pp|dp|vpp|m)(\d+)$")
 
 def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
     """``base`` with the settings of ``spec``: dash-separated ``tpN ppN dpN vppN mN sp`` and a schedule name
-    (``gpipe 1f1b interleaved zb-h1``); ``single`` is tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``, ``pp2-vpp2-interleaved``.
+    (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``; ``single`` is
+    tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``, ``pp2-vpp2-interleaved``, ``tp2-native``.
     Unset degrees are 1; the schedule defaults to 1f1b (interleaved when vpp > 1); m to ``base.microbatches``."""
     values: dict = dict(tp=1, pp=1, dp=1, vpp=1, sp=False, schedule="", microbatches=base.microbatches)
     text = spec.strip().replace("zb-h1", "zbh1")
@@ -112,12 +113,14 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
             values["microbatches" if match[1] == "m" else match[1]] = int(match[2])
         elif token == "sp":
             values["sp"] = True
+        elif token in ("native", "exchange"):  # parallel.collectives
+            values["collectives"] = token
         elif token.replace("zbh1", "zb-h1") in SCHEDULES:
             values["schedule"] = token.replace("zbh1", "zb-h1")
         else:
             raise ValueError(
-                f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, ppN, dpN, vppN, mN, sp or a schedule "
-                f"({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
+                f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, ppN, dpN, vppN, mN, sp, native, "
+                f"exchange or a schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
             )
     values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
     return replace(base, **values)
@@ -133,6 +136,8 @@ def layout_name(p: ParallelConfig) -> str:
         parts.append(p.schedule)
     if p.microbatches != 8:
         parts.append(f"m{p.microbatches}")
+    if p.collectives != "auto":
+        parts.append(p.collectives)
     if p.partition == "explicit":
         parts.append("split" + ".".join(map(str, p.stage_layers)))
     elif p.partition != "uniform":

@@ -122,11 +122,129 @@ def _blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# -- collective algorithms ------------------------------------------------------------------------------------
+#
+# gloo runs a collective through its worker threads and a ring of 2(t-1) steps; on loopback each step is a
+# thread hand-off, so a small all-reduce is latency-bound (about 1-2 ms for 4 KiB over 2 ranks on a 2-core
+# machine), while a pair of point-to-point messages costs a few hundred microseconds. For small power-of-two
+# groups on gloo the collectives below therefore run as recursive doubling over torch.distributed's own
+# isend/irecv (log2 t rounds, each an exchange with rank ^ 2^k), the latency-optimal textbook algorithm:
+#
+#   all-reduce       round k: swap the whole partial sum with rank ^ 2^k, add        (t=4: 2 rounds, 2 n sent)
+#   all-gather       round k: swap the 2^k blocks gathered so far with rank ^ 2^k    (t-1 blocks sent)
+#   reduce-scatter   recursive halving: send the half the partner keeps, add the half received
+#
+# Every rank adds the same two operands in the same order up to commutativity (a + b == b + a bit for bit), so
+# all ranks end with identical results; the summation order may differ from gloo's ring by an ulp. NCCL (GPU)
+# keeps its native collectives. ``set_collective_algorithm`` picks the policy (recipe: parallel.collectives).
+
+COLLECTIVE_ALGORITHMS = ("auto", "native", "exchange")
+EXCHANGE_MAX_BYTES = 1 << 20  # auto: above this (and more than 2 ranks), gloo's bandwidth-optimal ring wins
+_algorithm = "auto"
+_EXCHANGE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+
+
+def set_collective_algorithm(name: str) -> None:
+    """``auto``: exchange for small power-of-two gloo groups (any size for 2 ranks), native otherwise;
+    ``native``: always the backend's own collectives; ``exchange``: always exchange on power-of-two groups."""
+    global _algorithm
+    if name not in COLLECTIVE_ALGORITHMS:
+        raise ValueError(f"collective algorithm {name!r} is not one of {COLLECTIVE_ALGORITHMS}")
+    _algorithm = name
+
+
+def collective_algorithm() -> str:
+    return _algorithm
+
+
+def _uses_exchange(group: dist.ProcessGroup | None, nbytes: int, op=dist.ReduceOp.SUM) -> bool:
+    if _algorithm == "native" or not any(op == known for known in _EXCHANGE_OPS):
+        return False
+    size = dist.get_world_size(group)
+    if size < 2 or size & (size - 1):
+        return False
+    if _algorithm == "exchange":
+        return True
+    return dist.get_backend(group) == "gloo" and (size == 2 or nbytes <= EXCHANGE_MAX_BYTES)
+
+
+def _combine(acc: torch.Tensor, other: torch.Tensor, op) -> None:
+    if op == dist.ReduceOp.SUM:
+        acc.add_(other)
+    elif op == dist.ReduceOp.MAX:
+        torch.maximum(acc, other, out=acc)
+    else:
+        torch.minimum(acc, other, out=acc)
+
+
+def _swap(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, peer: int) -> list:
+    """Post the send of ``send`` to group rank ``peer`` and the receive of its message into ``recv``."""
+    peer = dist.get_global_rank(group, peer) if group is not None else peer
+    ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+    return dist.batch_isend_irecv(ops)
+
+
+class _ExchangeAllReduce:
+    """Recursive-doubling all-reduce in flight; ``wait()`` finishes the remaining rounds (``dist.Work``-like)."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
+        self.tensor, self.group, self.op = tensor, group, op
+        self.me, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.flat = tensor.view(-1)  # callers pass contiguous tensors only
+        self.buf = torch.empty_like(self.flat)
+        self.distance = 1
+        self.pending = _swap(self.flat, self.buf, group, self.me ^ 1)
+
+    def wait(self) -> bool:
+        while self.pending:
+            for work in self.pending:
+                work.wait()
+            _combine(self.flat, self.buf, self.op)
+            self.distance *= 2
+            self.pending = (
+                _swap(self.flat, self.buf, self.group, self.me ^ self.distance) if (self.distance < self.size) else []
+            )
+        return True
+
+
+def _exchange_all_gather(out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [t*n, ...] <- every rank's ``part`` [n, ...] in rank order, by recursive doubling."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    blocks = out.view(size, *part.shape)
+    blocks[me].copy_(part)
+    distance = 1
+    while distance < size:
+        mine, theirs = me & ~(distance - 1), (me ^ distance) & ~(distance - 1)
+        for work in _swap(blocks[mine : mine + distance], blocks[theirs : theirs + distance], group, me ^ distance):
+            work.wait()
+        distance *= 2
+
+
+def _exchange_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [n, ...] <- block ``rank`` of the sum over ranks of ``full`` [t*n, ...], by recursive halving."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    acc = full.reshape(size, *out.shape).clone()
+    lo, span = 0, size
+    while span > 1:
+        half = span // 2
+        keep = lo + (half if me & half else 0)
+        give = lo + (0 if me & half else half)
+        buf = torch.empty_like(acc[keep : keep + half])
+        for work in _swap(acc[give : give + half], buf, group, me ^ half):
+            work.wait()
+        acc[keep : keep + half].add_(buf)
+        lo, span = keep, half
+    out.copy_(acc[me])
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of ``tensor`` over ``group``; returns it."""
+    """In-place all-reduce of ``tensor`` (contiguous) over ``group``; returns it."""
     _record("all_reduce", tensor, group)
     with _blocking("all_reduce", group):
-        dist.all_reduce(tensor, op=op, group=group)
+        if _uses_exchange(group, tensor.numel() * tensor.element_size(), op) and tensor.is_contiguous():
+            _ExchangeAllReduce(tensor, group, op).wait()
+        else:
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -137,7 +255,10 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
     out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     _record("all_gather", out, group)
     with _blocking("all_gather", group):
-        _all_gather_single(out, moved, group=group)
+        if _uses_exchange(group, out.numel() * out.element_size()):
+            _exchange_all_gather(out, moved, group)
+        else:
+            _all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -150,17 +271,22 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     _record("reduce_scatter", moved, group)
     with _blocking("reduce_scatter", group):
-        dist.reduce_scatter_tensor(out, moved, group=group)
+        if _uses_exchange(group, moved.numel() * moved.element_size()):
+            _exchange_reduce_scatter(out, moved, group)
+        else:
+            dist.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim)
 
 
-def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> dist.Work:
+def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM):
     """Start an in-place all-reduce of ``tensor`` over ``group`` and return its handle (``.wait()`` before reading).
 
     The caller must not touch ``tensor`` until the handle is waited on; it lets gradient buckets reduce while
-    backward is still computing the rest.
+    backward is still computing the rest. Handles of one group must be waited on in the order they were made.
     """
     _record("all_reduce", tensor, group)
+    if _uses_exchange(group, tensor.numel() * tensor.element_size(), op) and tensor.is_contiguous():
+        return _ExchangeAllReduce(tensor, group, op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 

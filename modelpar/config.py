@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modelpar.comm import COLLECTIVE_ALGORITHMS
 from modelpar.layout import SCHEDULES, LayoutError, ParallelLayout
 
 
@@ -44,6 +45,7 @@ class ParallelConfig:
     microbatches: int = 1
     partition: str = "uniform"  # uniform | params | explicit
     stage_layers: list[int] = field(default_factory=list)  # layers per chunk when partition=explicit
+    collectives: str = "auto"  # auto | native | exchange (modelpar.comm.set_collective_algorithm)
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp)
@@ -168,6 +170,10 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"parallel.microbatches={p.microbatches} does not divide the {per_replica} sequences per dp replica "
             f"(data.global_batch={d.global_batch} / dp={p.dp}); try microbatches in "
             f"{[k for k in range(1, per_replica + 1) if per_replica % k == 0]}"
+        )
+    if p.collectives not in COLLECTIVE_ALGORITHMS:
+        raise RecipeError(
+            f"parallel.collectives={p.collectives!r} is unknown; choose one of {', '.join(COLLECTIVE_ALGORITHMS)}"
         )
     if p.partition not in ("uniform", "params", "explicit"):
         raise RecipeError(f"parallel.partition={p.partition!r} must be uniform, params or explicit")

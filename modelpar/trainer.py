@@ -197,6 +197,7 @@ class Trainer:
         self.cfg = cfg
         self.layout = cfg.parallel.layout()
         self.groups = ParallelGroups.build(self.layout)
+        comm.set_collective_algorithm(cfg.parallel.collectives)
         self.rank = dist.get_rank()
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("pp2-vpp2", dict(pp=2, vpp=2, schedule="interleaved")),
         ("pp2-zb-h1-m4", dict(pp=2, schedule="zb-h1", microbatches=4)),
         ("tp2-sp", dict(tp=2, sp=True)),
+        ("tp2-native", dict(tp=2, collectives="native")),
     ],
 )
 def test_layout_specs_set_the_parallel_config(spec, want):
@@ -35,7 +36,16 @@ def test_layout_specs_set_the_parallel_config(spec, want):
 
 
 def test_layout_name_reads_back_as_the_same_layout():
-    for spec in ("single", "tp2", "pp2-gpipe", "pp2-vpp2-interleaved", "dp2", "tp2-pp2-1f1b-m4", "tp2-sp"):
+    for spec in (
+        "single",
+        "tp2",
+        "pp2-gpipe",
+        "pp2-vpp2-interleaved",
+        "dp2",
+        "tp2-pp2-1f1b-m4",
+        "tp2-sp",
+        "tp2-native",
+    ):
         parallel = parse_layout(spec, ParallelConfig(microbatches=8))
         assert parse_layout(layout_name(parallel), ParallelConfig(microbatches=8)) == parallel
 

@@ -147,3 +147,61 @@ def test_single_device_model_records_no_communication():
         model.loss(model(ids), targets).backward()
         model.reduce_tensor_parallel_grads()
     assert log.events == []
+
+
+# -- collective algorithms: gloo's native ring vs the recursive-doubling exchange ------------------------------
+
+
+def _collectives(algorithm: str, layout_tp: int):
+    """Every comm collective over this rank's tp group under ``algorithm``; values chosen so sums are exact."""
+    previous = comm.collective_algorithm()
+    comm.set_collective_algorithm(algorithm)
+    try:
+        tp = TensorParallelGroup.of(current_groups())
+        r, t = tp.rank, tp.size
+        base = torch.arange(24, dtype=torch.float32).view(4, 6)
+        used = comm._uses_exchange(tp.group, base.numel() * 4)
+        out = {"exchange": used}
+        out["sum"] = comm.all_reduce(base * (r + 1), tp.group)
+        out["max"] = comm.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MAX)
+        out["min"] = comm.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MIN)
+        out["gather"] = comm.all_gather(base[:1] + 100 * r, tp.group, dim=0)
+        out["scatter"] = comm.reduce_scatter(base[:, :t] * (r + 1) + 10 * r, tp.group, dim=1)  # distinct blocks
+        # handles in flight together, waited in order: the pattern of gradient buckets
+        tensors = [base * (r + 1) + k for k in range(3)]
+        works = [comm.all_reduce_async(x, tp.group) for x in tensors]
+        for w in works:
+            w.wait()
+        out["async"] = tensors
+        # random values: every rank must hold the same bits after an all-reduce
+        noise = torch.randn(1000, generator=torch.Generator().manual_seed(r))
+        out["noise"] = comm.all_reduce(noise, tp.group)
+        return out
+    finally:
+        comm.set_collective_algorithm(previous)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("algorithm", ["native", "exchange", "auto"])
+def test_collective_algorithms_compute_the_same_collectives(algorithm, tp):
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    results = run_on_ranks(4, _collectives, algorithm, tp, layout=layout_for(tp))[:tp]
+    total = sum(q + 1 for q in range(tp))
+    for rank, out in enumerate(results):
+        assert out["exchange"] == (algorithm != "native")  # auto: gloo and 96 bytes -> exchange
+        torch.testing.assert_close(out["sum"], base * total, rtol=0, atol=0)
+        torch.testing.assert_close(out["max"], base, rtol=0, atol=0)
+        torch.testing.assert_close(out["min"], base - (tp - 1), rtol=0, atol=0)
+        torch.testing.assert_close(out["gather"], torch.cat([base[:1] + 100 * q for q in range(tp)]), rtol=0, atol=0)
+        full = base[:, :tp] * total + 10 * sum(range(tp))
+        torch.testing.assert_close(out["scatter"], full.chunk(tp, 1)[rank], rtol=0, atol=0)
+        for k, x in enumerate(out["async"]):
+            torch.testing.assert_close(x, base * total + k * tp, rtol=0, atol=0)
+        assert torch.equal(out["noise"], results[0]["noise"]), "ranks disagree on an all-reduce's bits"
+    expected = sum(torch.randn(1000, generator=torch.Generator().manual_seed(q)) for q in range(tp))
+    torch.testing.assert_close(results[0]["noise"], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_collective_algorithm_is_refused():
+    with pytest.raises(ValueError, match="not one of"):
+        comm.set_collective_algorithm("tree")

@@ -43,6 +43,7 @@ def tokens(tmp_path_factory):
         (["parallel.tp=3"], "tp=3 does not divide heads=4; try tp in [1, 2, 4]"),
         (["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences per dp replica"),
         (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown; choose one of"),
+        (["parallel.collectives=tree"], "parallel.collectives='tree' is unknown; choose one of auto, native, exchange"),
         (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=256"),
         (["data.path=/nonexistent/tokens.npy"], "/nonexistent/tokens.npy"),
         (["trainer.resume=/nonexistent/ckpt"], "/nonexistent/ckpt is not a checkpoint directory"),
