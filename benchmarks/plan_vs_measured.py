@@ -14,9 +14,9 @@ In one run:
    0.55) and with the efficiency fitted on the single-rank layout (one global knob, as ``CostModel`` says);
    the residual is ``predicted / measured - 1``. Goal: within 20 %.
 
-The planner does not model ranks outnumbering cores: on this 2-core machine a 4-rank layout time-shares
-them, so its residual says so rather than the planner's error. Other jobs share the cores as well; the
-JSON records the load average.
+The calibration also times the element-wise work tp repeats on every rank (two RMSNorm + residual pairs)
+and gives the planner the core count, so a 4-rank layout on 2 cores is predicted as time-shared. Other jobs
+share the cores as well; the JSON records the load average.
 """
 
 from __future__ import annotations
@@ -58,19 +58,47 @@ def matmul_flops(shapes=((2048, 256, 688), (1024, 1024, 1024)), reps: int = 10) 
     return best
 
 
+def elementwise_bandwidth(shape=(2, 128, 256), reps: int = 30) -> float:
+    """Bytes/s of the element-wise work tp repeats per layer, by the planner's own count: the median time of
+    two RMSNorm + residual-add pairs, forward and backward, at bench-tiny's micro-batch shape, over
+    ``REPLICATED_PASSES`` activation-sized passes."""
+    from modelpar_kernels import rms_norm
+
+    from modelpar.plan import REPLICATED_PASSES
+
+    torch.set_num_threads(1)
+    x = torch.randn(shape, requires_grad=True)
+    weight = torch.ones(shape[-1], requires_grad=True)
+    times = []
+    for _ in range(reps + 3):
+        start = time.perf_counter()
+        y = x
+        for _ in range(2):
+            y = y + rms_norm(y, weight, 1e-5)
+        y.sum().backward()
+        times.append(time.perf_counter() - start)
+    return REPLICATED_PASSES * x.numel() * 4 / statistics.median(times[3:])
+
+
 def gloo_links(sizes=(4, 65536, 262144, 1 << 20, 4 << 20), rounds: int = 20) -> dict:
-    """On 2 ranks: median all-reduce time per size, and half a send/recv round trip of 256 KiB."""
+    """On 2 ranks: median all-reduce time per size, through the engine's collectives (``modelpar.comm``,
+    algorithm ``auto``) and gloo's native ring beside; and half a send/recv round trip of 256 KiB."""
+    from modelpar import comm
+
     rank = dist.get_rank()
-    out = {"all_reduce_s": {}, "p2p_one_way_s": {}}
-    for nbytes in sizes:
-        x = torch.zeros(nbytes // 4)
-        times = []
-        for _ in range(rounds):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        out["all_reduce_s"][nbytes] = statistics.median(times)
+    out = {"all_reduce_s": {}, "native_all_reduce_s": {}, "p2p_one_way_s": {}}
+    for key, algorithm in (("all_reduce_s", "auto"), ("native_all_reduce_s", "native")):
+        comm.set_collective_algorithm(algorithm)
+        for nbytes in sizes:
+            x = torch.zeros(nbytes // 4)
+            times = []
+            for _ in range(rounds):
+                dist.barrier()
+                start = time.perf_counter()
+                comm.all_reduce(x, None)
+                times.append(time.perf_counter() - start)
+            out[key][nbytes] = statistics.median(times)
+    comm.set_collective_algorithm("auto")
     for nbytes in (4, 262144):
         x = torch.zeros(nbytes // 4)
         times = []
@@ -144,12 +172,14 @@ def main() -> None:
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     peak = run_on_ranks(1, matmul_flops)[0]
+    memory_bw = run_on_ranks(1, elementwise_bandwidth)[0]
     links = run_on_ranks(2, gloo_links)[0]
     bandwidth, latency = fit_ring(links["all_reduce_s"])
     p2p_ms = links["p2p_one_way_s"][262144] * 1e3
     print(
         f"calibrated: peak {peak / 1e9:.1f} GFLOP/s (1 thread fp32), gloo {bandwidth / 1e9:.2f} GB/s, "
-        f"latency {latency * 1e6:.0f} us per ring step; p2p 256 KiB one way {p2p_ms:.2f} ms"
+        f"latency {latency * 1e6:.0f} us per ring step; p2p 256 KiB one way {p2p_ms:.2f} ms; element-wise "
+        f"{memory_bw / 1e9:.1f} GB/s; {os.cpu_count()} cores"
     )
     if args.from_json:
         report = json.loads(args.from_json.read_text())
@@ -158,7 +188,13 @@ def main() -> None:
         rows = bench_rows(args.layouts, args.rounds, args.passes, args.out.parent)
         report = json.loads((args.out.parent / "plan_vs_measured_steps.json").read_text())
     hardware = dataclasses.replace(
-        HARDWARE["cpu"], peak_flops=peak, intra_node_bw=bandwidth, inter_node_bw=bandwidth, latency_s=latency
+        HARDWARE["cpu"],
+        peak_flops=peak,
+        intra_node_bw=bandwidth,
+        inter_node_bw=bandwidth,
+        latency_s=latency,
+        memory_bw=memory_bw,
+        compute_units=os.cpu_count() or 1,
     )
     model = model_spec(report)
     seq, batch = report["data"]["seq_len"], report["data"]["global_batch"]
@@ -204,6 +240,9 @@ def main() -> None:
             "gloo_bandwidth_Bps": bandwidth,
             "gloo_latency_s": latency,
             "all_reduce_s": links["all_reduce_s"],
+            "native_all_reduce_s": links["native_all_reduce_s"],
+            "elementwise_Bps": memory_bw,
+            "compute_units": os.cpu_count(),
             "p2p_one_way_s": links["p2p_one_way_s"],
             "fitted_efficiency": fitted.efficiency if fitted else None,
             "shipped_efficiency": CostModel().efficiency,
@@ -219,7 +258,9 @@ def main() -> None:
     lines = [
         "# Planner vs measured step time (CPU, gloo, one thread per rank)\n",
         f"Calibrated in the same run: peak {peak / 1e9:.1f} GFLOP/s, gloo {bandwidth / 1e9:.2f} GB/s, latency "
-        f"{latency * 1e6:.0f} us; fitted efficiency {fitted.efficiency if fitted else float('nan'):.2f} "
+        f"{latency * 1e6:.0f} us (the engine's collectives), element-wise {memory_bw / 1e9:.1f} GB/s, "
+        f"{os.cpu_count()} cores shared by the ranks; "
+        f"fitted efficiency {fitted.efficiency if fitted else float('nan'):.2f} "
         f"(shipped {CostModel().efficiency}).\n",
         "| layout | ranks | CPU share | measured s | planned s | residual | planned (fitted eff.) s | residual |",
         "|---|---|---|---|---|---|---|---|",
@@ -233,7 +274,7 @@ def main() -> None:
         )
     lines.append(
         "\nCPU share: process CPU seconds over wall seconds per rank (1.0 = a whole core); other jobs share the "
-        "machine's cores, and the planner assumes a whole core per rank."
+        "machine's cores. The planner is told the core count: layouts with more ranks than cores time-share them."
     )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")

@@ -28,7 +28,9 @@ pool (load from other jobs drifts over minutes). From the timed steps it reports
   most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``);
 - communication bytes per step by kind (``modelpar.comm.record_comm``, summed over ranks) plus the
   pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``);
-- the peer's tokens/s, our ratio to it, and whether the first step's losses agree (relative 1e-5).
+- the peer's tokens/s, our ratio to it, and whether the first step's losses agree (relative 1e-5). The peer
+  runs our layer split (``bench.peer_partition=same``), or with ``uniform`` the even split a user of
+  ``torch.distributed.pipelining`` gets without a partitioner, named "(uniform split)" in the table.
 
 Results accumulate in ``bench.results_dir`` (``benchmarks/results``): ``bench.json`` (one row per layout; a
 rerun replaces its layout's row), ``bench.md``, ``bench_throughput.png`` and, per pipeline layout, the
@@ -75,6 +77,7 @@ class BenchOptions:
     steps_per_round: int = 2
     passes: int = 1  # sweep the layouts this many times round-robin; steps of every pass pool into one median
     peer: bool = True
+    peer_partition: str = "same"  # same: the peer runs our layer split; uniform: torch users' even split
     peak_tflops: float = 0.0  # per rank; 0: measure a one-thread fp32 matmul
     results_dir: str = "benchmarks/results"
     name: str = "bench"  # file stem of the results
@@ -102,8 +105,9 @@ _SPEC_TOKEN = re.compile(r"^(tp|pp|dp|vpp|m)(\d+)$")
 
 def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
     """``base`` with the settings of ``spec``: dash-separated ``tpN ppN dpN vppN mN sp`` and a schedule name
-    (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``; ``single`` is
-    tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``, ``pp2-vpp2-interleaved``, ``tp2-native``.
+    (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``, ``uniform`` /
+    ``params`` / ``flops`` for ``parallel.partition``; ``single`` is tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``,
+    ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``.
     Unset degrees are 1; the schedule defaults to 1f1b (interleaved when vpp > 1); m to ``base.microbatches``."""
     values: dict = dict(tp=1, pp=1, dp=1, vpp=1, sp=False, schedule="", microbatches=base.microbatches)
     text = spec.strip().replace("zb-h1", "zbh1")
@@ -115,12 +119,14 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
             values["sp"] = True
         elif token in ("native", "exchange"):  # parallel.collectives
             values["collectives"] = token
+        elif token in ("uniform", "params", "flops"):  # parallel.partition
+            values["partition"] = token
         elif token.replace("zbh1", "zb-h1") in SCHEDULES:
             values["schedule"] = token.replace("zbh1", "zb-h1")
         else:
             raise ValueError(
                 f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, ppN, dpN, vppN, mN, sp, native, "
-                f"exchange or a schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
+                f"exchange, uniform, params, flops or a schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
             )
     values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
     return replace(base, **values)
@@ -138,9 +144,9 @@ def layout_name(p: ParallelConfig) -> str:
         parts.append(f"m{p.microbatches}")
     if p.collectives != "auto":
         parts.append(p.collectives)
-    if p.partition == "explicit":
+    if p.pp > 1 and p.partition == "explicit":
         parts.append("split" + ".".join(map(str, p.stage_layers)))
-    elif p.partition != "uniform":
+    elif p.pp > 1 and p.partition != ParallelConfig.partition:
         parts.append(p.partition)
     return "-".join(parts)
 
@@ -256,6 +262,7 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     """One rank's measurements of ours and the peer (see the module docstring for the order of steps)."""
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
+    from modelpar.pipeline import partition_uniform
     from modelpar.trainer import Trainer, build_partition, transformer_config
 
     opts = cfg.bench
@@ -265,7 +272,10 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     device = trainer.device
     peer = None
     if opts.peer and peer_name(cfg) is not None:
-        peer = Peer(cfg, transformer_config(cfg), build_partition(cfg), device)
+        split = build_partition(cfg)
+        if opts.peer_partition == "uniform":
+            split = partition_uniform(cfg.model.layers, cfg.parallel.pp, cfg.parallel.vpp)
+        peer = Peer(cfg, transformer_config(cfg), split, device)
         peer_sampler = WindowSampler(
             trainer.tokens.num_windows,
             cfg.data.global_batch,
@@ -601,6 +611,14 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
     from modelpar.train import resolve_data
 
     opts = cfg.bench
+    if opts.peer_partition not in ("same", "uniform"):
+        raise ValueError(f"bench.peer_partition={opts.peer_partition!r} must be 'same' or 'uniform'")
+
+    def peer_of(case: BenchRecipe) -> str | None:
+        name = peer_name(case) if opts.peer else None
+        split = name and case.parallel.pp > 1 and opts.peer_partition == "uniform"
+        return f"{name} (uniform split)" if split else name
+
     layouts = [parse_layout(s, cfg.parallel) for s in opts.sweep] or [cfg.parallel]
     cases = []
     for parallel in layouts:
@@ -617,7 +635,7 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
     for k in range(opts.passes):
         for i, case in enumerate(cases):
             name = layout_name(case.parallel)
-            peer = peer_name(case) if opts.peer else None
+            peer = peer_of(case)
             world = case.parallel.layout().world_size
             print(
                 f"modelpar-bench: pass {k + 1}/{opts.passes} {name} ({world} ranks) vs {peer or 'no peer'}", flush=True
@@ -629,7 +647,7 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
                     out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_rank{r['rank']}_pass{k}.txt"
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(r["profile"])
-    rows = [summarize(case, pooled[i], peak, peer_name(case) if opts.peer else None) for i, case in enumerate(cases)]
+    rows = [summarize(case, pooled[i], peak, peer_of(case)) for i, case in enumerate(cases)]
     all_rows = write_results(cfg, rows)
     print(text_table({r["layout"]: all_rows[r["layout"]] for r in rows}), flush=True)
     return all_rows

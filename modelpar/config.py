@@ -43,7 +43,7 @@ class ParallelConfig:
     sp: bool = False
     schedule: str = "1f1b"
     microbatches: int = 1
-    partition: str = "uniform"  # uniform | params | explicit
+    partition: str = "flops"  # flops (balance blocks against the head) | uniform | params | explicit
     stage_layers: list[int] = field(default_factory=list)  # layers per chunk when partition=explicit
     collectives: str = "auto"  # auto | native | exchange (modelpar.comm.set_collective_algorithm)
 
@@ -175,8 +175,8 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(
             f"parallel.collectives={p.collectives!r} is unknown; choose one of {', '.join(COLLECTIVE_ALGORITHMS)}"
         )
-    if p.partition not in ("uniform", "params", "explicit"):
-        raise RecipeError(f"parallel.partition={p.partition!r} must be uniform, params or explicit")
+    if p.partition not in ("uniform", "params", "flops", "explicit"):
+        raise RecipeError(f"parallel.partition={p.partition!r} must be uniform, params, flops or explicit")
     if p.partition == "explicit" and (len(p.stage_layers) != p.pp * p.vpp or sum(p.stage_layers) != m.layers):
         raise RecipeError(
             f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} counts summing to "

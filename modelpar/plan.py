@@ -21,6 +21,8 @@ transient working set; the last stage adds fp32 logits ``4*s*b*V/t``; the first 
 Step time, from the per-rank FLOPs of ``modelpar.flops`` (plus recomputed forwards)::
 
     compute_s  = FLOPs on the busiest rank / (peak * efficiency)
+                 + element-wise work tp repeats on every rank (``REPLICATED_PASSES`` [b, s, h] passes per
+                 layer, at ``memory_bw``; divided by t with SP)
     tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
                  ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node
     pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
@@ -28,6 +30,9 @@ Step time, from the per-rank FLOPs of ``modelpar.flops`` (plus recomputed forwar
                  ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
     bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s)
     total_s    = the sum of the above
+
+More ranks than ``compute_units`` (a CPU with fewer cores than ranks): compute_s * ranks / units, and the
+bubble only where the critical path (compute_s + bubble_s) is longer than that.
 
 The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) and ``CostModel``
 (achievable efficiency, DP overlap); ``tests/test_plan.py`` checks the model against Narayanan et al. 2021.
@@ -91,6 +96,8 @@ class Hardware:
     latency_s: float  # per message (per ring step of a collective)
     reserved_bytes: float = 2 * GIB  # runtime context, communication buffers, allocator slack
     dtype: str = "bf16"  # bf16: mixed precision with fp32 master weights; fp32: everything fp32
+    memory_bw: float = 0.0  # bytes/s one rank's element-wise ops stream at (0: not modelled)
+    compute_units: int = 0  # ranks that can compute at once (CPU cores); 0: every rank has its own device
 
     @property
     def weight_bytes(self) -> int:
@@ -107,15 +114,29 @@ GRAD_BYTES = 4  # gradients are accumulated and reduced in fp32 in both dtypes
 HARDWARE = {
     # A100 SXM 80GB: 312 TFLOP/s dense bf16; NVLink3 12 links x 25 GB/s per direction; DGX A100 has one
     # 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s).
-    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 3e-6),
+    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 3e-6, memory_bw=2.0e12),
     # Latency: ~3 us per ring step (NCCL's low-latency protocol), so an 8-GPU all-reduce starts at ~40 us.
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink4 18 links x 25 GB/s; one 400 Gb/s NDR NIC per GPU (50 GB/s).
-    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 3e-6),
-    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6),
+    # HBM: A100 80GB 2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s.
+    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=3.35e12),
+    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=4.8e12),
     # This project's CPU machine, one thread per rank: torch fp32 matmul measured ~90-98 GFLOP/s on one
     # AMD EPYC core; gloo over loopback moves ~1 GB/s with ~0.25 ms per message (2 MB all-reduce ~4 ms,
-    # send+recv round trip ~3.5 ms, see DESIGN.md). Rough: a benchmark should override these.
-    "cpu": Hardware("cpu", 100e9, 8 * GIB, 1e9, 1e9, 2, 250e-6, reserved_bytes=0.5 * GIB, dtype="fp32"),
+    # send+recv round trip ~3.5 ms, see DESIGN.md); element-wise ops on [256, 256] fp32 ~10 GB/s with dispatch;
+    # 2 cores. Rough: benchmarks/plan_vs_measured.py calibrates all of these in the run it compares.
+    "cpu": Hardware(
+        "cpu",
+        100e9,
+        8 * GIB,
+        1e9,
+        1e9,
+        2,
+        250e-6,
+        reserved_bytes=0.5 * GIB,
+        dtype="fp32",
+        memory_bw=10e9,
+        compute_units=2,
+    ),
 }
 
 
@@ -333,6 +354,22 @@ def layer_forward_flops(shape: ModelShape, tokens: int, seq_len: int) -> float:
     return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
 
 
+# Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
+# split (sequence parallelism does): two RMSNorms (forward ~3 passes, backward ~6) and two residual adds
+# (forward 3, backward ~2), counted in activation-sized reads plus writes.
+REPLICATED_PASSES = 24
+
+
+def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """One micro-batch's element-wise work that every tp rank repeats, on the busiest rank (0 if unmodelled)."""
+    if not hardware.memory_bw:
+        return 0.0
+    layout = strategy.layout
+    layers = layers_per_chunk(model.shape.layers, layout) * layout.vpp
+    nbytes = strategy.micro_batch_size * seq_len * model.shape.hidden * hardware.weight_bytes * REPLICATED_PASSES
+    return layers * nbytes / (layout.tp if strategy.sp else 1) / hardware.memory_bw
+
+
 def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
     """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included."""
     shape, layout = model.shape, strategy.layout
@@ -365,6 +402,7 @@ def predict(
     shape, b = model.shape, strategy.micro_batch_size
     rate = hardware.peak_flops * costs.efficiency
     compute_s = m * stage_step_flops(model, strategy, seq_len) / t / rate
+    compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
 
     act_bytes = b * seq_len * shape.hidden * hardware.weight_bytes  # one [b, s, h] activation
     collectives_per_layer = 6 if strategy.recompute == "full" else 4
@@ -384,6 +422,13 @@ def predict(
 
     dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
     bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s)
+    units = hardware.compute_units
+    if units and layout.world_size > units:
+        # more ranks than cores: they time-share, and a rank idle in the bubble hands its core to the others,
+        # so the step is the larger of all ranks' compute spread over the cores and the critical path
+        shared = compute_s * layout.world_size / units
+        bubble_s = max(0.0, compute_s + bubble_s - shared)
+        compute_s = shared
     memory = peak_memory(model, strategy, seq_len, hardware)
     total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + bubble_s
     tokens = strategy.global_batch * seq_len

@@ -78,6 +78,14 @@ def build_partition(cfg: TrainConfig) -> Partition:
         shape = model_shape(cfg.model)
         embed = cfg.model.vocab_size * cfg.model.hidden
         return partition_by_cost([shape.block_params()] * layers, p.pp, p.vpp, embedding_cost=embed, head_cost=embed)
+    if p.partition == "flops":
+        # training FLOPs per token: a block's matmuls and attention; the head's matmul plus the loss's softmax
+        # over the vocabulary (about 10 element-wise passes fwd+bwd, costed like matmul FLOPs); the embedding
+        # lookup is free. Balances the last stage's head against whole blocks (Narayanan et al. 2021 sec. 3.2).
+        shape = model_shape(cfg.model)
+        block = 6.0 * shape.block_params() + 12.0 * shape.hidden * cfg.data.seq_len
+        head = 6.0 * shape.vocab_size * shape.hidden + 10.0 * shape.vocab_size
+        return partition_by_cost([block] * layers, p.pp, p.vpp, head_cost=head)
     return partition_uniform(layers, p.pp, p.vpp)
 
 

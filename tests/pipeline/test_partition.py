@@ -62,3 +62,19 @@ def test_impossible_splits_are_rejected_in_one_line(call, fragment):
     with pytest.raises(PartitionError) as info:
         call()
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_flops_partition_moves_a_block_off_the_head_stage_of_bench_tiny():
+    from modelpar.config import ModelConfig, ParallelConfig, TrainConfig
+    from modelpar.trainer import build_partition
+
+    bench_tiny = ModelConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
+    counts = {}
+    for pp, vpp in ((2, 1), (4, 1), (2, 2)):
+        parallel = ParallelConfig(pp=pp, vpp=vpp, partition="flops", schedule="interleaved" if vpp > 1 else "1f1b")
+        counts[pp, vpp] = build_partition(TrainConfig(model=bench_tiny, parallel=parallel)).layer_counts
+    # a block ~ 5.1 MFLOP per token, the head + loss ~ 6.3: the last chunk gets fewer blocks, never none
+    assert counts[2, 1] == (5, 3)
+    assert counts[4, 1] == counts[2, 2] == (2, 2, 3, 1)
+    uniform = ParallelConfig(pp=2)
+    assert build_partition(TrainConfig(model=bench_tiny, parallel=uniform)).layer_counts == (4, 4)

@@ -78,6 +78,8 @@ LAYOUTS = [
     dict(dp=2, pp=2, zero_=1),
     dict(tp=4),  # kv_heads=2 < tp: k/v rows replicated, counted once in the grad norm
     dict(tp=4, zero_=1),
+    dict(tp=2, pp=2, partition="explicit", stage_layers=[3, 1]),  # uneven, as partition=flops splits
+    dict(tp=2, collectives="native"),  # gloo's own ring instead of the exchange
 ]
 
 
