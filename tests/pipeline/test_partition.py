@@ -76,5 +76,5 @@ def test_flops_partition_moves_a_block_off_the_head_stage_of_bench_tiny():
     # a block ~ 5.1 MFLOP per token, the head + loss ~ 6.3: the last chunk gets fewer blocks, never none
     assert counts[2, 1] == (5, 3)
     assert counts[4, 1] == counts[2, 2] == (2, 2, 3, 1)
-    uniform = ParallelConfig(pp=2)
+    uniform = ParallelConfig(pp=2, partition="uniform")
     assert build_partition(TrainConfig(model=bench_tiny, parallel=uniform)).layer_counts == (4, 4)
