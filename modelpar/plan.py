@@ -39,7 +39,7 @@ The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) 
 
 Left out, so read predictions as +-15%: matmul efficiency falling for small or thin GEMMs (one global factor
 instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, ZB-H1 and
-GPipe schedules, and which stage an uneven split burdens (the busiest chunk is assumed everywhere). The
+GPipe schedules, and the memory of an uneven split (the busiest chunk's layers are assumed on every stage). The
 Korthikanti activation terms are for a GPT block (4h GeLU MLP); a SwiGLU block differs by a few ``sbh``.
 ``ModelSpec.flash_attention`` drops the stored ``s x s`` scores (what a fused attention kernel does).
 """
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -371,14 +372,32 @@ def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int,
 
 
 def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
-    """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included."""
+    """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included.
+
+    The blocks are split as the trainer's default ``parallel.partition=flops`` splits them: the last chunk's
+    head counts against whole blocks (``partition_by_cost``), so the busiest rank is the costliest chunk set.
+    """
     shape, layout = model.shape, strategy.layout
     tokens = strategy.micro_batch_size * seq_len
     forward = layer_forward_flops(shape, tokens, seq_len)
     extra = {"none": 0.0, "selective": 4.0 * tokens * shape.hidden * seq_len, "full": forward}[strategy.recompute]
-    layers = layers_per_chunk(shape.layers, layout) * layout.vpp
+    block = 3 * forward + extra
     head = 6.0 * tokens * shape.vocab_size * shape.hidden
-    return layers * (3 * forward + extra) + head
+    if layout.pp == 1:
+        return shape.layers * block + head
+    return block * _busiest_rank_blocks(shape.layers, layout.pp, layout.vpp, round(head / block, 4))
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float) -> float:
+    """Cost of the busiest rank, in blocks, under the FLOP-balanced split (the head costs ``head_in_blocks``)."""
+    from modelpar.pipeline.partition import partition_by_cost
+
+    split = partition_by_cost([1.0] * layers, pp, vpp, head_cost=head_in_blocks)
+    return max(
+        sum(len(split.layers(c)) + head_in_blocks * split.has_head(c) for c in split.chunks_of(rank))
+        for rank in range(pp)
+    )
 
 
 def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
