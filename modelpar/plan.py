@@ -22,7 +22,8 @@ Step time, from the per-rank FLOPs of ``modelpar.flops`` (plus recomputed forwar
 
     compute_s  = FLOPs on the busiest rank / (peak * efficiency)
                  + element-wise work tp repeats on every rank (``REPLICATED_PASSES`` [b, s, h] passes per
-                 layer, at ``memory_bw``; divided by t with SP)
+                 layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
+                 dispatch, which no parallelism shrinks)
     tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
                  ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node
     pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
@@ -99,6 +100,8 @@ class Hardware:
     dtype: str = "bf16"  # bf16: mixed precision with fp32 master weights; fp32: everything fp32
     memory_bw: float = 0.0  # bytes/s one rank's element-wise ops stream at (0: not modelled)
     compute_units: int = 0  # ranks that can compute at once (CPU cores); 0: every rank has its own device
+    layer_overhead_s: float = 0.0  # host cost of one layer's fwd+bwd per micro-batch that tp does not shrink
+    #   (op dispatch and autograd bookkeeping on CPU, kernel launches on GPU); 0: not modelled
 
     @property
     def weight_bytes(self) -> int:
@@ -362,13 +365,15 @@ REPLICATED_PASSES = 24
 
 
 def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
-    """One micro-batch's element-wise work that every tp rank repeats, on the busiest rank (0 if unmodelled)."""
-    if not hardware.memory_bw:
-        return 0.0
+    """One micro-batch's work that every tp rank repeats, on the busiest rank: element-wise passes (0 without
+    ``memory_bw``) and the per-layer host overhead (``layer_overhead_s``)."""
     layout = strategy.layout
     layers = layers_per_chunk(model.shape.layers, layout) * layout.vpp
+    overhead = layers * hardware.layer_overhead_s
+    if not hardware.memory_bw:
+        return overhead
     nbytes = strategy.micro_batch_size * seq_len * model.shape.hidden * hardware.weight_bytes * REPLICATED_PASSES
-    return layers * nbytes / (layout.tp if strategy.sp else 1) / hardware.memory_bw
+    return overhead + layers * nbytes / (layout.tp if strategy.sp else 1) / hardware.memory_bw
 
 
 def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
