@@ -4,7 +4,8 @@
 
 Scores the first ``eval.windows`` contiguous, non-overlapping windows of ``data.seq_len + 1`` tokens of
 ``data.path`` (the default corpus's held-out split when empty). The windows form one batch, split over dp
-replicas and ``parallel.microbatches``, and run through the same pipeline runtime as training; every window
+replicas and ``parallel.microbatches``, and run through the same pipeline runtime as training, forwards only
+(the schedule's forwards in its order, without autograd); every window
 has the same number of tokens, so the mean of micro-batch means is the mean over all tokens. The last line
 printed is JSON: ``{"eval_loss": ..., "windows": ..., "tokens": ...}``.
 """
@@ -36,7 +37,7 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:
     from modelpar.distributed import ParallelGroups
-    from modelpar.pipeline import PipelineRuntime, build_schedule
+    from modelpar.pipeline import PipelineRuntime, forward_only
     from modelpar.trainer import build_rank_model, load_model_from_checkpoint, resolve_device
 
     layout = cfg.parallel.layout()
@@ -52,12 +53,11 @@ def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -
     runtime = PipelineRuntime(
         model.chunks,
         groups,
-        build_schedule(cfg.parallel.schedule, layout.pp, m, layout.vpp),
+        forward_only(cfg.parallel.schedule, layout.pp, m, layout.vpp),
         activation_shape=model.chunks[0].activation_shape(per_replica // m, cfg.data.seq_len),
         loss_fn=model.chunks[-1].loss,
         device=device,
     )
-    # The runtime always runs backward; the gradients are simply dropped.
     result = runtime.step(list(inputs.to(device).chunk(m)), list(targets.to(device).chunk(m)))
     loss = torch.tensor([result.loss], dtype=torch.float64)
     if layout.dp > 1:

@@ -2,7 +2,7 @@
 
 partition       layers -> model chunks -> ranks (uniform, by cost, explicit; Megatron interleaving)
 actions         the schedule IR: ``Action`` ("1F0", "0B3c1", "1RECV_F0"), per-rank lists, parse/format
-schedule        generators (gpipe, 1f1b, interleaved, zb-h1), ``SCHEDULES``, ``build_schedule``
+schedule        generators (gpipe, 1f1b, interleaved, zb-h1), ``SCHEDULES``, ``build_schedule``, ``forward_only``
 p2p_order       where SEND/RECV go so that no schedule can deadlock, even with NCCL's blocking sends
 simulate        timeline, bubble, peak in-flight activations, ``ScheduleDeadlock`` with a step x rank table
 gantt           text and PNG Gantt charts of a simulated or measured timeline
@@ -22,7 +22,7 @@ from modelpar.pipeline.partition import (
     partition_uniform,
 )
 from modelpar.pipeline.runtime import PipelineRuntime, StepResult, measured_timeline
-from modelpar.pipeline.schedule import SCHEDULES, build_schedule
+from modelpar.pipeline.schedule import SCHEDULES, build_schedule, forward_only
 from modelpar.pipeline.simulate import Costs, ScheduleDeadlock, Simulation, Timeline, compute_timeline, simulate
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "build_schedule",
     "compute_timeline",
     "format_schedule",
+    "forward_only",
     "measured_timeline",
     "parse_schedule",
     "partition_by_cost",

@@ -167,7 +167,9 @@ class PipelineRuntime:
             )
         self.last_stage = self.pp * chunk_count - 1
         self.split_backward = any(a.kind is W for a in self.actions)
-        self.predicted_peak = peak_in_flight(self.actions)  # what StepResult.peak_in_flight must come out as
+        # a schedule without backwards (``forward_only``): forwards run without autograd and keep nothing
+        self.forward_only = not any(a.kind in (B, W) for row in schedule for a in row)
+        self.predicted_peak = 0 if self.forward_only else peak_in_flight(self.actions)  # StepResult.peak_in_flight
         self.activation_shape = tuple(activation_shape)
         self.loss_fn = loss_fn
         self.dtype = dtype
@@ -241,7 +243,11 @@ class PipelineRuntime:
                 x = micro_batches[action.micro_batch].to(self.device)
             else:
                 x = state.received.pop(Action(self.rank, RECV_F, *key)).requires_grad_(True)
-            y = self.chunks[action.chunk](x)
+            if self.forward_only:
+                with torch.no_grad():
+                    y = self.chunks[action.chunk](x)
+            else:
+                y = self.chunks[action.chunk](x)
             if stage == self.last_stage:
                 target = targets[action.micro_batch].to(self.device)
                 y = self.loss_fn(y, target) / self.micro_batches
@@ -249,7 +255,8 @@ class PipelineRuntime:
             else:
                 # under autocast a chunk may return bf16; the receiver's buffer is ``self.dtype``
                 state.to_send[Action(self.rank, SEND_F, *key)] = y.detach().to(self.dtype).contiguous()
-            state.hold(key, x, y)
+            if not self.forward_only:
+                state.hold(key, x, y)
         elif action.kind is B:
             self._backward(action, state)
         else:

@@ -104,6 +104,13 @@ def zero_bubble_h1(pp: int, m: int, vpp: int = 1) -> Schedule:
     return add_communication(compute, pp, vpp)
 
 
+def forward_only(name: str, pp: int, m: int, vpp: int = 1) -> Schedule:
+    """The forwards of schedule ``name``, in its order, with their sends and receives: evaluation. Nothing
+    waits on a backward, so no micro-batch is held once its output has been sent (or its loss taken)."""
+    compute = [[a for a in row if a.kind is F] for row in build_schedule(name, pp, m, vpp)]
+    return add_communication(compute, pp, vpp)
+
+
 def _check_single_chunk(name: str, vpp: int) -> None:
     if vpp != 1:
         raise ScheduleError(f"{name} runs one model chunk per rank (got vpp={vpp}); use vpp=1 or 'interleaved'")

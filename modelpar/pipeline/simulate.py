@@ -316,10 +316,12 @@ def _upstream_compute(action: Action, pp: int, last_stage: int) -> Action | None
 
 
 def _check_actions(schedule: Schedule, pp: int, *, with_comm: bool) -> None:
-    """Every rank runs F and B (and W for all or none) once per (micro-batch, chunk), each after its inputs."""
+    """Every rank runs F and B (and W for all or none) once per (micro-batch, chunk), each after its inputs;
+    a schedule without any B is forward-only (evaluation) and needs only the F."""
     m = 1 + max((a.micro_batch for row in schedule for a in row), default=-1)
     vpp = 1 + max((a.chunk for row in schedule for a in row), default=-1)
     split = any(a.kind is W for row in schedule for a in row)
+    backward = split or any(a.kind is B for row in schedule for a in row)
     needs_before = {F: [RECV_F], B: [F, RECV_B], W: [B], SEND_F: [F], SEND_B: [B]}
     last_stage = pp * vpp - 1
     for r, row in enumerate(schedule):
@@ -337,7 +339,7 @@ def _check_actions(schedule: Schedule, pp: int, *, with_comm: bool) -> None:
                 if needed and need not in seen:
                     raise ScheduleError(f"{a} at step {i} of rank {r} comes before {need}; move it after")
             seen.add(a)
-        kinds = (F, B, W) if split else (F, B)
+        kinds = (F, B, W) if split else (F, B) if backward else (F,)
         for kind in kinds:
             for chunk in range(vpp):
                 missing = [j for j in range(m) if Action(r, kind, j, chunk) not in seen]

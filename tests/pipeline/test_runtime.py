@@ -174,3 +174,36 @@ def test_runtime_refuses_bad_schedules_and_batches_before_sending_anything():
         assert deadlock.startswith("schedule deadlocks"), f"rank {rank}: {deadlock}"
         assert "schedule uses 2 chunks per rank but rank" in chunks, f"rank {rank}: {chunks}"
         assert "has 2 micro-batches; the schedule runs 3" in count, f"rank {rank}: {count}"
+
+
+def _forward_only(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
+    from modelpar.pipeline import forward_only
+
+    groups = current_groups()
+    pp, out = groups.layout.pp, {}
+    for name, m in todo:
+        chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, pp, vpp_of(name)), groups.pp_rank)
+        runtime = PipelineRuntime(
+            chunks,
+            groups,
+            forward_only(name, pp, m, vpp_of(name)),
+            activation_shape=(cfg.batch, cfg.seq, cfg.hidden),
+            loss_fn=toy_model.loss_fn,
+        )
+        result = runtime.step(*toy_model.batch(cfg, m))
+        grads = [p.grad for c in chunks for p in c.parameters()]
+        out[(name, m)] = (result.loss, result.peak_in_flight, all(g is None for g in grads), len(result.records))
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_forward_only_schedules_give_the_single_device_loss_and_keep_nothing(pp):
+    todo = [(name, m) for name, m in cases(pp) if not (name == "interleaved" and m % pp)]
+    per_rank = run_on_ranks(pp, _forward_only, CFG, todo, layout=ParallelLayout(pp=pp))
+    for name, m in todo:
+        want_loss, _ = toy_model.reference(CFG, m)
+        for rank, out in enumerate(per_rank):
+            loss, peak, no_grads, actions = out[(name, m)]
+            assert abs(loss - want_loss) <= RTOL * abs(want_loss), f"{name} pp={pp} m={m} rank {rank}: {loss}"
+            assert peak == 0 and no_grads, f"{name} pp={pp} m={m} rank {rank}: held {peak}, grads set"
+            assert actions > 0
