@@ -45,6 +45,8 @@ def test_layout_name_reads_back_as_the_same_layout():
         "tp2-pp2-1f1b-m4",
         "tp2-sp",
         "tp2-native",
+        "pp2-uniform",
+        "pp2-params",
     ):
         parallel = parse_layout(spec, ParallelConfig(microbatches=8))
         assert parse_layout(layout_name(parallel), ParallelConfig(microbatches=8)) == parallel
@@ -77,14 +79,10 @@ def test_regrouped_fused_weight_shards_like_our_tensor_parallel_layer():
         assert torch.equal(regrouped.chunk(2)[rank], ours)
 
 
-@pytest.fixture(scope="module")
-def tiny_sweep(tmp_path_factory):
+def _tiny_bench_config(tmp, *extra):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.bench import run
-
-    tmp = tmp_path_factory.mktemp("bench")
     tokens = tmp / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16))
     overrides = [
@@ -101,11 +99,41 @@ def tiny_sweep(tmp_path_factory):
         "bench.peak_tflops=0.1",
         f"bench.results_dir={tmp}",
         "trainer.out_dir=" + str(tmp / "run"),
+        *extra,
     ]
     with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
-    run(cfg)
+        return OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    from modelpar.bench import run
+
+    tmp = tmp_path_factory.mktemp("bench")
+    run(_tiny_bench_config(tmp))
     return tmp
+
+
+def test_peer_on_the_uniform_split_computes_the_same_losses(tmp_path):
+    from modelpar.bench import run
+
+    cfg = _tiny_bench_config(
+        tmp_path,
+        "bench.sweep=[pp2-1f1b]",
+        "parallel.partition=explicit",
+        "parallel.stage_layers=[3,1]",
+        "bench.peer_partition=uniform",
+    )
+    row = run(cfg)["pp2-1f1b-m4-split3.1"]
+    assert row["peer_name"] == "torch.pipelining 1f1b (uniform split)"
+    assert row["losses_agree"] and row["first_loss_rel_diff"] <= 1e-5
+
+
+def test_unknown_peer_partition_is_refused_before_any_rank_starts(tmp_path):
+    from modelpar.bench import run
+
+    with pytest.raises(ValueError, match="bench.peer_partition='even' must be 'same' or 'uniform'"):
+        run(_tiny_bench_config(tmp_path, "bench.peer_partition=even"))
 
 
 def test_sweep_writes_every_field_per_layout(tiny_sweep):
