@@ -16,9 +16,9 @@ In one run:
    the residual is ``predicted / measured - 1``. Goal: within 20 %.
 
 The calibration also times the element-wise work tp repeats on every rank (two RMSNorm + residual pairs),
-the host overhead of a layer (our block at hidden 32), and the cost of an all-reduce inside a loop of
-matmuls (what a tp step sees; the isolated fit is recorded beside), and gives the planner the core count, so
-a 4-rank layout on 2 cores is predicted as time-shared. Other jobs
+the host overhead of a layer (our block at hidden 32 on 8-token sequences), and the cost of an all-reduce
+inside a loop of matmuls (what a tp step sees; the isolated fit is recorded beside), and gives the planner
+the core count, so a 4-rank layout on 2 cores is predicted as time-shared. Other jobs
 share the cores as well; the JSON records the load average.
 """
 
@@ -85,8 +85,8 @@ def elementwise_bandwidth(shape=(2, 128, 256), reps: int = 30) -> float:
 
 def layer_overhead(layers: int = 8, reps: int = 20) -> float:
     """Seconds of one layer's forward + backward that do not scale with its size: our ``Block`` at hidden 32
-    (8 heads of 4, SwiGLU 32) on bench-tiny's micro-batch of 2 x 128 tokens, where the FLOPs are ~1/1000 of
-    bench-tiny's and what remains is op dispatch and autograd bookkeeping."""
+    (8 heads of 4, SwiGLU 32) on 2 sequences of 8 tokens, where matmuls, attention scores and element-wise
+    work are all negligible and what remains is op dispatch and autograd bookkeeping."""
     from modelpar.comm import TensorParallelGroup
     from modelpar.model import Block, TransformerConfig
 
@@ -95,7 +95,7 @@ def layer_overhead(layers: int = 8, reps: int = 20) -> float:
     blocks = torch.nn.Sequential(
         *(Block(config, TensorParallelGroup(), sequence_parallel=False, backend="torch") for _ in range(layers))
     )
-    x = torch.randn(2, 128, 32, requires_grad=True)
+    x = torch.randn(2, 8, 32, requires_grad=True)
     times = []
     for _ in range(reps + 3):
         start = time.perf_counter()
