@@ -146,12 +146,16 @@ def save_checkpoint(
     rank_state: Mapping[str, torch.Tensor],
     meta: dict[str, Any],
     keep_last: int = 0,
+    optimizer: Mapping[Piece, torch.Tensor] | None = None,
 ) -> Path:
     """Collectively save one checkpoint (every rank of the world calls this with its own pieces).
 
     ``model``: this rank's regions of logical tensors (pieces held by several ranks are written once, by the
     lowest rank). ``rank_state``: per-rank tensors (optimizer, RNG). ``meta``: JSON-able job state (layout,
-    data position, config) recorded in the index. Returns the checkpoint directory.
+    data position, config) recorded in the index. ``optimizer``: optional logical pieces of optimizer state
+    (e.g. ``exp_avg/<tensor name>``), written like the model's into ``optim-*.safetensors`` and listed under
+    ``optimizer_tensors`` in the index, so that another layout can rebuild its own state from them. Returns
+    the checkpoint directory.
     """
     root = Path(root)
     final = step_dir(root, step)
@@ -164,35 +168,29 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
 
-    claims = _gather([(p.name, p.global_shape, p.region) for p in model])
-    owner: dict[tuple[str, Region], int] = {}
-    for r, pieces in enumerate(claims):
-        for name, _, region in pieces:
-            owner.setdefault((name, tuple(map(tuple, region))), r)
-    mine = {p: t for p, t in model.items() if owner[(p.name, p.region)] == rank}
-
     files: dict[str, Any] = {}
-    tensors: dict[str, list[dict[str, Any]]] = {}
-    model_file = f"model-{rank:05d}.safetensors"
-    keys = {f"{p.name}@{_region_key(p.region)}": t for p, t in mine.items()}
-    if keys:
-        files[model_file] = _save_tensors(tmp / model_file, keys)
-    for p in mine:
-        entry = {"file": model_file, "key": f"{p.name}@{_region_key(p.region)}", "region": [list(r) for r in p.region]}
-        tensors.setdefault(p.name, []).append(entry)
+    tensors = _write_pieces(tmp, f"model-{rank:05d}.safetensors", model, files)
+    optim_tensors = _write_pieces(tmp, f"optim-{rank:05d}.safetensors", optimizer or {}, files)
     rank_file = f"rank-{rank:05d}.safetensors"
     files[rank_file] = _save_tensors(tmp / rank_file, dict(rank_state))
 
     shapes = {p.name: list(p.global_shape) for p in model}
-    gathered = _gather((files, tensors, shapes))
+    optim_shapes = {p.name: list(p.global_shape) for p in optimizer or {}}
+    gathered = _gather((files, tensors, shapes, optim_tensors, optim_shapes))
     if rank == 0:
         index = {"format": FORMAT, "step": step, **meta, "files": {}, "tensors": {}}
-        for files_r, tensors_r, shapes_r in gathered:
+        if any(g[4] for g in gathered):
+            index["optimizer_tensors"] = {}
+        for files_r, tensors_r, shapes_r, optim_r, optim_shapes_r in gathered:
             index["files"].update(files_r)
-            for name, shape in shapes_r.items():
-                index["tensors"].setdefault(name, {"global_shape": shape, "pieces": []})
-            for name, entries in tensors_r.items():
-                index["tensors"][name]["pieces"].extend(entries)
+            for table, entries_r, shapes_of in (
+                ("tensors", tensors_r, shapes_r),
+                ("optimizer_tensors", optim_r, optim_shapes_r),
+            ):
+                for name, shape in shapes_of.items():
+                    index[table].setdefault(name, {"global_shape": shape, "pieces": []})
+                for name, entries in entries_r.items():
+                    index[table][name]["pieces"].extend(entries)
         _fsync_write(tmp / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
         _fsync_dir(tmp)
         os.replace(tmp, final)
@@ -204,6 +202,28 @@ def save_checkpoint(
                 shutil.rmtree(old)
     _barrier()
     return final
+
+
+def _write_pieces(
+    tmp: Path, file: str, pieces: Mapping[Piece, torch.Tensor], files: dict[str, Any]
+) -> dict[str, list[dict[str, Any]]]:
+    """Write the pieces this rank owns (a region held by several ranks: the lowest) into ``file``; return the
+    index entries per tensor name. Collective: every rank calls it, with or without pieces."""
+    claims = _gather([(p.name, p.global_shape, p.region) for p in pieces])
+    owner: dict[tuple[str, Region], int] = {}
+    for r, claimed in enumerate(claims):
+        for name, _, region in claimed:
+            owner.setdefault((name, tuple(map(tuple, region))), r)
+    rank = _rank()
+    mine = {p: t for p, t in pieces.items() if owner[(p.name, p.region)] == rank}
+    keys = {f"{p.name}@{_region_key(p.region)}": t for p, t in mine.items()}
+    if keys:
+        files[file] = _save_tensors(tmp / file, keys)
+    entries: dict[str, list[dict[str, Any]]] = {}
+    for p in mine:
+        entry = {"file": file, "key": f"{p.name}@{_region_key(p.region)}", "region": [list(r) for r in p.region]}
+        entries.setdefault(p.name, []).append(entry)
+    return entries
 
 
 def _region_key(region: Region) -> str:
@@ -252,14 +272,17 @@ def verify_files(ckpt: Path, index: dict[str, Any]) -> None:
             raise CheckpointError(f"{path} fails its SHA-256 check: the file is damaged or was modified")
 
 
-def load_pieces(ckpt: str | Path, index: dict[str, Any], wanted: list[Piece]) -> dict[Piece, torch.Tensor]:
-    """Assemble each wanted region of a logical tensor from the pieces on disk (any saved layout)."""
+def load_pieces(
+    ckpt: str | Path, index: dict[str, Any], wanted: list[Piece], table: str = "tensors"
+) -> dict[Piece, torch.Tensor]:
+    """Assemble each wanted region of a logical tensor from the pieces on disk (any saved layout); ``table``
+    names the index's table: ``tensors`` (the model) or ``optimizer_tensors``."""
     ckpt = Path(ckpt)
     out: dict[Piece, torch.Tensor] = {}
     handles: dict[str, Any] = {}
     try:
         for want in wanted:
-            entry = index["tensors"].get(want.name)
+            entry = index.get(table, {}).get(want.name)
             if entry is None:
                 raise CheckpointError(f"{ckpt} has no tensor {want.name!r}; was it saved from a different model?")
             if tuple(entry["global_shape"]) != tuple(want.global_shape):

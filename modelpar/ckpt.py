@@ -47,12 +47,15 @@ def _reshard_worker(src: str, dst_root: str, cfg: TrainConfig, step: int, meta: 
     import torch
 
     from modelpar.distributed import ParallelGroups
-    from modelpar.trainer import build_rank_model, load_model_from_checkpoint, model_pieces
+    from modelpar.trainer import build_rank_model, load_model_from_checkpoint, load_optimizer_pieces, model_pieces
 
     groups = ParallelGroups.build(cfg.parallel.layout())
     model = build_rank_model(cfg, groups, torch.device("cpu"))
-    load_model_from_checkpoint(model.chunks, Path(src), read_index(src, verify=False))
-    save_checkpoint(dst_root, step, model_pieces(model.chunks), {"rng/torch": torch.get_rng_state()}, meta)
+    index = read_index(src, verify=False)
+    load_model_from_checkpoint(model.chunks, Path(src), index)
+    moments = load_optimizer_pieces(model.chunks, Path(src), index) if "optimizer_step" in meta else {}
+    rng = {"rng/torch": torch.get_rng_state()}
+    save_checkpoint(dst_root, step, model_pieces(model.chunks), rng, meta, optimizer=moments)
 
 
 def cmd_reshard(args) -> int:
@@ -73,9 +76,11 @@ def cmd_reshard(args) -> int:
         "parallel": asdict(parallel),
         "world_size": layout.world_size,
         "sampler": index.get("sampler"),
-        "optimizer": False,  # optimizer state does not travel across layouts; training restarts it
+        "optimizer": False,  # no per-rank optimizer state; plain AdamW's logical moments travel (below)
         "resharded_from": str(src),
     }
+    if "optimizer_tensors" in index and "optimizer_step" in index:
+        meta["optimizer_step"] = index["optimizer_step"]
     launch(layout.world_size, _reshard_worker, str(src), str(dst), cfg, int(index["step"]), meta)
     written = resolve_checkpoint(dst)
     read_index(written, verify=True)

@@ -32,6 +32,7 @@ from modelpar.faults import fire, parse_faults
 from modelpar.flight import FlightRecorder
 from modelpar.flops import model_shape, training_flops_per_token
 from modelpar.health import HealthError, LossGuard, find_drift, find_stragglers
+from modelpar.layers import ShardInfo
 from modelpar.model import ModelChunk, TransformerConfig, build_chunk
 from modelpar.optim import (
     GradientSynchronizer,
@@ -45,6 +46,7 @@ from modelpar.optim import (
     optimizer_state_tensors,
     set_lr,
 )
+from modelpar.optim.state import MOMENTS
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
 
@@ -160,15 +162,63 @@ def _chunk_name(chunk: ModelChunk) -> str:
 
 def model_pieces(chunks: list[ModelChunk]) -> dict[Piece, torch.Tensor]:
     """This rank's regions of every logical tensor, for ``save_checkpoint``."""
+    return {piece: shard.tensor for piece, shard in _pieces_and_shards(chunks)}
+
+
+def optimizer_pieces(chunks: list[ModelChunk], optimizer) -> dict[Piece, torch.Tensor]:
+    """This rank's regions of the Adam moments of every logical tensor, named ``<moment>/<tensor name>``: the
+    layout-free form of plain AdamW's state (empty for ZeRO-1, whose state is flat dp segments)."""
+    if isinstance(optimizer, ZeroOneAdamW):
+        return {}
     pieces = {}
+    for piece, shard in _pieces_and_shards(chunks):
+        state = optimizer.state.get(shard.param)
+        if state:
+            for kind in MOMENTS:
+                moment = state[kind].detach()[shard.local_rows]
+                pieces[Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region)] = moment
+    return pieces
+
+
+def _pieces_and_shards(chunks: list[ModelChunk]):
     for chunk in chunks:
         for name, shard in chunk.logical_shards().items():
             region = tuple(
                 (sl.start or 0, n if sl.stop is None else sl.stop)
                 for sl, n in zip(shard.index, shard.global_shape, strict=True)
             )
-            pieces[Piece(name, tuple(shard.global_shape), region)] = shard.tensor
-    return pieces
+            yield Piece(name, tuple(shard.global_shape), region), shard
+
+
+def _moment_regions(chunks: list[ModelChunk]) -> dict[Piece, tuple[str, ShardInfo]]:
+    return {
+        Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region): (kind, shard)
+        for piece, shard in _pieces_and_shards(chunks)
+        for kind in MOMENTS
+    }
+
+
+def load_optimizer_pieces(chunks: list[ModelChunk], ckpt: Path, index: dict) -> dict[Piece, torch.Tensor]:
+    """The regions of the saved logical Adam moments that ``chunks`` (this rank, any layout) hold."""
+    return load_pieces(ckpt, index, list(_moment_regions(chunks)), table="optimizer_tensors")
+
+
+def resharded_optimizer_state(model: RankModel, ckpt: Path, index: dict, step: float) -> dict[str, torch.Tensor]:
+    """This rank's optimizer state rebuilt from a checkpoint's logical moments (any layout that saved them),
+    keyed as ``load_optimizer_state_tensors`` takes it: whole local parameters, which ZeRO-1 slices itself."""
+    wanted = _moment_regions(model.chunks)
+    loaded = load_pieces(ckpt, index, list(wanted), table="optimizer_tensors")
+    moments: dict[tuple[str, int], torch.Tensor] = {}
+    for key, (kind, shard) in wanted.items():
+        full = moments.setdefault((kind, id(shard.param)), torch.zeros_like(shard.param, device="cpu"))
+        full[shard.local_rows] = loaded[key].to(full.dtype)
+    out = {}
+    for param, info in model.params:
+        if ("exp_avg", id(param)) in moments:
+            for kind in MOMENTS:
+                out[f"{kind}/{info.name}"] = moments[kind, id(param)]
+            out[f"step/{info.name}"] = torch.tensor(step, dtype=torch.float32)
+    return out
 
 
 def load_model_from_checkpoint(chunks: list[ModelChunk], ckpt: Path, index: dict) -> None:
@@ -414,8 +464,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        rank_state = {f"optim/{k}": v for k, v in optimizer_state_tensors(self.optimizer).items()}
-        rank_state["rng/torch"] = torch.get_rng_state()
+        """Collective. Plain AdamW's moments are saved as logical pieces (``optim-*.safetensors``), which any
+        layout reloads; ZeRO-1's flat dp segments stay in the per-rank file (any dp size reloads them)."""
         meta = {
             "layout": asdict(self.layout),
             "sampler": self.sampler.state_dict(),
@@ -423,9 +473,21 @@ class Trainer:
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
         }
+        optim_state = optimizer_state_tensors(self.optimizer)
+        moments = optimizer_pieces(self.model.chunks, self.optimizer)
+        steps = {float(t) for k, t in optim_state.items() if k.startswith("step/")}
+        if moments and len(steps) == 1:
+            meta["optimizer_step"] = steps.pop()  # torch's AdamW step count, the same for every parameter
+            optim_state = {}
+        else:
+            moments = {}
+        rank_state = {f"optim/{k}": v for k, v in optim_state.items()}
+        rank_state["rng/torch"] = torch.get_rng_state()
         rank_state = _crash_midway(rank_state, self.faults, self.rank, self.step)
         pieces = model_pieces(self.model.chunks)
-        return save_checkpoint(self.ckpt_root, self.step, pieces, rank_state, meta, self.cfg.trainer.keep_last)
+        return save_checkpoint(
+            self.ckpt_root, self.step, pieces, rank_state, meta, self.cfg.trainer.keep_last, optimizer=moments
+        )
 
     def resume(self, ckpt: Path) -> None:
         index = read_index(ckpt)
@@ -434,15 +496,26 @@ class Trainer:
         if index.get("sampler"):
             self.sampler.load_state_dict(index["sampler"])
         same_layout = index["layout"] == asdict(self.layout)
-        if same_layout and index.get("optimizer", True):
-            state = load_rank_state(ckpt, self.rank)
-            optim = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
-            load_optimizer_state_tensors(self.optimizer, optim)
+        state = load_rank_state(ckpt, self.rank) if same_layout else {}
+        optim = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
+        if "rng/torch" in state:
             torch.set_rng_state(state["rng/torch"])
+        if optim and index.get("optimizer", True):
+            load_optimizer_state_tensors(self.optimizer, optim)
+        elif "optimizer_tensors" in index and "optimizer_step" in index:
+            state = resharded_optimizer_state(self.model, ckpt, index, index["optimizer_step"])
+            load_optimizer_state_tensors(self.optimizer, state)
+            if self.rank == 0 and not same_layout:
+                print(
+                    f"modelpar-train: {ckpt} was saved with layout {index['layout']}; weights, data position and "
+                    f"Adam moments are resharded to {asdict(self.layout)}",
+                    flush=True,
+                )
         elif self.rank == 0:
             print(
                 f"modelpar-train: {ckpt} holds no optimizer state for layout {asdict(self.layout)} (saved with "
-                f"{index['layout']}); weights and data position are loaded, the optimizer starts fresh",
+                f"{index['layout']}, ZeRO-1 or without it); weights and data position are loaded, the optimizer "
+                "starts fresh",
                 flush=True,
             )
 

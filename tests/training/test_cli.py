@@ -119,6 +119,19 @@ def test_reshard_writes_a_loadable_checkpoint_of_the_new_layout(checkpoint, tmp_
     a, b = load_single_device_model(checkpoint), load_single_device_model(dst / "step-00000003")
     assert all(torch.equal(t, b.full_state()[n]) for n, t in a.full_state().items())
     assert len(list(dst.glob("step-*/model-*.safetensors"))) == 4
+    # the Adam moments travel too, as logical tensors equal to the source's
+    from modelpar.checkpoint import Piece, load_pieces, read_index
+
+    src_index, dst_index = read_index(checkpoint), read_index(dst / "step-00000003")
+    assert dst_index["optimizer_step"] == src_index["optimizer_step"] == 3
+    moments = src_index["optimizer_tensors"]
+    assert set(dst_index["optimizer_tensors"]) == set(moments) and len(moments) > 0
+    for name, entry in moments.items():
+        shape = tuple(entry["global_shape"])
+        whole = Piece(name, shape, tuple((0, n) for n in shape))
+        src = load_pieces(checkpoint, src_index, [whole], table="optimizer_tensors")[whole]
+        got = load_pieces(dst / "step-00000003", dst_index, [whole], table="optimizer_tensors")[whole]
+        assert torch.equal(src, got), name
     assert ckpt_main(["reshard", str(checkpoint), str(dst), "--tp", "2"]) == 2  # never overwrites
 
 

@@ -146,3 +146,24 @@ def test_tp2_pp2_checkpoint_loads_into_other_layouts_with_identical_logits(token
     fresh = make_config(tmp_path / "fresh")
     ((untrained, _),) = run_on_ranks(1, logits_after_loading, fresh, token_path, None)
     assert not torch.allclose(untrained, ref_logits)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(tp=4), dict(dp=2, zero_=1)], ids=["single", "tp4", "dp2-zero1"])
+def test_optimizer_state_follows_a_checkpoint_into_another_layout(token_path, reference, tmp_path, layout):
+    """Save at step 2 under tp2 x pp2, resume under another layout: step 3 lands where the uninterrupted run
+    does, which needs the Adam moments and step count (a fresh optimizer takes a different step)."""
+    src = make_config(tmp_path / "src", tp=2, pp=2)
+    run_on_ranks(4, train_and_collect, src, token_path, None, (2,))  # 3 steps (the lr schedule's length)
+    ckpt = str(tmp_path / "src" / "checkpoints" / "step-00000002")
+    layout = dict(layout)
+    zero = layout.pop("zero_", 0)
+    cfg = make_config(tmp_path / "dst", **layout)
+    cfg = replace(cfg, optim=replace(cfg.optim, zero=zero))
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    results = run_on_ranks(world, train_and_collect, cfg, token_path, ckpt)
+    ref_losses, ref_params = reference
+    for losses, _ in results:
+        np.testing.assert_allclose(losses, ref_losses[2:], rtol=1e-5)
+    params = assemble(results)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
