@@ -165,19 +165,31 @@ def model_pieces(chunks: list[ModelChunk]) -> dict[Piece, torch.Tensor]:
     return {piece: shard.tensor for piece, shard in _pieces_and_shards(chunks)}
 
 
-def optimizer_pieces(chunks: list[ModelChunk], optimizer) -> dict[Piece, torch.Tensor]:
-    """This rank's regions of the Adam moments of every logical tensor, named ``<moment>/<tensor name>``: the
-    layout-free form of plain AdamW's state (empty for ZeRO-1, whose state is flat dp segments)."""
+def optimizer_pieces(chunks: list[ModelChunk], optimizer) -> tuple[dict[Piece, torch.Tensor], float | None]:
+    """This rank's regions of the Adam moments of every logical tensor, named ``<moment>/<tensor name>`` (the
+    layout-free form of the optimizer state), and torch's AdamW step count; ``({}, None)`` before the first
+    step or when parameters disagree on it. Collective over dp under ZeRO-1 (the moments are gathered)."""
     if isinstance(optimizer, ZeroOneAdamW):
-        return {}
+        gathered = optimizer.full_moments(MOMENTS)
+        if gathered is None:
+            return {}, None
+        per_param, step = gathered
+        state_of = {id(p): state for p, state in zip(optimizer.params, per_param, strict=True)}
+    else:
+        state_of = {id(p): st for p, st in optimizer.state.items()}
+        steps = {float(st["step"]) for st in state_of.values()}
+        if len(steps) != 1:
+            return {}, None
+        step = steps.pop()
     pieces = {}
     for piece, shard in _pieces_and_shards(chunks):
-        state = optimizer.state.get(shard.param)
-        if state:
-            for kind in MOMENTS:
-                moment = state[kind].detach()[shard.local_rows]
-                pieces[Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region)] = moment
-    return pieces
+        state = state_of.get(id(shard.param))
+        if not state:
+            continue
+        for kind in MOMENTS:
+            moment = state[kind].detach()[shard.local_rows]
+            pieces[Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region)] = moment
+    return pieces, step
 
 
 def _pieces_and_shards(chunks: list[ModelChunk]):
@@ -464,8 +476,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        """Collective. Plain AdamW's moments are saved as logical pieces (``optim-*.safetensors``), which any
-        layout reloads; ZeRO-1's flat dp segments stay in the per-rank file (any dp size reloads them)."""
+        """Collective. The Adam moments are saved as logical pieces (``optim-*.safetensors``), which any layout,
+        ZeRO-1 or not, reloads: the same layout bit for bit."""
         meta = {
             "layout": asdict(self.layout),
             "sampler": self.sampler.state_dict(),
@@ -474,13 +486,11 @@ class Trainer:
             "world_size": self.layout.world_size,
         }
         optim_state = optimizer_state_tensors(self.optimizer)
-        moments = optimizer_pieces(self.model.chunks, self.optimizer)
-        steps = {float(t) for k, t in optim_state.items() if k.startswith("step/")}
-        if moments and len(steps) == 1:
-            meta["optimizer_step"] = steps.pop()  # torch's AdamW step count, the same for every parameter
+        moments, optimizer_step = optimizer_pieces(self.model.chunks, self.optimizer)
+        if moments:
+            # the moments go to optim-*.safetensors; ZeRO-1's fp32 masters equal the (fp32) parameters
+            meta["optimizer_step"] = optimizer_step  # torch's AdamW step count, the same for every parameter
             optim_state = {}
-        else:
-            moments = {}
         rank_state = {f"optim/{k}": v for k, v in optim_state.items()}
         rank_state["rng/torch"] = torch.get_rng_state()
         rank_state = _crash_midway(rank_state, self.faults, self.rank, self.step)
@@ -500,9 +510,7 @@ class Trainer:
         optim = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
         if "rng/torch" in state:
             torch.set_rng_state(state["rng/torch"])
-        if optim and index.get("optimizer", True):
-            load_optimizer_state_tensors(self.optimizer, optim)
-        elif "optimizer_tensors" in index and "optimizer_step" in index:
+        if "optimizer_tensors" in index and "optimizer_step" in index:
             state = resharded_optimizer_state(self.model, ckpt, index, index["optimizer_step"])
             load_optimizer_state_tensors(self.optimizer, state)
             if self.rank == 0 and not same_layout:
@@ -511,10 +519,12 @@ class Trainer:
                     f"Adam moments are resharded to {asdict(self.layout)}",
                     flush=True,
                 )
+        elif optim and index.get("optimizer", True):  # per-rank state (checkpoints from before the logical one)
+            load_optimizer_state_tensors(self.optimizer, optim)
         elif self.rank == 0:
             print(
                 f"modelpar-train: {ckpt} holds no optimizer state for layout {asdict(self.layout)} (saved with "
-                f"{index['layout']}, ZeRO-1 or without it); weights and data position are loaded, the optimizer "
+                f"{index['layout']}, before any optimizer step); weights and data position are loaded, the optimizer "
                 "starts fresh",
                 flush=True,
             )

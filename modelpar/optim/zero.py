@@ -162,6 +162,30 @@ class ZeroOneAdamW:
         ]
 
     @torch.no_grad()
+    def full_moments(self, kinds: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> tuple[list[dict], float] | None:
+        """Collective over dp: every parameter's whole Adam moments, ``[{kind: tensor shaped like the param}]``
+        in parameter order, and the step count; None (on every rank) before the first step. For checkpoints
+        that another layout can read: costs one all-gather of each moment, like the step's of the weights."""
+        states = [self.shard_optimizer.state.get(view) for view in self._views]
+        stepped = torch.tensor([float(any(states))], device=self.master.device)
+        step = torch.tensor([max((float(st["step"]) for st in states if st), default=0.0)], device=self.master.device)
+        if self.dp_size > 1:
+            comm.all_reduce(stepped, self.dp_group, op=dist.ReduceOp.MAX)
+            comm.all_reduce(step, self.dp_group, op=dist.ReduceOp.MAX)
+        if not stepped.item():
+            return None
+        out: list[dict] = [{} for _ in self.params]
+        for kind in kinds:
+            flat = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.master.device)
+            for seg, state in zip(self.segments, states, strict=True):
+                if state:
+                    flat[self._local(seg)] = state[kind]
+            full = comm.all_gather(flat, self.dp_group) if self.dp_size > 1 else flat  # [dp*S]
+            for i, p in enumerate(self.params):
+                out[i][kind] = full[self.offsets[i] : self.offsets[i + 1]].view_as(p)
+        return out, step.item()
+
+    @torch.no_grad()
     def load_master(self, values: list[torch.Tensor | None]) -> None:
         """Set each segment's fp32 master weights (in ``named_segments`` order); ``None`` takes the model's."""
         self._master_ready = False

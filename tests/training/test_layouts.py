@@ -100,8 +100,9 @@ def test_layout_matches_single_device(layout, token_path, reference, tmp_path):
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_resume_continues_bit_for_bit(token_path, tmp_path):
-    cfg = make_config(tmp_path / "a", tp=2, pp=2)
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2), dict(dp=2, pp=2, zero_=1)], ids=["tp2-pp2", "dp2-pp2-zero1"])
+def test_resume_continues_bit_for_bit(token_path, tmp_path, layout):
+    cfg = _with_zero(tmp_path / "a", layout)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
     straight = run_on_ranks(4, train_and_collect, cfg, token_path, None, (2,))
     ckpt = str(tmp_path / "a" / "checkpoints" / "step-00000002")
@@ -148,17 +149,31 @@ def test_tp2_pp2_checkpoint_loads_into_other_layouts_with_identical_logits(token
     assert not torch.allclose(untrained, ref_logits)
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(tp=4), dict(dp=2, zero_=1)], ids=["single", "tp4", "dp2-zero1"])
-def test_optimizer_state_follows_a_checkpoint_into_another_layout(token_path, reference, tmp_path, layout):
-    """Save at step 2 under tp2 x pp2, resume under another layout: step 3 lands where the uninterrupted run
-    does, which needs the Adam moments and step count (a fresh optimizer takes a different step)."""
-    src = make_config(tmp_path / "src", tp=2, pp=2)
-    run_on_ranks(4, train_and_collect, src, token_path, None, (2,))  # 3 steps (the lr schedule's length)
-    ckpt = str(tmp_path / "src" / "checkpoints" / "step-00000002")
+def _with_zero(cfg: TrainConfig, layout: dict) -> TrainConfig:
     layout = dict(layout)
     zero = layout.pop("zero_", 0)
-    cfg = make_config(tmp_path / "dst", **layout)
-    cfg = replace(cfg, optim=replace(cfg.optim, zero=zero))
+    cfg = make_config(cfg, **layout)
+    return replace(cfg, optim=replace(cfg.optim, zero=zero))
+
+
+@pytest.mark.parametrize(
+    "source, layout",
+    [
+        (dict(tp=2, pp=2), dict()),
+        (dict(tp=2, pp=2), dict(tp=4)),
+        (dict(tp=2, pp=2), dict(dp=2, zero_=1)),
+        (dict(dp=2, pp=2, zero_=1), dict(tp=2)),  # ZeRO-1's dp segments gathered into logical moments
+    ],
+    ids=["tp2pp2-to-single", "tp2pp2-to-tp4", "tp2pp2-to-dp2zero1", "dp2pp2zero1-to-tp2"],
+)
+def test_optimizer_state_follows_a_checkpoint_into_another_layout(token_path, reference, tmp_path, source, layout):
+    """Save at step 2 under one layout, resume under another: step 3 lands where the uninterrupted run does,
+    which needs the Adam moments and step count (a fresh optimizer takes a different step)."""
+    src = _with_zero(tmp_path / "src", source)
+    world = src.parallel.tp * src.parallel.pp * src.parallel.dp
+    run_on_ranks(world, train_and_collect, src, token_path, None, (2,))  # 3 steps (the lr schedule's length)
+    ckpt = str(tmp_path / "src" / "checkpoints" / "step-00000002")
+    cfg = _with_zero(tmp_path / "dst", layout)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     results = run_on_ranks(world, train_and_collect, cfg, token_path, ckpt)
     ref_losses, ref_params = reference
