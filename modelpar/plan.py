@@ -32,8 +32,8 @@ Step time, from the per-rank FLOPs of ``modelpar.flops`` (plus recomputed forwar
     bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s)
     total_s    = the sum of the above
 
-More ranks than ``compute_units`` (a CPU with fewer cores than ranks): compute_s * ranks / units, and the
-bubble only where the critical path (compute_s + bubble_s) is longer than that.
+More ranks than ``compute_units`` (a CPU with fewer cores than ranks): compute_s, tp_comm_s and pp_comm_s
+times ranks / units, and the bubble only where the critical path (compute_s + bubble_s) is longer than that.
 
 The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) and ``CostModel``
 (achievable efficiency, DP overlap); ``tests/test_plan.py`` checks the model against Narayanan et al. 2021.
@@ -449,10 +449,14 @@ def predict(
     units = hardware.compute_units
     if units and layout.world_size > units:
         # more ranks than cores: they time-share, and a rank idle in the bubble hands its core to the others,
-        # so the step is the larger of all ranks' compute spread over the cores and the critical path
-        shared = compute_s * layout.world_size / units
+        # so the step is the larger of all ranks' compute spread over the cores and the critical path; a
+        # message needs both of its ranks running, so communication stretches by the same factor
+        share = layout.world_size / units
+        shared = compute_s * share
         bubble_s = max(0.0, compute_s + bubble_s - shared)
         compute_s = shared
+        tp_comm_s *= share
+        pp_comm_s *= share
     memory = peak_memory(model, strategy, seq_len, hardware)
     total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + bubble_s
     tokens = strategy.global_batch * seq_len
