@@ -106,7 +106,7 @@ _SPEC_TOKEN = re.compile(r"^(tp|pp|dp|vpp|m)(\d+)$")
 def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
     """``base`` with the settings of ``spec``: dash-separated ``tpN ppN dpN vppN mN sp`` and a schedule name
     (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``, ``uniform`` /
-    ``params`` / ``flops`` for ``parallel.partition``; ``single`` is tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``,
+    ``params`` / ``flops`` / ``blocks`` for ``parallel.partition``; ``single`` is tp=pp=dp=1. E.g. ``tp2-pp2-1f1b``,
     ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``.
     Unset degrees are 1; the schedule defaults to 1f1b (interleaved when vpp > 1); m to ``base.microbatches``."""
     values: dict = dict(tp=1, pp=1, dp=1, vpp=1, sp=False, schedule="", microbatches=base.microbatches)
@@ -119,14 +119,14 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
             values["sp"] = True
         elif token in ("native", "exchange"):  # parallel.collectives
             values["collectives"] = token
-        elif token in ("uniform", "params", "flops"):  # parallel.partition
+        elif token in ("uniform", "params", "flops", "blocks"):  # parallel.partition
             values["partition"] = token
         elif token.replace("zbh1", "zb-h1") in SCHEDULES:
             values["schedule"] = token.replace("zbh1", "zb-h1")
         else:
             raise ValueError(
                 f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, ppN, dpN, vppN, mN, sp, native, "
-                f"exchange, uniform, params, flops or a schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
+                f"exchange, uniform, params, flops, blocks or a schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
             )
     values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
     return replace(base, **values)
@@ -145,7 +145,7 @@ def layout_name(p: ParallelConfig) -> str:
     if p.collectives != "auto":
         parts.append(p.collectives)
     if p.pp > 1 and p.partition == "explicit":
-        parts.append("split" + ".".join(map(str, p.stage_layers)))
+        parts.append("split" + "+".join(f"{c:g}" for c in p.stage_layers))
     elif p.pp > 1 and p.partition != ParallelConfig.partition:
         parts.append(p.partition)
     return "-".join(parts)

@@ -175,6 +175,7 @@ class Peer:
                 partition.layers(c),
                 first=partition.has_embedding(c),
                 last=partition.has_head(c),
+                split_blocks=partition.split_blocks(c),
                 seed=cfg.trainer.seed,
                 device=device,
             )

@@ -34,6 +34,9 @@ class ModelConfig:
     kernels: str = "auto"
 
 
+PARTITIONS = ("flops", "blocks", "uniform", "params", "explicit")
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1
@@ -43,8 +46,10 @@ class ParallelConfig:
     sp: bool = False
     schedule: str = "1f1b"
     microbatches: int = 1
-    partition: str = "flops"  # flops (balance blocks against the head) | uniform | params | explicit
-    stage_layers: list[int] = field(default_factory=list)  # layers per chunk when partition=explicit
+    # flops: balance half blocks (attention | MLP) against the head; blocks: the same in whole blocks;
+    # uniform: even layer counts; params: balance parameters; explicit: stage_layers
+    partition: str = "flops"
+    stage_layers: list[float] = field(default_factory=list)  # layers per chunk (4 or 4.5) when partition=explicit
     collectives: str = "auto"  # auto | native | exchange (modelpar.comm.set_collective_algorithm)
 
     def layout(self) -> ParallelLayout:
@@ -175,12 +180,16 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(
             f"parallel.collectives={p.collectives!r} is unknown; choose one of {', '.join(COLLECTIVE_ALGORITHMS)}"
         )
-    if p.partition not in ("uniform", "params", "flops", "explicit"):
-        raise RecipeError(f"parallel.partition={p.partition!r} must be uniform, params, flops or explicit")
-    if p.partition == "explicit" and (len(p.stage_layers) != p.pp * p.vpp or sum(p.stage_layers) != m.layers):
+    if p.partition not in PARTITIONS:
+        raise RecipeError(f"parallel.partition={p.partition!r} must be one of {', '.join(PARTITIONS)}")
+    if p.partition == "explicit" and (
+        len(p.stage_layers) != p.pp * p.vpp
+        or sum(p.stage_layers) != m.layers
+        or any(c < 0 or (2 * c) % 1 for c in p.stage_layers)
+    ):
         raise RecipeError(
-            f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} counts summing to "
-            f"model.layers={m.layers}"
+            f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} whole or half (e.g. 4.5) "
+            f"counts >= 0 summing to model.layers={m.layers}"
         )
     if cfg.optim.zero not in (0, 1):
         raise RecipeError(f"optim.zero={cfg.optim.zero} must be 0 or 1 (ZeRO-1 shards optimizer state over dp)")

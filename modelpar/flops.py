@@ -29,11 +29,17 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def attention_params(self) -> int:
+        """Matmul weights of a block's attention half: the q, k, v and o projections."""
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    def mlp_params(self) -> int:
+        """Matmul weights of a block's MLP half: gate, up and down of the SwiGLU."""
+        return 3 * self.hidden * self.ffn_hidden
+
     def block_params(self) -> int:
         """Matmul weights of one block: q, k, v, o projections and the gate/up/down SwiGLU."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.ffn_hidden
-        return attn + mlp
+        return self.attention_params() + self.mlp_params()
 
     def matmul_params(self) -> int:
         return self.layers * self.block_params() + self.vocab_size * self.hidden
@@ -41,6 +47,17 @@ class ModelShape:
 
 def training_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.hidden * seq_len
+
+
+def half_block_training_flops(shape: ModelShape, seq_len: int) -> tuple[float, float]:
+    """Training FLOPs per token of a block's attention half (projections and scores) and of its MLP half."""
+    return 6.0 * shape.attention_params() + 12.0 * shape.hidden * seq_len, 6.0 * shape.mlp_params()
+
+
+def head_training_flops(shape: ModelShape) -> float:
+    """Training FLOPs per token of the output head's matmul plus the loss's softmax over the vocabulary (about
+    10 element-wise passes forward and backward, costed like matmul FLOPs)."""
+    return 6.0 * shape.vocab_size * shape.hidden + 10.0 * shape.vocab_size
 
 
 def model_shape(model_cfg) -> ModelShape:

@@ -11,7 +11,7 @@ stages) is sharded along the sequence: [b, s/t, h].
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +73,15 @@ class TransformerConfig:
         layout.check_model(layers=self.layers, heads=self.heads, kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden)
 
 
+BLOCK_HALVES = ("attention", "mlp")
+
+
 class Block(nn.Module):
-    """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h]."""
+    """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h].
+
+    ``half="attention"`` or ``"mlp"`` builds only that half (a pipeline split inside the block); the other half
+    lives in the neighbouring chunk, and the residual stream between them is what crosses the stages.
+    """
 
     def __init__(
         self,
@@ -83,27 +90,40 @@ class Block(nn.Module):
         *,
         sequence_parallel: bool,
         backend: str,
+        half: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if half is not None and half not in BLOCK_HALVES:
+            raise ValueError(f"half={half!r} must be None or one of {BLOCK_HALVES}")
+        self.half = half
         kw = dict(sequence_parallel=sequence_parallel, backend=backend, device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
-        self.self_attn = ParallelAttention(config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, **kw)
-        self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
-        self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
+        if half != "mlp":
+            self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
+            self.self_attn = ParallelAttention(
+                config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, **kw
+            )
+        if half != "attention":
+            self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
+            self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.half != "mlp":
+            x = x + self.self_attn(self.input_layernorm(x))
+        if self.half != "attention":
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
 
     def logical_shards(self, prefix: str) -> dict[str, ShardInfo]:
-        return (
-            self.input_layernorm.logical_shards(prefix + "input_layernorm.")
-            | self.self_attn.logical_shards(prefix + "self_attn.")
-            | self.post_attention_layernorm.logical_shards(prefix + "post_attention_layernorm.")
-            | self.mlp.logical_shards(prefix + "mlp.")
-        )
+        shards = {}
+        if self.half != "mlp":
+            shards |= self.input_layernorm.logical_shards(prefix + "input_layernorm.")
+            shards |= self.self_attn.logical_shards(prefix + "self_attn.")
+        if self.half != "attention":
+            shards |= self.post_attention_layernorm.logical_shards(prefix + "post_attention_layernorm.")
+            shards |= self.mlp.logical_shards(prefix + "mlp.")
+        return shards
 
 
 Fetch = Callable[[str, ShardInfo], torch.Tensor]
@@ -111,6 +131,10 @@ Fetch = Callable[[str, ShardInfo], torch.Tensor]
 
 class ModelChunk(nn.Module):
     """Blocks ``layer_ids`` of the model, plus the embedding if ``first`` and the final norm and head if ``last``.
+
+    ``split_blocks`` names blocks of ``layer_ids`` held only in part (``{4: "mlp"}``: block 4's MLP half, its
+    attention being in the previous chunk); only the first block may be an ``"mlp"`` half and only the last an
+    ``"attention"`` half, so the chunk stays a contiguous piece of the model.
 
     ``chunk(x)``: x is token ids [b, s] int64 on the first chunk, else the residual stream [b, s, h]
     ([b, s/t, h] with sequence parallel). Returns the residual stream, or this rank's vocab-shard logits
@@ -128,6 +152,7 @@ class ModelChunk(nn.Module):
         *,
         first: bool,
         last: bool,
+        split_blocks: Mapping[int, str] | None = None,
         sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -137,6 +162,13 @@ class ModelChunk(nn.Module):
         self.layer_ids = ids = tuple(layer_ids)
         if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
             raise ValueError(f"layer_ids={ids} must be ascending ids in 0..{config.layers - 1}")
+        self.split_blocks = dict(split_blocks or {})
+        for i, half in self.split_blocks.items():
+            if not ((ids and i == ids[0] and half == "mlp") or (ids and i == ids[-1] and half == "attention")):
+                raise ValueError(
+                    f"split_blocks={self.split_blocks}: only the first block may be an 'mlp' half and only the last "
+                    f"an 'attention' half of layer_ids={ids}"
+                )
         ParallelLayout(tp=tp.size).check_model(
             layers=config.layers, heads=config.heads, kv_heads=config.kv_heads, ffn_hidden=config.ffn_hidden
         )
@@ -145,7 +177,9 @@ class ModelChunk(nn.Module):
         kw = dict(sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
         h = config.hidden
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, **kw) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(config, tp, backend=self.backend, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, tp, backend=self.backend, half=self.split_blocks.get(i), **kw) for i in ids}
+        )
         self.norm = RMSNorm(h, config.norm_eps, tp, backend=self.backend, **kw) if last else None
         self.lm_head = None
         if last:
@@ -281,6 +315,7 @@ def build_chunk(
     first: bool,
     last: bool,
     seed: int,
+    split_blocks: Mapping[int, str] | None = None,
     sequence_parallel: bool = False,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -288,6 +323,7 @@ def build_chunk(
     """One pipeline chunk, initialised layout-invariantly from ``seed``.
 
     ``groups``: a ``ParallelGroups`` (its tp group is used), a ``TensorParallelGroup``, or None (single device).
+    ``split_blocks``: blocks held in part, as for ``ModelChunk``.
     """
     chunk = ModelChunk(
         config,
@@ -295,6 +331,7 @@ def build_chunk(
         layer_ids,
         first=first,
         last=last,
+        split_blocks=split_blocks,
         sequence_parallel=sequence_parallel,
         device=device,
         dtype=dtype,

@@ -380,7 +380,7 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included.
 
     The blocks are split as the trainer's default ``parallel.partition=flops`` splits them: the last chunk's
-    head counts against whole blocks (``partition_by_cost``), so the busiest rank is the costliest chunk set.
+    head counts against half blocks (``partition_by_cost``), so the busiest rank is the costliest chunk set.
     """
     shape, layout = model.shape, strategy.layout
     tokens = strategy.micro_batch_size * seq_len
@@ -390,19 +390,26 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     head = 6.0 * tokens * shape.vocab_size * shape.hidden
     if layout.pp == 1:
         return shape.layers * block + head
-    return block * _busiest_rank_blocks(shape.layers, layout.pp, layout.vpp, round(head / block, 4))
+    attention_share = (2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len) / forward
+    return block * _busiest_rank_blocks(
+        shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
+    )
 
 
 @functools.lru_cache(maxsize=4096)
-def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float) -> float:
-    """Cost of the busiest rank, in blocks, under the FLOP-balanced split (the head costs ``head_in_blocks``)."""
+def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float, attention_share: float) -> float:
+    """Cost of the busiest rank, in blocks, under the trainer's FLOP-balanced split in half blocks (attention
+    costs ``attention_share`` of a block, the MLP the rest, the head ``head_in_blocks``)."""
     from modelpar.pipeline.partition import partition_by_cost
 
-    split = partition_by_cost([1.0] * layers, pp, vpp, head_cost=head_in_blocks)
-    return max(
-        sum(len(split.layers(c)) + head_in_blocks * split.has_head(c) for c in split.chunks_of(rank))
-        for rank in range(pp)
-    )
+    halves = [attention_share, 1.0 - attention_share] * layers
+    split = partition_by_cost(halves, pp, vpp, head_cost=head_in_blocks, halves=True)
+
+    def cost(chunk: int) -> float:
+        start, stop = split.half_range(chunk)
+        return sum(halves[start:stop]) + head_in_blocks * split.has_head(chunk)
+
+    return max(sum(cost(c) for c in split.chunks_of(rank)) for rank in range(pp))
 
 
 def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:

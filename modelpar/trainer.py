@@ -30,7 +30,7 @@ from modelpar.data import TokenFile, WindowSampler
 from modelpar.distributed import ParallelGroups
 from modelpar.faults import fire, parse_faults
 from modelpar.flight import FlightRecorder
-from modelpar.flops import model_shape, training_flops_per_token
+from modelpar.flops import half_block_training_flops, head_training_flops, model_shape, training_flops_per_token
 from modelpar.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.layers import ShardInfo
 from modelpar.model import ModelChunk, TransformerConfig, build_chunk
@@ -80,14 +80,16 @@ def build_partition(cfg: TrainConfig) -> Partition:
         shape = model_shape(cfg.model)
         embed = cfg.model.vocab_size * cfg.model.hidden
         return partition_by_cost([shape.block_params()] * layers, p.pp, p.vpp, embedding_cost=embed, head_cost=embed)
-    if p.partition == "flops":
-        # training FLOPs per token: a block's matmuls and attention; the head's matmul plus the loss's softmax
-        # over the vocabulary (about 10 element-wise passes fwd+bwd, costed like matmul FLOPs); the embedding
-        # lookup is free. Balances the last stage's head against whole blocks (Narayanan et al. 2021 sec. 3.2).
+    if p.partition in ("flops", "blocks"):
+        # training FLOPs per token of each half block (attention, MLP) against the last chunk's head and loss;
+        # the embedding lookup is free. Balancing the head against blocks follows Narayanan et al. 2021 sec. 3.2;
+        # cutting between a block's halves (flops) lets the stages even out where whole blocks (blocks) cannot.
         shape = model_shape(cfg.model)
-        block = 6.0 * shape.block_params() + 12.0 * shape.hidden * cfg.data.seq_len
-        head = 6.0 * shape.vocab_size * shape.hidden + 10.0 * shape.vocab_size
-        return partition_by_cost([block] * layers, p.pp, p.vpp, head_cost=head)
+        attention, mlp = half_block_training_flops(shape, cfg.data.seq_len)
+        head = head_training_flops(shape)
+        if p.partition == "blocks":
+            return partition_by_cost([attention + mlp] * layers, p.pp, p.vpp, head_cost=head)
+        return partition_by_cost([attention, mlp] * layers, p.pp, p.vpp, head_cost=head, halves=True)
     return partition_uniform(layers, p.pp, p.vpp)
 
 
@@ -111,6 +113,7 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
             partition.layers(c),
             first=partition.has_embedding(c),
             last=partition.has_head(c),
+            split_blocks=partition.split_blocks(c),
             seed=cfg.trainer.seed,
             sequence_parallel=cfg.parallel.sp,
             device=device,
@@ -154,7 +157,12 @@ def _norm_share(param: torch.nn.Parameter, logical) -> float | torch.Tensor:
 
 
 def _chunk_name(chunk: ModelChunk) -> str:
-    return f"layers{chunk.layer_ids[0]}-{chunk.layer_ids[-1]}" if chunk.layer_ids else "chunk"
+    if not chunk.layer_ids:
+        return "chunk"
+    first, last = chunk.layer_ids[0], chunk.layer_ids[-1]
+    return f"layers{first}{'.mlp' * (chunk.split_blocks.get(first) == 'mlp')}-{last}" + (
+        ".attention" if chunk.split_blocks.get(last) == "attention" else ""
+    )
 
 
 # -- checkpoint mapping -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("pp2-zb-h1-m4", dict(pp=2, schedule="zb-h1", microbatches=4)),
         ("tp2-sp", dict(tp=2, sp=True)),
         ("tp2-native", dict(tp=2, collectives="native")),
+        ("pp2-blocks", dict(pp=2, partition="blocks")),
     ],
 )
 def test_layout_specs_set_the_parallel_config(spec, want):
@@ -114,18 +115,25 @@ def tiny_sweep(tmp_path_factory):
     return tmp
 
 
-def test_peer_on_the_uniform_split_computes_the_same_losses(tmp_path):
+@pytest.mark.parametrize(
+    "counts, peer_partition, peer_name",
+    [
+        ("3,1", "uniform", "torch.pipelining 1f1b (uniform split)"),
+        ("2.5,1.5", "same", "torch.pipelining 1f1b"),  # the peer's stages cut inside block 2 too
+    ],
+)
+def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(tmp_path, counts, peer_partition, peer_name):
     from modelpar.bench import run
 
     cfg = _tiny_bench_config(
         tmp_path,
         "bench.sweep=[pp2-1f1b]",
         "parallel.partition=explicit",
-        "parallel.stage_layers=[3,1]",
-        "bench.peer_partition=uniform",
+        f"parallel.stage_layers=[{counts}]",
+        f"bench.peer_partition={peer_partition}",
     )
-    row = run(cfg)["pp2-1f1b-m4-split3.1"]
-    assert row["peer_name"] == "torch.pipelining 1f1b (uniform split)"
+    row = run(cfg)[f"pp2-1f1b-m4-split{counts.replace(',', '+')}"]
+    assert row["peer_name"] == peer_name
     assert row["losses_agree"] and row["first_loss_rel_diff"] <= 1e-5
 
 

@@ -8,6 +8,13 @@ lives on rank ``c % pp`` as that rank's local chunk ``c // pp`` (Megatron's inte
                                       rank    0      1      0      1     (local chunk 0, 0, 1, 1)
 
 The first chunk also holds the embedding; the last holds the final norm, the head and the loss.
+
+A count may end in .5: the split then falls inside a block, between its attention half (``x + attn(norm(x))``)
+and its MLP half (``x + mlp(norm(x))``). Both halves pass the same residual stream on, so a pipeline can cut
+there at no extra cost, and balancing in half blocks evens out stages that whole blocks cannot::
+
+    pp=2, 8 layers, counts (4.5, 3.5):   chunk 0: blocks 0-3 and block 4's attention
+                                         chunk 1: block 4's MLP, blocks 5-7, the head
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ class PartitionError(ValueError):
 
 @dataclass(frozen=True)
 class Partition:
-    """Layer counts of each model chunk, in model order, for ``pp`` ranks with ``vpp`` chunks each."""
+    """Layer counts of each model chunk, in model order, for ``pp`` ranks with ``vpp`` chunks each.
+
+    Counts are whole or half blocks (``4`` or ``4.5``); see the module docstring for what a half holds.
+    """
 
     pp: int
     vpp: int
-    layer_counts: tuple[int, ...]
+    layer_counts: tuple[float, ...]
 
     def __post_init__(self) -> None:
         if len(self.layer_counts) != self.pp * self.vpp:
@@ -36,6 +46,7 @@ class Partition:
                 f"{len(self.layer_counts)} layer counts for pp*vpp={self.pp * self.vpp} chunks; "
                 f"give exactly {self.pp * self.vpp}"
             )
+        object.__setattr__(self, "layer_counts", tuple(_layer_count(c) for c in self.layer_counts))
 
     @property
     def n_chunks(self) -> int:
@@ -43,12 +54,29 @@ class Partition:
 
     @property
     def n_layers(self) -> int:
-        return sum(self.layer_counts)
+        return round(sum(self.layer_counts))
+
+    def half_range(self, chunk: int) -> tuple[int, int]:
+        """[start, stop) of chunk ``chunk`` in half blocks: half 2i is block i's attention, 2i+1 its MLP."""
+        start = round(2 * sum(self.layer_counts[:chunk]))
+        return start, start + round(2 * self.layer_counts[chunk])
 
     def layers(self, chunk: int) -> range:
-        """Global indices of the blocks in model chunk ``chunk``."""
-        first = sum(self.layer_counts[:chunk])
-        return range(first, first + self.layer_counts[chunk])
+        """Global indices of the blocks in model chunk ``chunk``, including a block it holds only half of."""
+        start, stop = self.half_range(chunk)
+        return range(start // 2, (stop + 1) // 2 if stop > start else start // 2)
+
+    def split_blocks(self, chunk: int) -> dict[int, str]:
+        """Blocks of which chunk ``chunk`` holds only one half: block id -> ``"attention"`` or ``"mlp"``."""
+        start, stop = self.half_range(chunk)
+        if start == stop:
+            return {}
+        split = {}
+        if start % 2:
+            split[start // 2] = "mlp"
+        if stop % 2:
+            split[stop // 2] = "attention"
+        return split
 
     def rank_of(self, chunk: int) -> int:
         return chunk % self.pp
@@ -81,15 +109,25 @@ def partition_uniform(n_layers: int, pp: int, vpp: int = 1) -> Partition:
 
 
 def partition_by_cost(
-    layer_costs: Sequence[float], pp: int, vpp: int = 1, *, embedding_cost: float = 0.0, head_cost: float = 0.0
+    layer_costs: Sequence[float],
+    pp: int,
+    vpp: int = 1,
+    *,
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+    halves: bool = False,
 ) -> Partition:
     """Contiguous chunks minimising the costliest chunk, e.g. with parameter counts as costs.
 
-    ``embedding_cost`` is added to the first chunk and ``head_cost`` to the last. Every chunk gets at least one
-    layer. Exact dynamic programme over split points: ``O(chunks * n^2)``, trivial for real layer counts.
+    ``embedding_cost`` is added to the first chunk and ``head_cost`` to the last. With ``halves`` the costs are
+    per half block (attention, MLP, attention, ... : two per layer) and chunks may end inside a block. Every
+    chunk gets at least one unit (layer, or half with ``halves``). Exact dynamic programme over split points:
+    ``O(chunks * n^2)``, trivial for real layer counts.
     """
     n = len(layer_costs)
-    chunks = _check_counts(n, pp, vpp)
+    if halves and n % 2:
+        raise PartitionError(f"{n} half-block costs: give two per layer (attention, MLP)")
+    chunks = _check_counts(n, pp, vpp, unit="half blocks" if halves else "layers")
     prefix = [0.0]
     for cost in layer_costs:
         prefix.append(prefix[-1] + float(cost))
@@ -113,20 +151,23 @@ def partition_by_cost(
     for c in range(chunks, 0, -1):
         counts.append(i - cut[c][i])
         i = cut[c][i]
-    return Partition(pp, vpp, tuple(reversed(counts)))
+    counts.reverse()
+    return Partition(pp, vpp, tuple(c / 2 for c in counts) if halves else tuple(counts))
 
 
 def partition_explicit(layer_counts: Sequence[int], n_layers: int, pp: int, vpp: int = 1) -> Partition:
     """Take the user's layer count per chunk (model order); it must have ``pp * vpp`` entries summing to
-    ``n_layers``. A chunk may hold zero blocks (e.g. a last stage with only the head)."""
-    counts = tuple(int(c) for c in layer_counts)
+    ``n_layers``. A count may end in .5 (the chunk ends inside a block, see the module docstring). A chunk may
+    hold zero blocks (e.g. a last stage with only the head)."""
+    counts = tuple(layer_counts)
     chunks = pp * vpp
     if len(counts) != chunks:
         raise PartitionError(
             f"layer counts {list(counts)} have {len(counts)} entries but pp*vpp={chunks}; give one count per chunk"
         )
-    if any(c < 0 for c in counts):
-        raise PartitionError(f"layer counts {list(counts)} must be >= 0")
+    if any(not isinstance(c, int | float) or isinstance(c, bool) or c < 0 or (2 * c) % 1 for c in counts):
+        raise PartitionError(f"layer counts {list(counts)} must be whole or half numbers >= 0, e.g. 4 or 4.5")
+    counts = tuple(_layer_count(c) for c in counts)
     if sum(counts) != n_layers:
         raise PartitionError(
             f"layer counts {list(counts)} sum to {sum(counts)}, not the model's {n_layers} layers; "
@@ -142,13 +183,20 @@ def parameter_counts(blocks: Sequence[torch.nn.Module]) -> list[int]:
     return [sum(p.numel() for p in block.parameters()) for block in blocks]
 
 
-def _check_counts(n_layers: int, pp: int, vpp: int) -> int:
+def _layer_count(count: float) -> float:
+    """A whole count as int, a half count as float; anything else is refused."""
+    if isinstance(count, bool) or (2 * count) % 1:
+        raise PartitionError(f"layer count {count!r} must be a whole or half number, e.g. 4 or 4.5")
+    return int(count) if float(count).is_integer() else float(count)
+
+
+def _check_counts(n_layers: int, pp: int, vpp: int, unit: str = "layers") -> int:
     for name, value in (("n_layers", n_layers), ("pp", pp), ("vpp", vpp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PartitionError(f"{name}={value!r} must be a positive integer")
     chunks = pp * vpp
     if chunks > n_layers:
         raise PartitionError(
-            f"pp*vpp={chunks} chunks exceed the {n_layers} layers (each chunk needs one); use pp*vpp <= {n_layers}"
+            f"pp*vpp={chunks} chunks exceed the {n_layers} {unit} (each chunk needs one); use pp*vpp <= {n_layers}"
         )
     return chunks

@@ -53,9 +53,12 @@ def test_explicit_counts_are_kept():
         (lambda: partition_uniform(3, 2, 2), "pp*vpp=4 chunks exceed the 3 layers"),
         (lambda: partition_explicit([1, 2], 4, 2), "sum to 3, not the model's 4 layers; e.g. [2, 2]"),
         (lambda: partition_explicit([1, 2, 1], 4, 2), "have 3 entries but pp*vpp=2"),
-        (lambda: partition_explicit([5, -1], 4, 2), "must be >= 0"),
+        (lambda: partition_explicit([5, -1], 4, 2), "numbers >= 0"),
         (lambda: partition_by_cost([1, 1], 3), "pp*vpp=3 chunks exceed the 2 layers"),
         (lambda: partition_uniform(8, 0), "pp=0 must be a positive integer"),
+        (lambda: partition_explicit([2.25, 1.75], 4, 2), "must be whole or half numbers >= 0, e.g. 4 or 4.5"),
+        (lambda: partition_by_cost([1, 1, 1], 2, halves=True), "3 half-block costs: give two per layer"),
+        (lambda: partition_by_cost([1, 1], 3, halves=True), "pp*vpp=3 chunks exceed the 2 half blocks"),
     ],
 )
 def test_impossible_splits_are_rejected_in_one_line(call, fragment):
@@ -73,8 +76,30 @@ def test_flops_partition_moves_a_block_off_the_head_stage_of_bench_tiny():
     for pp, vpp in ((2, 1), (4, 1), (2, 2)):
         parallel = ParallelConfig(pp=pp, vpp=vpp, partition="flops", schedule="interleaved" if vpp > 1 else "1f1b")
         counts[pp, vpp] = build_partition(TrainConfig(model=bench_tiny, parallel=parallel)).layer_counts
-    # a block ~ 5.1 MFLOP per token, the head + loss ~ 6.3: the last chunk gets fewer blocks, never none
-    assert counts[2, 1] == (5, 3)
-    assert counts[4, 1] == counts[2, 2] == (2, 2, 3, 1)
+    # attention ~ 2.0 MFLOP per token, MLP ~ 3.2, the head + loss ~ 6.3: the last chunk gets fewer blocks,
+    # never none, and the cut may fall between a block's halves
+    assert counts[2, 1] == (4.5, 3.5)
+    assert counts[4, 1] == counts[2, 2] == (2, 2.5, 2.5, 1)
+    for pp, vpp in ((2, 1), (4, 1)):
+        parallel = ParallelConfig(pp=pp, vpp=vpp, partition="blocks")
+        counts[pp, vpp] = build_partition(TrainConfig(model=bench_tiny, parallel=parallel)).layer_counts
+    assert counts[2, 1] == (5, 3) and counts[4, 1] == (2, 2, 3, 1)  # whole blocks only
     uniform = ParallelConfig(pp=2, partition="uniform")
     assert build_partition(TrainConfig(model=bench_tiny, parallel=uniform)).layer_counts == (4, 4)
+
+
+def test_half_counts_cut_between_a_blocks_attention_and_mlp():
+    part = partition_explicit([4.5, 3.5], 8, 2)
+    assert [list(part.layers(c)) for c in range(2)] == [[0, 1, 2, 3, 4], [4, 5, 6, 7]]
+    assert part.split_blocks(0) == {4: "attention"} and part.split_blocks(1) == {4: "mlp"}
+    assert part.half_range(0) == (0, 9) and part.half_range(1) == (9, 16)
+    part = partition_explicit([0.5, 1, 0, 1.5], 3, 2, 2)
+    assert [list(part.layers(c)) for c in range(4)] == [[0], [0, 1], [], [1, 2]]
+    assert [part.split_blocks(c) for c in range(4)] == [{0: "attention"}, {0: "mlp", 1: "attention"}, {}, {1: "mlp"}]
+    assert part.n_layers == 3
+
+
+def test_cost_split_in_halves_cuts_inside_a_block_when_that_balances_better():
+    # blocks of attention 1 + MLP 2, head 0.5: whole blocks give 6 | 3.5, halves 4 | 5.5
+    assert partition_by_cost([3, 3, 3], 2, head_cost=0.5).layer_counts == (2, 1)
+    assert partition_by_cost([1, 2] * 3, 2, head_cost=0.5, halves=True).layer_counts == (1.5, 1.5)

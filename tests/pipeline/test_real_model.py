@@ -7,7 +7,7 @@ import torch
 
 from modelpar import ParallelLayout
 from modelpar.model import TransformerConfig, build_chunk, build_model
-from modelpar.pipeline import PipelineRuntime, build_schedule, partition_uniform
+from modelpar.pipeline import PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.testing import current_groups, run_on_ranks
 
 CONFIG = TransformerConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
@@ -19,12 +19,20 @@ def tokens_and_targets() -> tuple[torch.Tensor, torch.Tensor]:
     return ids[..., :-1], ids[..., 1:]
 
 
-def _pipeline_step(schedule: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _pipeline_step(schedule: str, counts=None) -> tuple[float, dict[str, torch.Tensor]]:
     groups = current_groups()
     pp = groups.layout.pp
-    part = partition_uniform(CONFIG.layers, pp)
+    part = partition_uniform(CONFIG.layers, pp) if counts is None else partition_explicit(counts, CONFIG.layers, pp)
     chunks = [
-        build_chunk(CONFIG, groups, part.layers(c), first=part.has_embedding(c), last=part.has_head(c), seed=SEED)
+        build_chunk(
+            CONFIG,
+            groups,
+            part.layers(c),
+            first=part.has_embedding(c),
+            last=part.has_head(c),
+            split_blocks=part.split_blocks(c),
+            seed=SEED,
+        )
         for c in part.chunks_of(groups.pp_rank)
     ]
     runtime = PipelineRuntime(
@@ -47,10 +55,13 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_two_stage_llama_matches_the_single_device_model(schedule):
+@pytest.mark.parametrize(
+    "schedule, counts", [("1f1b", None), ("zb-h1", None), ("1f1b", (1.5, 0.5)), ("zb-h1", (0.5, 1.5))]
+)
+def test_two_stage_llama_matches_the_single_device_model(schedule, counts):
+    """Whole-block splits and splits between a block's attention and MLP halves."""
     want_loss, want_grads = reference()
-    results = run_on_ranks(2, _pipeline_step, schedule, layout=ParallelLayout(pp=2))
+    results = run_on_ranks(2, _pipeline_step, schedule, counts, layout=ParallelLayout(pp=2))
     seen: set[str] = set()
     for rank, (loss, grads) in enumerate(results):
         assert loss == pytest.approx(want_loss, rel=1e-5), f"{schedule} rank {rank}"

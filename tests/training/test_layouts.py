@@ -79,6 +79,8 @@ LAYOUTS = [
     dict(tp=4),  # kv_heads=2 < tp: k/v rows replicated, counted once in the grad norm
     dict(tp=4, zero_=1),
     dict(tp=2, pp=2, partition="explicit", stage_layers=[3, 1]),  # uneven, as partition=flops splits
+    dict(tp=2, pp=2, partition="explicit", stage_layers=[2.5, 1.5]),  # a cut between attention and MLP
+    dict(pp=2, vpp=2, schedule="interleaved", microbatches=2, partition="explicit", stage_layers=[0.5, 1.5, 1.5, 0.5]),
     dict(tp=2, collectives="native"),  # gloo's own ring instead of the exchange
 ]
 
@@ -163,8 +165,9 @@ def _with_zero(cfg: TrainConfig, layout: dict) -> TrainConfig:
         (dict(tp=2, pp=2), dict(tp=4)),
         (dict(tp=2, pp=2), dict(dp=2, zero_=1)),
         (dict(dp=2, pp=2, zero_=1), dict(tp=2)),  # ZeRO-1's dp segments gathered into logical moments
+        (dict(pp=2, partition="explicit", stage_layers=[1.5, 2.5]), dict(pp=2)),  # block 1 cut in two, then whole
     ],
-    ids=["tp2pp2-to-single", "tp2pp2-to-tp4", "tp2pp2-to-dp2zero1", "dp2pp2zero1-to-tp2"],
+    ids=["tp2pp2-to-single", "tp2pp2-to-tp4", "tp2pp2-to-dp2zero1", "dp2pp2zero1-to-tp2", "pp2-halves-to-pp2"],
 )
 def test_optimizer_state_follows_a_checkpoint_into_another_layout(token_path, reference, tmp_path, source, layout):
     """Save at step 2 under one layout, resume under another: step 3 lands where the uninterrupted run does,
