@@ -16,9 +16,10 @@ In one run:
    the residual is ``predicted / measured - 1``. Goal: within 20 %.
 
 The calibration also times the element-wise work tp repeats on every rank (two RMSNorm + residual pairs),
-the host overhead of a layer (our block at hidden 32 on 8-token sequences), and the cost of an all-reduce
-inside a loop of matmuls (what a tp step sees; the isolated fit is recorded beside), and gives the planner
-the core count, so a 4-rank layout on 2 cores is predicted as time-shared. Other jobs
+the host overhead of a layer (our block at hidden 32 on 8-token sequences), the cost of an all-reduce
+inside a loop of matmuls (what a tp step sees; the isolated fit is recorded beside), and how much slower a
+bench-tiny block's forward + backward runs with the other core busy with the same (``busy_slowdown``), and
+gives the planner the core count, so a 4-rank layout on 2 cores is predicted as time-shared. Other jobs
 share the cores as well; the JSON records the load average.
 """
 
@@ -103,6 +104,41 @@ def layer_overhead(layers: int = 8, reps: int = 20) -> float:
         blocks(x).sum().backward()
         times.append(time.perf_counter() - start)
     return min(times[3:]) / layers  # the fastest rep, as for the peak
+
+
+def busy_slowdown(reps: int = 8) -> float:
+    """On 2 ranks: how much slower one bench-tiny block's forward + backward (micro-batch 2 x 128, hidden 256)
+    runs while the other rank runs the same loop on the other core than while it is idle (the fastest rep of
+    each; shared caches and memory bandwidth)."""
+    from modelpar.comm import TensorParallelGroup
+    from modelpar.model import Block, TransformerConfig
+
+    torch.set_num_threads(1)
+    config = TransformerConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
+    blocks = torch.nn.Sequential(
+        *(Block(config, TensorParallelGroup(), sequence_parallel=False, backend="torch") for _ in range(2))
+    )
+    x = torch.randn(2, 128, 256, requires_grad=True)
+    rank = dist.get_rank()
+
+    def loop() -> float:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            blocks(x).sum().backward()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    loop()  # warm-up
+    alone, together = [], []
+    for _ in range(3):
+        dist.barrier()
+        if rank == 0:
+            alone.append(loop())
+        dist.barrier()  # rank 1 waits here, idle, while rank 0 runs alone
+        together.append(loop())
+    dist.barrier()
+    return min(together) / min(alone) if rank == 0 else 0.0
 
 
 def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
@@ -223,6 +259,7 @@ def main() -> None:
     overhead = run_on_ranks(1, layer_overhead)[0]
     links = run_on_ranks(2, gloo_links)[0]
     in_loop = max(run_on_ranks(2, all_reduce_in_loop))
+    slowdown = max(1.0, run_on_ranks(2, busy_slowdown)[0])
     bandwidth, isolated_latency = fit_ring(links["all_reduce_s"])
     # the planner's ring model for 2 ranks, 256 KiB: bytes/bw + 2 * latency; take the latency a tp step sees
     latency = max(isolated_latency, (in_loop - 262144 / bandwidth) / 2)
@@ -231,7 +268,8 @@ def main() -> None:
         f"calibrated: peak {peak / 1e9:.1f} GFLOP/s (1 thread fp32), gloo {bandwidth / 1e9:.2f} GB/s, "
         f"latency {latency * 1e6:.0f} us per ring step (isolated {isolated_latency * 1e6:.0f} us; 256 KiB all-reduce "
         f"in a matmul loop {in_loop * 1e3:.2f} ms); p2p 256 KiB one way {p2p_ms:.2f} ms; element-wise "
-        f"{memory_bw / 1e9:.1f} GB/s; layer overhead {overhead * 1e3:.2f} ms; {os.cpu_count()} cores"
+        f"{memory_bw / 1e9:.1f} GB/s; layer overhead {overhead * 1e3:.2f} ms; {os.cpu_count()} cores, "
+        f"compute {slowdown:.2f}x slower with both busy"
     )
     if args.from_json:
         report = json.loads(args.from_json.read_text())
@@ -248,6 +286,7 @@ def main() -> None:
         memory_bw=memory_bw,
         layer_overhead_s=overhead,
         compute_units=os.cpu_count() or 1,
+        busy_slowdown=slowdown,
     )
     model = model_spec(report)
     seq, batch = report["data"]["seq_len"], report["data"]["global_batch"]
@@ -304,6 +343,7 @@ def main() -> None:
             "all_reduce_256KiB_in_matmul_loop_s": in_loop,
             "gloo_latency_isolated_s": isolated_latency,
             "compute_units": os.cpu_count(),
+            "busy_slowdown": slowdown,
             "p2p_one_way_s": links["p2p_one_way_s"],
             "fitted_efficiency": fitted.efficiency if fitted else None,
             "shipped_efficiency": CostModel().efficiency,
@@ -321,7 +361,7 @@ def main() -> None:
         f"Calibrated in the same run: peak {peak / 1e9:.1f} GFLOP/s, gloo {bandwidth / 1e9:.2f} GB/s, latency "
         f"{latency * 1e6:.0f} us (the engine's collectives inside a matmul loop), element-wise "
         f"{memory_bw / 1e9:.1f} GB/s, layer overhead {overhead * 1e3:.2f} ms, "
-        f"{os.cpu_count()} cores shared by the ranks; "
+        f"{os.cpu_count()} cores shared by the ranks, compute {slowdown:.2f}x slower with more than one busy; "
         f"fitted efficiency {fitted.efficiency if fitted else float('nan'):.2f} "
         f"(shipped {CostModel().efficiency}).\n",
         "| layout | ranks | CPU share | measured s | planned s | residual | planned (fitted eff.) s | residual |",

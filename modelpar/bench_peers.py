@@ -87,15 +87,18 @@ def torch_modules_copy(chunk: ModelChunk, tp: int) -> ModelChunk:
     if chunk.tp.size != 1:
         raise ValueError("the peer starts from the single-device chunk (build_chunk with groups=None)")
     for block in chunk.layers.values():
-        attn, mlp = block.self_attn, block.mlp
-        qkv = attn.qkv_proj
-        attn.qkv_proj = _linear(regroup_rows(qkv.weight.detach(), [p.rows for p in qkv.parts], tp))
-        attn.o_proj = _linear(attn.o_proj.weight.detach())
-        gate_up = mlp.gate_up_proj
-        mlp.gate_up_proj = _linear(regroup_rows(gate_up.weight.detach(), [p.rows for p in gate_up.parts], tp))
-        mlp.down_proj = _linear(mlp.down_proj.weight.detach())
-        attn.heads //= tp
-        attn.kv_heads //= tp
+        if block.half != "mlp":  # a block split between stages holds one half
+            attn = block.self_attn
+            qkv = attn.qkv_proj
+            attn.qkv_proj = _linear(regroup_rows(qkv.weight.detach(), [p.rows for p in qkv.parts], tp))
+            attn.o_proj = _linear(attn.o_proj.weight.detach())
+            attn.heads //= tp
+            attn.kv_heads //= tp
+        if block.half != "attention":
+            mlp = block.mlp
+            gate_up = mlp.gate_up_proj
+            mlp.gate_up_proj = _linear(regroup_rows(gate_up.weight.detach(), [p.rows for p in gate_up.parts], tp))
+            mlp.down_proj = _linear(mlp.down_proj.weight.detach())
     if chunk.embed_tokens is not None:
         old = chunk.embed_tokens
         assert isinstance(old, VocabParallelEmbedding)
@@ -122,13 +125,13 @@ def apply_tensor_parallel(chunk: ModelChunk, tp_mesh) -> None:
     plan = {}
     if chunk.embed_tokens is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    for i in chunk.layers:
-        plan |= {
-            f"layers.{i}.self_attn.qkv_proj": ColwiseParallel(),
-            f"layers.{i}.self_attn.o_proj": RowwiseParallel(),
-            f"layers.{i}.mlp.gate_up_proj": ColwiseParallel(),
-            f"layers.{i}.mlp.down_proj": RowwiseParallel(),
-        }
+    for i, block in chunk.layers.items():
+        if block.half != "mlp":
+            plan[f"layers.{i}.self_attn.qkv_proj"] = ColwiseParallel()
+            plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        if block.half != "attention":
+            plan[f"layers.{i}.mlp.gate_up_proj"] = ColwiseParallel()
+            plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
     if chunk.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(chunk, tp_mesh, plan)

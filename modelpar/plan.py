@@ -32,8 +32,10 @@ Step time, from the per-rank FLOPs of ``modelpar.flops`` (plus recomputed forwar
     bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s)
     total_s    = the sum of the above
 
-More ranks than ``compute_units`` (a CPU with fewer cores than ranks): compute_s, tp_comm_s and pp_comm_s
-times ranks / units, and the bubble only where the critical path (compute_s + bubble_s) is longer than that.
+Ranks sharing one machine's cores (``compute_units`` > 0, a CPU): with more than one rank, compute_s times
+``busy_slowdown`` (cores busy at once share caches and memory bandwidth; measured, not assumed). More ranks
+than ``compute_units``: compute_s, tp_comm_s and pp_comm_s also times ranks / units, and the bubble only where
+the critical path (compute_s + bubble_s) is longer than that.
 
 The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) and ``CostModel``
 (achievable efficiency, DP overlap); ``tests/test_plan.py`` checks the model against Narayanan et al. 2021.
@@ -102,6 +104,8 @@ class Hardware:
     compute_units: int = 0  # ranks that can compute at once (CPU cores); 0: every rank has its own device
     layer_overhead_s: float = 0.0  # host cost of one layer's fwd+bwd per micro-batch that tp does not shrink
     #   (op dispatch and autograd bookkeeping on CPU, kernel launches on GPU); 0: not modelled
+    busy_slowdown: float = 1.0  # compute time x this when ranks share the compute units (CPU cores) and more
+    #   than one computes at once; 1.0 with a device per rank
 
     @property
     def weight_bytes(self) -> int:
@@ -454,6 +458,8 @@ def predict(
     dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
     bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s)
     units = hardware.compute_units
+    if units and layout.world_size > 1:
+        compute_s *= hardware.busy_slowdown
     if units and layout.world_size > units:
         # more ranks than cores: they time-share, and a rank idle in the bubble hands its core to the others,
         # so the step is the larger of all ranks' compute spread over the cores and the critical path; a

@@ -116,23 +116,26 @@ def tiny_sweep(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "counts, peer_partition, peer_name",
+    "layout, counts, peer_partition, peer_name",
     [
-        ("3,1", "uniform", "torch.pipelining 1f1b (uniform split)"),
-        ("2.5,1.5", "same", "torch.pipelining 1f1b"),  # the peer's stages cut inside block 2 too
+        ("pp2-1f1b", "3,1", "uniform", "torch.pipelining 1f1b (uniform split)"),
+        ("pp2-1f1b", "2.5,1.5", "same", "torch.pipelining 1f1b"),  # the peer's stages cut inside block 2 too
+        ("tp2-pp2-1f1b", "1.5,2.5", "same", "torch.pipelining 1f1b + DTensor TP"),  # DTensor plan on half blocks
     ],
 )
-def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(tmp_path, counts, peer_partition, peer_name):
+def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
+    tmp_path, layout, counts, peer_partition, peer_name
+):
     from modelpar.bench import run
 
     cfg = _tiny_bench_config(
         tmp_path,
-        "bench.sweep=[pp2-1f1b]",
+        f"bench.sweep=[{layout}]",
         "parallel.partition=explicit",
         f"parallel.stage_layers=[{counts}]",
         f"bench.peer_partition={peer_partition}",
     )
-    row = run(cfg)[f"pp2-1f1b-m4-split{counts.replace(',', '+')}"]
+    row = run(cfg)[f"{layout}-m4-split{counts.replace(',', '+')}"]
     assert row["peer_name"] == peer_name
     assert row["losses_agree"] and row["first_loss_rel_diff"] <= 1e-5
 

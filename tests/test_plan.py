@@ -228,7 +228,7 @@ def test_tensor_parallelism_repeats_element_wise_work_that_sequence_parallelism_
 
 
 def test_ranks_beyond_the_cores_time_share_them_and_fill_the_bubble():
-    tiny, cpu = load_model("bench-tiny"), HARDWARE["cpu"]
+    tiny, cpu = load_model("bench-tiny"), dataclasses.replace(HARDWARE["cpu"], busy_slowdown=1.0)
     s = Strategy(ParallelLayout(tp=2, pp=2), 2, 8)
     own = predict(s, tiny, dataclasses.replace(cpu, compute_units=0), seq_len=128)
     shared = predict(s, tiny, cpu, seq_len=128)  # 4 ranks on 2 cores
@@ -238,6 +238,23 @@ def test_ranks_beyond_the_cores_time_share_them_and_fill_the_bubble():
     fits = Strategy(ParallelLayout(tp=2), 2, 8)
     assert predict(fits, tiny, cpu, seq_len=128) == predict(
         fits, tiny, dataclasses.replace(cpu, compute_units=0), seq_len=128
+    )
+
+
+def test_ranks_sharing_a_machine_compute_slower_when_more_than_one_is_busy():
+    tiny = load_model("bench-tiny")
+    calm, busy = (dataclasses.replace(HARDWARE["cpu"], busy_slowdown=f) for f in (1.0, 1.25))
+    for layout in (ParallelLayout(tp=2), ParallelLayout(pp=2), ParallelLayout(tp=2, pp=2)):
+        s = Strategy(layout, 2, 8)
+        assert predict(s, tiny, busy, seq_len=128).compute_s == pytest.approx(
+            1.25 * predict(s, tiny, calm, seq_len=128).compute_s
+        )
+    single = Strategy(ParallelLayout(), 2, 8)
+    assert predict(single, tiny, busy, seq_len=128) == predict(single, tiny, calm, seq_len=128)
+    gpu = Strategy(ParallelLayout(tp=8), 1, 8)
+    h100 = HARDWARE["h100-80gb"]  # a device per rank: nothing shared
+    assert predict(gpu, LLAMA_8B, dataclasses.replace(h100, busy_slowdown=1.25), seq_len=2048) == predict(
+        gpu, LLAMA_8B, h100, seq_len=2048
     )
 
 

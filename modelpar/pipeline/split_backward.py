@@ -1,31 +1,106 @@
 """The backward of one chunk split in two, for zero-bubble schedules: B (input gradient) then W (weights).
 
-B walks the graph once from the chunk's output to its input and, on the way, keeps the gradient arriving at
-each node that leads to a parameter (PyTorch's ``stage_backward_input``, the helper of its own zero-bubble
-schedules: private, so this file is the only place that touches it). W starts from those saved gradients
-and runs only the weight-gradient part, so B + W cost about one ordinary backward.
+The chunk's autograd graph, walked from its output, has an *input path*: the nodes from which the chunk
+input ``x`` can be reached. Every weight hangs off that path through a *weight-only* branch (e.g. the
+``weight.T`` edge of a matmul whose other edge continues towards ``x``). The node where a weight-only branch
+leaves the input path is a *seed*.
 
-Unlike PyTorch's ``stage_backward_weight``, W here goes through ``torch.autograd.backward(..., inputs=params)``
-so gradients land in ``.grad`` through autograd's accumulation: post-accumulate-grad hooks fire once per
-micro-batch, as data-parallel overlap expects.
+- **B** asks autograd for the gradient of ``x`` only, so it evaluates the input path and nothing else, and on
+  the way records the gradient arriving at each seed (a pre-hook on the seed's node).
+- **W** restarts autograd at the seeds with those recorded gradients and asks only for the weights below
+  them, so it evaluates just the weight-only branches. B + W cost about one ordinary backward.
+
+A weight reachable from two seeds (a weight used twice on the input path) puts those seeds in one group; its
+W pins every seed's incoming gradient to the recorded one, so a seed also reached from another seed is
+counted once. W goes through ``torch.autograd.backward(..., inputs=weights)``, so gradients land in
+``.grad`` through autograd's accumulation and post-accumulate-grad hooks fire once per micro-batch, as
+data-parallel overlap expects. Only public autograd API is used (graph nodes, pre-hooks, gradient edges).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _SeedGroup:
+    """Seeds whose weight-only branches share weights, the weights below them and the recorded gradients."""
+
+    seeds: list[Node]
+    params: list[torch.nn.Parameter]
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
 @dataclass
 class PendingWeightGrad:
-    """What B leaves for W: per parameter group, the graph nodes feeding it and the gradients they received."""
+    """What B leaves for W: the seed groups with the gradients recorded at their seeds."""
 
-    params: list[torch.nn.Parameter]
-    param_groups: list[dict]
+    groups: list[_SeedGroup]
+
+
+def _graph_below(root: Node) -> list[Node]:
+    """Every node reachable from ``root`` through ``next_functions`` (``root`` included), each once."""
+    seen, order, stack = {root}, [], [root]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return order
+
+
+def _reaches(nodes: list[Node], targets: set[Node]) -> dict[Node, bool]:
+    """For each node: can a target be reached from it (the node itself included)? Iterative post-order."""
+    memo: dict[Node, bool] = {}
+    for start in nodes:
+        if start in memo:
+            continue
+        stack = [(start, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in memo:
+                continue
+            children = [c for c, _ in node.next_functions if c is not None]
+            if expanded:
+                memo[node] = node in targets or any(memo[c] for c in children)
+                continue
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if c not in memo)
+    return memo
+
+
+def _seed_groups(root: Node, x_node: Node, param_of: dict[Node, torch.nn.Parameter]) -> list[_SeedGroup]:
+    nodes = _graph_below(root)
+    to_x = _reaches(nodes, {x_node})
+    to_param = _reaches(nodes, set(param_of))
+    weights_below: dict[Node, set[Node]] = {}  # seed -> parameter nodes in its weight-only branches
+    for node in nodes:
+        if not to_x[node]:
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and not to_x[child] and to_param[child]:
+                below = {n for n in _graph_below(child) if n in param_of}
+                weights_below.setdefault(node, set()).update(below)
+    # union seeds that share a weight
+    owner: dict[Node, int] = {}
+    groups: list[tuple[list[Node], set[Node]]] = []
+    for seed, below in weights_below.items():
+        hits = sorted({owner[w] for w in below if w in owner})
+        seeds, params = [seed], set(below)
+        for g in reversed(hits):
+            seeds += groups[g][0]
+            params |= groups[g][1]
+            groups[g] = ([], set())
+        groups.append((seeds, params))
+        for w in params:
+            owner[w] = len(groups) - 1
+    return [_SeedGroup(seeds, [param_of[w] for w in params]) for seeds, params in groups if seeds]
 
 
 def backward_input(
@@ -34,36 +109,46 @@ def backward_input(
     """Gradient of the loss w.r.t. the chunk input ``x`` (same shape as ``x``), and what W needs.
 
     ``output``: the chunk output (``output_grad`` its gradient) or, on the last chunk, the loss (``None``).
+    ``x`` must be a leaf that requires grad (the received activation).
     """
-    (dx,), param_groups = stage_backward_input(
-        [output], None if output_grad is None else [output_grad], [x], iter(params)
-    )
-    return dx, PendingWeightGrad(list(params), param_groups)
+    param_of = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+    groups = _seed_groups(output.grad_fn, get_gradient_edge(x).node, param_of) if output.grad_fn else []
+    handles = []
+
+    def recorder(group: _SeedGroup, seed: Node):
+        def hook(grad_outputs):
+            group.grads[seed] = grad_outputs
+
+        return hook
+
+    try:
+        handles = [seed.register_prehook(recorder(g, seed)) for g in groups for seed in g.seeds]
+        (dx,) = torch.autograd.grad(
+            output, x, None if output_grad is None else output_grad, retain_graph=True, allow_unused=True
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (torch.zeros_like(x) if dx is None else dx), PendingWeightGrad(groups)
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
     """Accumulate the weight gradients B prepared into ``.grad`` of every parameter (through autograd)."""
-    weight_of = {_get_grad_fn_or_grad_acc(p): p for p in pending.params}
-    for group in pending.param_groups:
-        grads, nodes = group.get("grads") or [], group["intermediates"]
+    for group in pending.groups:
         edges, edge_grads = [], []
-        for grads_in, node in zip(grads, nodes, strict=True):
-            for i, grad in enumerate(grads_in or ()):
+        for seed in group.seeds:
+            for i, grad in enumerate(group.grads.get(seed) or ()):
                 if grad is not None:
-                    edges.append(GradientEdge(node, i))
+                    edges.append(GradientEdge(seed, i))
                     edge_grads.append(grad)
         if not edges:
             continue
-        # A node may also sit downstream of another saved node; pin every saved node's incoming gradient to
-        # what B recorded so nothing is counted twice (as PyTorch's stage_backward_weight does).
-        handles = [
-            node.register_prehook(lambda _, saved=g: saved)
-            for g, node in zip(grads, nodes, strict=True)
-            if g is not None
-        ]
+        handles = []
+        if len(group.seeds) > 1:  # a seed reached from another seed too: keep only what B recorded for it
+            handles = [seed.register_prehook(lambda _, g=group.grads.get(seed): g) for seed in group.seeds]
         try:
-            inputs = [weight_of[acc] for acc in group["params"]]
-            torch.autograd.backward(edges, edge_grads, inputs=inputs)
+            torch.autograd.backward(edges, edge_grads, inputs=group.params)
         finally:
             for handle in handles:
                 handle.remove()
+    pending.groups.clear()
