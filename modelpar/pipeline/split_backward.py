@@ -132,6 +132,15 @@ def backward_input(
     return (torch.zeros_like(x) if dx is None else dx), PendingWeightGrad(groups)
 
 
+def _pinned(grads: tuple[torch.Tensor | None, ...] | None):
+    """A pre-hook that replaces whatever gradient reaches a node with ``grads`` (None: leave it)."""
+
+    def hook(_):
+        return grads
+
+    return hook
+
+
 def backward_weight(pending: PendingWeightGrad) -> None:
     """Accumulate the weight gradients B prepared into ``.grad`` of every parameter (through autograd)."""
     for group in pending.groups:
@@ -145,7 +154,7 @@ def backward_weight(pending: PendingWeightGrad) -> None:
             continue
         handles = []
         if len(group.seeds) > 1:  # a seed reached from another seed too: keep only what B recorded for it
-            handles = [seed.register_prehook(lambda _, g=group.grads.get(seed): g) for seed in group.seeds]
+            handles = [seed.register_prehook(_pinned(group.grads.get(seed))) for seed in group.seeds]
         try:
             torch.autograd.backward(edges, edge_grads, inputs=group.params)
         finally:
