@@ -82,3 +82,17 @@ def test_every_recipe_is_run_or_rejected_in_one_line(cfg, token_path, tmp_path):
     losses = run_on_ranks(world, one_step, cfg, token_path, timeout_s=120)
     assert all(np.isfinite(losses))
     event("accepted and trained one step")
+
+
+def test_the_recipe_model_group_is_the_model_shape_plus_a_name():
+    """``ModelConfig`` (the Hydra schema) repeats ``TransformerConfig``'s fields for OmegaConf's typing; a field
+    added to one and not the other would be silently dropped or fail at the first run."""
+    from dataclasses import fields
+
+    from modelpar.config import ModelConfig
+    from modelpar.model import TransformerConfig
+
+    recipe = {f.name: f.type for f in fields(ModelConfig)}
+    shape = {f.name: f.type for f in fields(TransformerConfig)}
+    assert recipe.pop("name") == "str"
+    assert recipe == shape
