@@ -259,7 +259,17 @@ def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -
 
 
 def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
-    """One rank's measurements of ours and the peer (see the module docstring for the order of steps)."""
+    """One rank's measurements of ours and the peer (see the module docstring for the order of steps), both
+    with this rank bound to its own core when ``trainer.cpu_affinity=auto`` on CPU (``modelpar.affinity``)."""
+    from modelpar.affinity import pinned
+    from modelpar.train import runs_on_cpu
+
+    pin = cfg.trainer.cpu_affinity == "auto" and dist.get_world_size() > 1 and runs_on_cpu(cfg)
+    with pinned(dist.get_rank(), 1, enabled=pin):
+        return _bench_rank(cfg, data_path)
+
+
+def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
     from modelpar.pipeline import partition_uniform
@@ -578,7 +588,12 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
     report = {
         "model": asdict(cfg.model),
         "data": {"seq_len": cfg.data.seq_len, "global_batch": cfg.data.global_batch},
-        "trainer": {"device": cfg.trainer.device, "dtype": cfg.trainer.dtype, "threads_per_rank": 1},
+        "trainer": {
+            "device": cfg.trainer.device,
+            "dtype": cfg.trainer.dtype,
+            "threads_per_rank": 1,
+            "cpu_affinity": cfg.trainer.cpu_affinity,
+        },
         "bench": {k: v for k, v in asdict(cfg.bench).items() if k not in ("sweep", "results_dir", "name")},
         "machine": {
             "cpus": os.cpu_count(),

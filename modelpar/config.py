@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modelpar.affinity import AFFINITY_MODES
 from modelpar.comm import COLLECTIVE_ALGORITHMS
 from modelpar.layout import SCHEDULES, LayoutError, ParallelLayout
 
@@ -94,6 +95,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     threads_per_rank: int = 1
+    cpu_affinity: str = "auto"  # auto: bind each CPU rank to its own cores (modelpar.affinity) | off
     sample_tokens: int = 64
     progress: bool = True
     peak_tflops: float = 0.0  # per rank, for MFU; 0: a CPU estimate is not reported
@@ -193,6 +195,10 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         )
     if cfg.optim.zero not in (0, 1):
         raise RecipeError(f"optim.zero={cfg.optim.zero} must be 0 or 1 (ZeRO-1 shards optimizer state over dp)")
+    if cfg.trainer.cpu_affinity not in AFFINITY_MODES:
+        raise RecipeError(
+            f"trainer.cpu_affinity={cfg.trainer.cpu_affinity!r} must be one of {', '.join(AFFINITY_MODES)}"
+        )
     if cfg.trainer.dtype not in ("auto", "fp32", "bf16"):
         raise RecipeError(f"trainer.dtype={cfg.trainer.dtype!r} must be auto, fp32 or bf16")
     for key, value, allowed in (

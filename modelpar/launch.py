@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from modelpar.affinity import pin_cpu_rank
 from modelpar.distributed import LOCAL_ADDR, destroy_distributed, init_distributed, launch_env_from_environ
 
 _STOP_GRACE_S = 5.0
@@ -35,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, timeout_s, threads, fn, args, errors) -> None:
+def _rank_main(rank, world_size, port, timeout_s, threads, pin, fn, args, errors) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -43,6 +44,8 @@ def _rank_main(rank, world_size, port, timeout_s, threads, fn, args, errors) -> 
         MASTER_ADDR=LOCAL_ADDR,
         MASTER_PORT=str(port),
     )
+    if pin:
+        pin_cpu_rank(rank, threads)
     import torch
 
     torch.set_num_threads(threads)
@@ -63,11 +66,13 @@ def launch(
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,
     flight_dir: str | None = None,
+    pin_cpu: bool = False,
 ) -> None:
     """Run ``fn(*args)`` on every rank of a ``world_size`` job.
 
     Under torchrun or SLURM this process is one rank: it joins the job described by the environment.
     Otherwise ``world_size`` local processes are spawned (gloo on CPU, one per GPU with NCCL).
+    ``pin_cpu``: bind each rank to its own cores by local rank (``modelpar.affinity``), when more than one.
     Raises ``LaunchError`` naming the first rank that failed; with ``flight_dir`` (where the ranks' flight
     recorders write), the message also names the rank that stopped making progress and its action.
     """
@@ -79,6 +84,8 @@ def launch(
                 f"the recipe's layout needs {world_size} ranks but {env.source} started {env.world_size}; "
                 f"launch {world_size} processes or change parallel.dp",
             )
+        if pin_cpu and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
+            pin_cpu_rank(env.local_rank, threads_per_rank)
         init_distributed(timeout_s=timeout_s)
         try:
             fn(*args)
@@ -90,7 +97,10 @@ def launch(
     errors = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, timeout_s, threads_per_rank, fn, args, errors))
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, port, timeout_s, threads_per_rank, pin_cpu and world_size > 1, fn, args, errors),
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -81,6 +81,15 @@ def newest_good_checkpoint(root: Path) -> Path | None:
     return None
 
 
+def runs_on_cpu(cfg: TrainConfig) -> bool:
+    """Whether the ranks will compute on CPU cores (``trainer.device`` cpu, or auto without CUDA)."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def check_recipe(cfg: TrainConfig) -> None:
     """The recipe alone: fields, layout against the model, schedule against the micro-batches, partition."""
     from modelpar.trainer import build_partition
@@ -129,6 +138,7 @@ def run(cfg: TrainConfig) -> None:
             timeout_s=cfg.trainer.timeout_s,
             threads_per_rank=cfg.trainer.threads_per_rank,
             flight_dir=str(out_dir / "flight"),
+            pin_cpu=cfg.trainer.cpu_affinity == "auto" and runs_on_cpu(cfg),
         )
     except LaunchError as exc:
         print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)

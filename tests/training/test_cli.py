@@ -44,6 +44,7 @@ def tokens(tmp_path_factory):
         (["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences per dp replica"),
         (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown; choose one of"),
         (["parallel.collectives=tree"], "parallel.collectives='tree' is unknown; choose one of auto, native, exchange"),
+        (["trainer.cpu_affinity=numa"], "trainer.cpu_affinity='numa' must be one of auto, off"),
         (
             ["parallel.partition=explicit", "parallel.stage_layers=[2.25,1.75]"],
             "parallel.stage_layers=[2.25, 1.75] must list pp*vpp=2 whole or half (e.g. 4.5) counts",
