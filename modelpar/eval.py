@@ -27,7 +27,7 @@ from modelpar.checkpoint import read_index, resolve_checkpoint
 from modelpar.config import RecipeError, TrainConfig, register_schema, validate
 from modelpar.data import DataError, TokenFile, default_corpus
 from modelpar.launch import LaunchError, launch
-from modelpar.train import RECIPES, USER_ERRORS
+from modelpar.train import RECIPES, USER_ERRORS, runs_on_cpu
 
 
 def eval_config(cfg: TrainConfig) -> TrainConfig:
@@ -89,7 +89,17 @@ def run(cfg: TrainConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "result.json")
         try:
-            launch(cfg.parallel.layout().world_size, eval_worker, cfg, path, str(ckpt), result_path)
+            launch(
+                cfg.parallel.layout().world_size,
+                eval_worker,
+                cfg,
+                path,
+                str(ckpt),
+                result_path,
+                timeout_s=cfg.trainer.timeout_s,
+                threads_per_rank=cfg.trainer.threads_per_rank,
+                pin_cpu=cfg.trainer.cpu_affinity == "auto" and runs_on_cpu(cfg),
+            )
         except LaunchError as exc:
             print(f"modelpar-eval: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
