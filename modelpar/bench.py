@@ -260,16 +260,22 @@ def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -
 
 def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     """One rank's measurements of ours and the peer (see the module docstring for the order of steps), both
-    with this rank bound to its own core when ``trainer.cpu_affinity=auto`` on CPU (``modelpar.affinity``)."""
-    from modelpar.affinity import pinned
+    with this rank bound to its own core when ``trainer.cpu_affinity=auto`` on CPU and both with gloo's socket
+    threads at idle priority when ``trainer.gloo_threads=idle`` (``modelpar.affinity``): the same environment
+    for both engines, so the ratio compares engines, not settings."""
+    from modelpar.affinity import pinned, set_gloo_threads
     from modelpar.train import runs_on_cpu
 
     pin = cfg.trainer.cpu_affinity == "auto" and dist.get_world_size() > 1 and runs_on_cpu(cfg)
-    with pinned(dist.get_rank(), 1, enabled=pin):
-        return _bench_rank(cfg, data_path)
+    try:
+        with pinned(dist.get_rank(), 1, enabled=pin):
+            return _bench_rank(cfg, data_path)
+    finally:
+        set_gloo_threads("normal")  # the workers are reused by the next layout
 
 
 def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
+    from modelpar.affinity import set_gloo_threads
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
     from modelpar.pipeline import partition_uniform
@@ -293,6 +299,9 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
             trainer.layout.dp,
             cfg.data.seed,
         )
+
+    if trainer.gloo_threads:
+        set_gloo_threads("idle")  # the peer's process groups too
 
     def ours() -> float:
         return trainer.train_step().loss
@@ -593,6 +602,7 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
             "dtype": cfg.trainer.dtype,
             "threads_per_rank": 1,
             "cpu_affinity": cfg.trainer.cpu_affinity,
+            "gloo_threads": cfg.trainer.gloo_threads,
         },
         "bench": {k: v for k, v in asdict(cfg.bench).items() if k not in ("sweep", "results_dir", "name")},
         "machine": {

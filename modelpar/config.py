@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modelpar.affinity import AFFINITY_MODES
+from modelpar.affinity import AFFINITY_MODES, GLOO_THREAD_MODES
 from modelpar.comm import COLLECTIVE_ALGORITHMS
 from modelpar.layout import SCHEDULES, LayoutError, ParallelLayout
 
@@ -96,6 +96,7 @@ class TrainerConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     threads_per_rank: int = 1
     cpu_affinity: str = "auto"  # auto: bind each CPU rank to its own cores (modelpar.affinity) | off
+    gloo_threads: str = "idle"  # idle: gloo's socket threads never take the core from compute (affinity) | normal
     sample_tokens: int = 64
     progress: bool = True
     peak_tflops: float = 0.0  # per rank, for MFU; 0: a CPU estimate is not reported
@@ -198,6 +199,10 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     if cfg.trainer.cpu_affinity not in AFFINITY_MODES:
         raise RecipeError(
             f"trainer.cpu_affinity={cfg.trainer.cpu_affinity!r} must be one of {', '.join(AFFINITY_MODES)}"
+        )
+    if cfg.trainer.gloo_threads not in GLOO_THREAD_MODES:
+        raise RecipeError(
+            f"trainer.gloo_threads={cfg.trainer.gloo_threads!r} must be one of {', '.join(GLOO_THREAD_MODES)}"
         )
     if cfg.trainer.dtype not in ("auto", "fp32", "bf16"):
         raise RecipeError(f"trainer.dtype={cfg.trainer.dtype!r} must be auto, fp32 or bf16")

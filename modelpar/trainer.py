@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar import comm
+from modelpar.affinity import set_gloo_threads
 from modelpar.checkpoint import Piece, latest_checkpoint, load_pieces, load_rank_state, read_index, save_checkpoint
 from modelpar.config import TrainConfig
 from modelpar.data import TokenFile, WindowSampler
@@ -329,6 +330,9 @@ class Trainer:
         if self.faults:
             for chunk in self.model.chunks:
                 chunk.register_forward_pre_hook(self._forward_faults)
+        self.gloo_threads = uses_gloo(self.device) and cfg.trainer.gloo_threads == "idle"
+        if self.gloo_threads:
+            set_gloo_threads("idle")  # every group exists by now (modelpar.affinity)
         if resume_from:
             self.resume(Path(resume_from))
 
@@ -568,6 +572,13 @@ class Trainer:
             board.close()
         comm.set_collective_observer(None)
         self.flight.close()
+        if self.gloo_threads:
+            set_gloo_threads("normal")
+
+
+def uses_gloo(device: torch.device) -> bool:
+    """Whether this rank talks to others over gloo (CPU ranks of a multi-rank job)."""
+    return device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
 
 
 def _crash_midway(state: dict, faults, rank: int, step: int):

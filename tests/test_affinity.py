@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from modelpar.affinity import core_block, job_cores, pinned
+from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
 
 
 @pytest.mark.parametrize(
@@ -54,3 +55,72 @@ def test_launched_cpu_ranks_run_on_their_own_cores_unless_told_not_to(tmp_path, 
     masks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(3)]
     cores = job_cores()
     assert masks == ([core_block(r, 1, cores) for r in range(3)] if pin else [cores] * 3)
+
+
+def _gloo_thread_policies(mode: str) -> dict:
+    """On a rank: build a subgroup, set the socket threads' mode, and report policies plus a working all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from modelpar import comm
+    from modelpar.affinity import gloo_socket_threads, set_gloo_threads
+
+    group = dist.new_group([0, 1])
+    changed = set_gloo_threads(mode)
+    x = torch.full((4096,), float(dist.get_rank() + 1))
+    comm.all_reduce(x, group)  # the socket threads still make progress
+    out = {
+        "changed": changed,
+        "socket": {tid: os.sched_getscheduler(tid) for tid in gloo_socket_threads()},
+        "main": os.sched_getscheduler(0),
+        "sum": x[0].item(),
+    }
+    set_gloo_threads("normal")
+    out["after"] = {tid: os.sched_getscheduler(tid) for tid in gloo_socket_threads()}
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class on this OS")
+@pytest.mark.parametrize("mode", ["idle", "normal"])
+def test_gloo_socket_threads_go_idle_and_back_while_collectives_still_run(mode):
+    from modelpar.testing import run_on_ranks
+
+    for rank in run_on_ranks(2, _gloo_thread_policies, mode):
+        assert rank["sum"] == 3.0
+        assert len(rank["socket"]) >= 2 and sorted(rank["changed"]) == sorted(rank["socket"])  # default + new group
+        want = os.SCHED_IDLE if mode == "idle" else os.SCHED_OTHER
+        assert set(rank["socket"].values()) == {want}
+        assert rank["main"] == os.SCHED_OTHER  # the compute thread keeps its class
+        assert set(rank["after"].values()) == {os.SCHED_OTHER}
+
+
+def test_unknown_gloo_thread_mode_is_refused():
+    from modelpar.affinity import set_gloo_threads
+
+    with pytest.raises(ValueError, match="'low' is not one of"):
+        set_gloo_threads("low")
+
+
+def _trainer_gloo_policies(cfg, data_path: str) -> dict:
+    from modelpar.affinity import gloo_socket_threads
+    from modelpar.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    during = {os.sched_getscheduler(tid) for tid in gloo_socket_threads()}
+    trainer.fit()
+    return {"during": during, "after": {os.sched_getscheduler(tid) for tid in gloo_socket_threads()}}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class on this OS")
+@pytest.mark.parametrize("mode", ["idle", "normal"])
+def test_trainer_puts_gloo_socket_threads_idle_for_the_run_only(mode, token_path, tmp_path):  # noqa: F811
+    from dataclasses import replace
+
+    from modelpar.testing import run_on_ranks
+
+    cfg = make_config(tmp_path, tp=2)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, steps=1, ckpt_every=0, gloo_threads=mode))
+    for rank in run_on_ranks(2, _trainer_gloo_policies, cfg, token_path):
+        assert rank["during"] == {os.SCHED_IDLE if mode == "idle" else os.SCHED_OTHER}
+        assert rank["after"] == {os.SCHED_OTHER}

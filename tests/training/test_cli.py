@@ -45,6 +45,7 @@ def tokens(tmp_path_factory):
         (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown; choose one of"),
         (["parallel.collectives=tree"], "parallel.collectives='tree' is unknown; choose one of auto, native, exchange"),
         (["trainer.cpu_affinity=numa"], "trainer.cpu_affinity='numa' must be one of auto, off"),
+        (["trainer.gloo_threads=low"], "trainer.gloo_threads='low' must be one of idle, normal"),
         (
             ["parallel.partition=explicit", "parallel.stage_layers=[2.25,1.75]"],
             "parallel.stage_layers=[2.25, 1.75] must list pp*vpp=2 whole or half (e.g. 4.5) counts",
