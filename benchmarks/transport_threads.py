@@ -1,12 +1,12 @@
 """gloo's socket threads at idle priority (``trainer.gloo_threads=idle``) against normal priority, step by step.
 
-    python benchmarks/transport_threads.py                     # 4 layouts x 8 rounds, ~6 min on 2 cores
+    python benchmarks/transport_threads.py                     # 7 layouts x 6 rounds, ~7 min on 2 cores
     python benchmarks/transport_threads.py --layouts tp2 --rounds 4
 
 For each layout the ranks build our ``Trainer`` and the layout's peer (DTensor TP, torch.distributed.pipelining
 or DDP, ``modelpar.bench_peers``) once, bound to their cores as ``modelpar-bench`` binds them, and then
-alternate inside the same processes: each round times one step of ours and one of the peer with the socket
-threads idle, and one of each with them normal (the order of the two modes flips every round). Both sides of
+alternate inside the same processes: each round times one step of ours and one of the peer under each of
+three settings (``MODES`` below; the order flips every round). Both sides of
 every ratio are therefore seconds apart on the same workers, which is what makes a 5-10% effect visible on a
 machine whose step times drift by 10-30% between runs. Each step is timed between barriers (the slowest
 rank's time counts); the socket threads' own CPU time per step comes from ``/proc/self/task/*/schedstat``.
@@ -28,7 +28,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODES = ("idle", "normal")
+# policy: what the trainer does (its tp group's socket threads idle when tp > 1) and what modelpar-bench gives
+# the peer (all its socket threads idle when tp > 1); all: every socket thread idle; normal: none
+MODES = ("policy", "all", "normal")
 
 
 def socket_thread_cpu_s() -> float:
@@ -47,7 +49,7 @@ def socket_thread_cpu_s() -> float:
 
 def rank_ab(cfg, data_path: str, rounds: int) -> dict:
     """One rank: ``rounds`` x (ours and the peer under both modes), in alternating order."""
-    from modelpar.affinity import pinned, set_gloo_threads
+    from modelpar.affinity import gloo_socket_threads, pinned, set_gloo_threads
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
     from modelpar.trainer import Trainer, build_partition, transformer_config
@@ -56,8 +58,12 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
         with pinned(dist.get_rank(), 1, enabled=cfg.trainer.cpu_affinity == "auto"):
             trainer = Trainer(cfg, data_path, None)
             sides = {"ours": lambda: trainer.train_step().loss}
+            policy = {"ours": set(trainer.idle_threads), "peer": set()}
             if peer_name(cfg) is not None:
+                before = set(gloo_socket_threads())
                 peer = Peer(cfg, transformer_config(cfg), build_partition(cfg), trainer.device)
+                if trainer.idle_threads:
+                    policy["peer"] = set(gloo_socket_threads()) - before
                 sampler = WindowSampler(
                     trainer.tokens.num_windows,
                     cfg.data.global_batch,
@@ -77,8 +83,10 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
             socket_cpu = {f"{side}/{mode}": [] for side in sides for mode in MODES}
             for k in range(rounds):
                 for mode in MODES if k % 2 == 0 else MODES[::-1]:
-                    set_gloo_threads(mode)
                     for side, fn in sides.items():
+                        set_gloo_threads("normal")
+                        if mode != "normal":
+                            set_gloo_threads("idle", None if mode == "all" else policy[side])
                         dist.barrier()
                         cpu = socket_thread_cpu_s()
                         start = time.perf_counter()
@@ -113,13 +121,14 @@ def run_layout(base, layout: str, data_path: str, rounds: int) -> dict:
         "median_step_s": median,
         "tokens_per_s": {k: tokens / v for k, v in median.items()},
         "socket_thread_cpu_ms_per_step": socket_ms,
-        "idle_speedup": {
-            side: median[f"{side}/normal"] / median[f"{side}/idle"]
+        "speedup_over_normal": {
+            f"{side}/{mode}": median[f"{side}/normal"] / median[f"{side}/{mode}"]
             for side in ("ours", "peer")
-            if f"{side}/idle" in median
+            for mode in MODES[:2]
+            if f"{side}/{mode}" in median
         },
     }
-    if "peer/idle" in median:
+    if "peer/normal" in median:
         row["ours_over_peer"] = {mode: median[f"peer/{mode}"] / median[f"ours/{mode}"] for mode in MODES}
     return row
 
@@ -127,37 +136,48 @@ def run_layout(base, layout: str, data_path: str, rounds: int) -> dict:
 def markdown(rows: list[dict], rounds: int) -> str:
     lines = [
         "# gloo socket threads at idle vs normal priority (bench-tiny, 2 cores, alternating steps)\n",
-        "| layout | ranks | ours tok/s idle / normal | ours idle speedup | peer | peer tok/s idle / normal "
-        "| peer idle speedup | ours/peer idle | ours/peer normal | socket-thread CPU ms/step, ours idle / normal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | ranks | ours tok/s policy / all idle / normal | ours speedup policy, all idle | peer "
+        "| peer tok/s policy / all idle / normal | peer speedup policy, all idle | ours/peer policy / all / normal "
+        "| socket-thread CPU ms/step, ours policy / all / normal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def three(d: dict, side: str, fmt: str) -> str:
+        return " / ".join(format(d[f"{side}/{m}"], fmt) for m in MODES)
+
     for r in rows:
-        t, s = r["tokens_per_s"], r["socket_thread_cpu_ms_per_step"]
-        peer = r["peer"] or "-"
+        t, s, up = r["tokens_per_s"], r["socket_thread_cpu_ms_per_step"], r["speedup_over_normal"]
         if r["peer"]:
+            o = r["ours_over_peer"]
             peer_cols = (
-                f"{t['peer/idle']:,.0f} / {t['peer/normal']:,.0f} | {r['idle_speedup']['peer']:.2f}x | "
-                f"{r['ours_over_peer']['idle']:.2f}x | {r['ours_over_peer']['normal']:.2f}x"
+                f"{r['peer']} | {three(t, 'peer', ',.0f')} | {up['peer/policy']:.2f}x, {up['peer/all']:.2f}x | "
+                + " / ".join(f"{o[m]:.2f}x" for m in MODES)
             )
         else:
             peer_cols = "- | - | - | -"
         lines.append(
-            f"| {r['layout']} | {r['ranks']} | {t['ours/idle']:,.0f} / {t['ours/normal']:,.0f} | "
-            f"{r['idle_speedup']['ours']:.2f}x | {peer} | {peer_cols} | "
-            f"{s['ours/idle']:.0f} / {s['ours/normal']:.0f} |"
+            f"| {r['layout']} | {r['ranks']} | {three(t, 'ours', ',.0f')} | "
+            f"{up['ours/policy']:.2f}x, {up['ours/all']:.2f}x | {peer_cols} | {three(s, 'ours', '.0f')} |"
         )
     lines.append(
-        f"\nMedian of {rounds} steps per cell; every round runs ours and the peer under both modes in the same "
-        "worker processes (order flipping each round), each step timed between barriers. Socket-thread CPU: "
-        "time on CPU of the `gloo_tcp_loop` threads during one step, median over ranks and steps."
+        f"\nMedian of {rounds} steps per cell; every round runs ours and the peer under all three settings in the same "
+        "worker processes (order flipping each round), each step timed between barriers. policy: the default "
+        "(`trainer.gloo_threads=idle`): our tensor-parallel group's socket threads idle when tp > 1, and the "
+        "peer's socket threads, all of them, idle when tp > 1 (as `modelpar-bench` runs it); all: every socket "
+        "thread idle; normal: none. Socket-thread CPU: time on CPU of the `gloo_tcp_loop` threads during one "
+        "step, median over ranks and steps."
     )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["tp2", "tp2-pp2-1f1b", "pp2-1f1b", "dp2"])
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["tp2", "tp2-pp2-1f1b", "pp2-1f1b", "pp2-vpp2-interleaved", "pp2-gpipe", "pp2-zb-h1", "dp2"],
+    )
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--name", default="bench_gloo_threads")
     args = parser.parse_args()
     from hydra import compose, initialize_config_dir
@@ -177,8 +197,7 @@ def main() -> None:
         row = run_layout(base, layout, str(data_path), args.rounds)
         rows.append(row)
         print(
-            f"{row['layout']}: ours idle {row['idle_speedup']['ours']:.2f}x faster"
-            + (f", peer {row['idle_speedup']['peer']:.2f}x" if "peer" in row["idle_speedup"] else ""),
+            f"{row['layout']}: " + ", ".join(f"{k} {v:.2f}x of normal" for k, v in row["speedup_over_normal"].items()),
             flush=True,
         )
     text = markdown(rows, args.rounds)

@@ -260,9 +260,10 @@ def _timed(fn, device: torch.device, profiler: cProfile.Profile | None = None) -
 
 def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     """One rank's measurements of ours and the peer (see the module docstring for the order of steps), both
-    with this rank bound to its own core when ``trainer.cpu_affinity=auto`` on CPU and both with gloo's socket
-    threads at idle priority when ``trainer.gloo_threads=idle`` (``modelpar.affinity``): the same environment
-    for both engines, so the ratio compares engines, not settings."""
+    with this rank bound to its own core when ``trainer.cpu_affinity=auto`` on CPU. Where our trainer puts its
+    tensor-parallel group's gloo socket threads at idle priority (``trainer.gloo_threads=idle``, layouts with
+    tp > 1), the peer's socket threads go idle too, all of them, as it cannot tell its groups apart (measured
+    1.06-1.12x faster for it so, ``benchmarks/results/bench_gloo_threads.md``)."""
     from modelpar.affinity import pinned, set_gloo_threads
     from modelpar.train import runs_on_cpu
 
@@ -275,7 +276,7 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
 
 
 def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
-    from modelpar.affinity import set_gloo_threads
+    from modelpar.affinity import gloo_socket_threads, set_gloo_threads
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
     from modelpar.pipeline import partition_uniform
@@ -291,7 +292,10 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
         split = build_partition(cfg)
         if opts.peer_partition == "uniform":
             split = partition_uniform(cfg.model.layers, cfg.parallel.pp, cfg.parallel.vpp)
+        before = set(gloo_socket_threads())
         peer = Peer(cfg, transformer_config(cfg), split, device)
+        if trainer.idle_threads:
+            set_gloo_threads("idle", set(gloo_socket_threads()) - before)
         peer_sampler = WindowSampler(
             trainer.tokens.num_windows,
             cfg.data.global_batch,
@@ -299,9 +303,6 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
             trainer.layout.dp,
             cfg.data.seed,
         )
-
-    if trainer.gloo_threads:
-        set_gloo_threads("idle")  # the peer's process groups too
 
     def ours() -> float:
         return trainer.train_step().loss

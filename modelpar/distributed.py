@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from modelpar.affinity import gloo_socket_threads
 from modelpar.layout import ParallelLayout
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -127,6 +128,8 @@ class ParallelGroups:
     pp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     embedding_ranks: tuple[int, ...]
+    # gloo socket threads (modelpar.affinity) this rank's group of each kind brought along; empty on NCCL
+    socket_threads: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     _cache = {}  # layout -> ParallelGroups of this process
 
@@ -163,6 +166,7 @@ class ParallelGroups:
         layout.check_world_size(dist.get_world_size())
         rank = dist.get_rank()
         mine = {}
+        threads = {}
         # new_group is collective over the whole world: every rank creates every group, in the same order.
         for kind, groups in (
             ("tp", layout.all_tp_groups()),
@@ -171,9 +175,11 @@ class ParallelGroups:
             ("embedding", layout.all_embedding_groups()),
         ):
             for ranks in groups:
+                before = set(gloo_socket_threads())
                 group = dist.new_group(ranks, timeout=_timeout)
                 if rank in ranks:
                     mine[kind] = (group, tuple(ranks))
+                    threads[kind] = tuple(sorted(set(gloo_socket_threads()) - before))
         built = cls(
             layout=layout,
             rank=rank,
@@ -185,6 +191,7 @@ class ParallelGroups:
             pp_ranks=mine["pp"][1],
             dp_ranks=mine["dp"][1],
             embedding_ranks=mine["embedding"][1] if "embedding" in mine else (),
+            socket_threads=threads,
         )
         cls._cache[key] = built
         return built

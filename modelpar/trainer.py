@@ -330,9 +330,11 @@ class Trainer:
         if self.faults:
             for chunk in self.model.chunks:
                 chunk.register_forward_pre_hook(self._forward_faults)
-        self.gloo_threads = uses_gloo(self.device) and cfg.trainer.gloo_threads == "idle"
-        if self.gloo_threads:
-            set_gloo_threads("idle")  # every group exists by now (modelpar.affinity)
+        # the tensor-parallel group's gloo socket threads at idle priority (modelpar.affinity): its collectives
+        # are posted and waited for by this thread, so they need no background progress; the pipeline's p2p does
+        idle = uses_gloo(self.device) and cfg.trainer.gloo_threads == "idle" and self.layout.tp > 1
+        self.idle_threads = self.groups.socket_threads.get("tp", ()) if idle else ()
+        set_gloo_threads("idle", self.idle_threads)
         if resume_from:
             self.resume(Path(resume_from))
 
@@ -572,8 +574,7 @@ class Trainer:
             board.close()
         comm.set_collective_observer(None)
         self.flight.close()
-        if self.gloo_threads:
-            set_gloo_threads("normal")
+        set_gloo_threads("normal", self.idle_threads)
 
 
 def uses_gloo(device: torch.device) -> bool:

@@ -107,20 +107,28 @@ def _trainer_gloo_policies(cfg, data_path: str) -> dict:
     from modelpar.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, None)
-    during = {os.sched_getscheduler(tid) for tid in gloo_socket_threads()}
+    tp = set(trainer.groups.socket_threads["tp"])
+    during = {tid: os.sched_getscheduler(tid) for tid in gloo_socket_threads()}
     trainer.fit()
-    return {"during": during, "after": {os.sched_getscheduler(tid) for tid in gloo_socket_threads()}}
+    return {
+        "tp": tp,
+        "pp": set(trainer.groups.socket_threads["pp"]),
+        "during": during,
+        "after": {os.sched_getscheduler(tid) for tid in gloo_socket_threads()},
+    }
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class on this OS")
 @pytest.mark.parametrize("mode", ["idle", "normal"])
-def test_trainer_puts_gloo_socket_threads_idle_for_the_run_only(mode, token_path, tmp_path):  # noqa: F811
+def test_trainer_puts_only_the_tp_groups_socket_threads_idle_for_the_run(mode, token_path, tmp_path):  # noqa: F811
     from dataclasses import replace
 
     from modelpar.testing import run_on_ranks
 
-    cfg = make_config(tmp_path, tp=2)
+    cfg = make_config(tmp_path, tp=2, pp=2)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=1, ckpt_every=0, gloo_threads=mode))
-    for rank in run_on_ranks(2, _trainer_gloo_policies, cfg, token_path):
-        assert rank["during"] == {os.SCHED_IDLE if mode == "idle" else os.SCHED_OTHER}
+    for rank in run_on_ranks(4, _trainer_gloo_policies, cfg, token_path):
+        assert rank["tp"] and rank["pp"] and not rank["tp"] & rank["pp"]  # one socket thread per group
+        idle = {tid for tid, policy in rank["during"].items() if policy == os.SCHED_IDLE}
+        assert idle == (rank["tp"] if mode == "idle" else set())  # the pipeline's p2p threads stay normal
         assert rank["after"] == {os.SCHED_OTHER}
