@@ -49,7 +49,8 @@ def socket_thread_cpu_s() -> float:
 
 def rank_ab(cfg, data_path: str, rounds: int) -> dict:
     """One rank: ``rounds`` x (ours and the peer under both modes), in alternating order."""
-    from modelpar.affinity import gloo_socket_threads, pinned, set_gloo_threads
+    from modelpar.affinity import pinned, set_gloo_threads
+    from modelpar.bench import peer_socket_threads
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
     from modelpar.trainer import Trainer, build_partition, transformer_config
@@ -60,10 +61,9 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
             sides = {"ours": lambda: trainer.train_step().loss}
             policy = {"ours": set(trainer.idle_threads), "peer": set()}
             if peer_name(cfg) is not None:
-                before = set(gloo_socket_threads())
                 peer = Peer(cfg, transformer_config(cfg), build_partition(cfg), trainer.device)
                 if trainer.idle_threads:
-                    policy["peer"] = set(gloo_socket_threads()) - before
+                    policy["peer"] = peer_socket_threads(trainer)
                 sampler = WindowSampler(
                     trainer.tokens.num_windows,
                     cfg.data.global_batch,

@@ -262,8 +262,8 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     """One rank's measurements of ours and the peer (see the module docstring for the order of steps), both
     with this rank bound to its own core when ``trainer.cpu_affinity=auto`` on CPU. Where our trainer puts its
     tensor-parallel group's gloo socket threads at idle priority (``trainer.gloo_threads=idle``, layouts with
-    tp > 1), the peer's socket threads go idle too, all of them, as it cannot tell its groups apart (measured
-    1.06-1.12x faster for it so, ``benchmarks/results/bench_gloo_threads.md``)."""
+    tp > 1), the peer's socket threads go idle too (``peer_socket_threads``: it cannot tell its groups apart),
+    which measured 1.06-1.12x faster for it (``benchmarks/results/bench_gloo_threads.md``)."""
     from modelpar.affinity import pinned, set_gloo_threads
     from modelpar.train import runs_on_cpu
 
@@ -275,8 +275,17 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
         set_gloo_threads("normal")  # the workers are reused by the next layout
 
 
+def peer_socket_threads(trainer) -> set[int]:
+    """The gloo socket threads the peer may use: all but those of our own non-tensor-parallel groups (the
+    peer's device mesh makes its own groups, or reuses the world group when a mesh dimension spans it)."""
+    from modelpar.affinity import gloo_socket_threads
+
+    ours = {tid for kind, tids in trainer.groups.socket_threads.items() if kind != "tp" for tid in tids}
+    return set(gloo_socket_threads()) - ours
+
+
 def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
-    from modelpar.affinity import gloo_socket_threads, set_gloo_threads
+    from modelpar.affinity import set_gloo_threads
     from modelpar.bench_peers import Peer, peer_name
     from modelpar.data import WindowSampler
     from modelpar.pipeline import partition_uniform
@@ -292,10 +301,9 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
         split = build_partition(cfg)
         if opts.peer_partition == "uniform":
             split = partition_uniform(cfg.model.layers, cfg.parallel.pp, cfg.parallel.vpp)
-        before = set(gloo_socket_threads())
         peer = Peer(cfg, transformer_config(cfg), split, device)
         if trainer.idle_threads:
-            set_gloo_threads("idle", set(gloo_socket_threads()) - before)
+            set_gloo_threads("idle", peer_socket_threads(trainer))
         peer_sampler = WindowSampler(
             trainer.tokens.num_windows,
             cfg.data.global_batch,
