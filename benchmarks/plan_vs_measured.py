@@ -143,8 +143,10 @@ def busy_slowdown(reps: int = 8) -> float:
 
 def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
     """On 2 ranks: what one engine all-reduce of ``nbytes`` adds to a loop of ~1 ms matmuls, as in a tp step
-    (no barrier before each one, so the ranks' drift and the thread hand-offs count)."""
+    (no barrier before each one, so the ranks' drift and the thread hand-offs count), bound and with the socket
+    threads idle as the trainer runs its tp group."""
     from modelpar import comm
+    from modelpar.affinity import pinned, set_gloo_threads
 
     torch.set_num_threads(1)
     a, b, x = torch.randn(256, 256), torch.randn(256, 768), torch.zeros(nbytes // 4)
@@ -158,9 +160,15 @@ def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
                 comm.all_reduce(x, None)
         return time.perf_counter() - start
 
-    loop(True)
-    plain = min(loop(False) for _ in range(3))
-    return (min(loop(True) for _ in range(3)) - plain) / reps
+    # as a tp step runs: bound to its core, the group's gloo socket thread idle (trainer.gloo_threads=idle)
+    with pinned(dist.get_rank(), 1):
+        set_gloo_threads("idle")
+        try:
+            loop(True)
+            plain = min(loop(False) for _ in range(3))
+            return (min(loop(True) for _ in range(3)) - plain) / reps
+        finally:
+            set_gloo_threads("normal")
 
 
 def gloo_links(sizes=(4, 65536, 262144, 1 << 20, 4 << 20), rounds: int = 20) -> dict:
