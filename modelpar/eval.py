@@ -38,11 +38,12 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:
     from modelpar.distributed import ParallelGroups
     from modelpar.pipeline import PipelineRuntime, forward_only
-    from modelpar.trainer import build_rank_model, load_model_from_checkpoint, resolve_device
+    from modelpar.trainer import build_rank_model, idle_tp_socket_threads, load_model_from_checkpoint, resolve_device
 
     layout = cfg.parallel.layout()
     groups = ParallelGroups.build(layout)
     device = resolve_device(cfg)
+    idle_tp_socket_threads(cfg, groups, device)  # this process ends with the eval
     model = build_rank_model(cfg, groups, device)
     load_model_from_checkpoint(model.chunks, Path(ckpt), read_index(ckpt, verify=False))
     m = cfg.parallel.microbatches

@@ -330,11 +330,7 @@ class Trainer:
         if self.faults:
             for chunk in self.model.chunks:
                 chunk.register_forward_pre_hook(self._forward_faults)
-        # the tensor-parallel group's gloo socket threads at idle priority (modelpar.affinity): its collectives
-        # are posted and waited for by this thread, so they need no background progress; the pipeline's p2p does
-        idle = uses_gloo(self.device) and cfg.trainer.gloo_threads == "idle" and self.layout.tp > 1
-        self.idle_threads = self.groups.socket_threads.get("tp", ()) if idle else ()
-        set_gloo_threads("idle", self.idle_threads)
+        self.idle_threads = idle_tp_socket_threads(cfg, self.groups, self.device)
         if resume_from:
             self.resume(Path(resume_from))
 
@@ -575,6 +571,16 @@ class Trainer:
         comm.set_collective_observer(None)
         self.flight.close()
         set_gloo_threads("normal", self.idle_threads)
+
+
+def idle_tp_socket_threads(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> tuple[int, ...]:
+    """With ``trainer.gloo_threads=idle`` on a gloo rank with tp > 1, put the tensor-parallel group's socket
+    thread at idle priority (``modelpar.affinity``) and return it. Its collectives are posted and waited for
+    by the compute thread, so they need no background progress; the pipeline's p2p does, so its group stays."""
+    idle = uses_gloo(device) and cfg.trainer.gloo_threads == "idle" and groups.layout.tp > 1
+    threads = groups.socket_threads.get("tp", ()) if idle else ()
+    set_gloo_threads("idle", threads)
+    return threads
 
 
 def uses_gloo(device: torch.device) -> bool:
