@@ -167,6 +167,7 @@ class ParallelGroups:
         rank = dist.get_rank()
         mine = {}
         threads = {}
+        gloo = dist.get_backend() == "gloo"  # each gloo group brings its own socket thread
         # new_group is collective over the whole world: every rank creates every group, in the same order.
         for kind, groups in (
             ("tp", layout.all_tp_groups()),
@@ -175,11 +176,11 @@ class ParallelGroups:
             ("embedding", layout.all_embedding_groups()),
         ):
             for ranks in groups:
-                before = set(gloo_socket_threads())
+                before = set(gloo_socket_threads()) if gloo else set()
                 group = dist.new_group(ranks, timeout=_timeout)
                 if rank in ranks:
                     mine[kind] = (group, tuple(ranks))
-                    threads[kind] = tuple(sorted(set(gloo_socket_threads()) - before))
+                    threads[kind] = tuple(sorted(set(gloo_socket_threads()) - before)) if gloo else ()
         built = cls(
             layout=layout,
             rank=rank,
