@@ -632,7 +632,9 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
         "over ranks x span, measured from the runtime's records / simulated with the measured mean F/B/W / "
         "replayed with every action's measured duration (so stage imbalance included); of ideal: tokens/s over "
         "single-rank tokens/s x ranks x m/(m+p-1); act.: peak bytes of saved activations per pipeline stage; "
-        "comm: bytes per step summed over ranks.\n"
+        "comm: bytes per step summed over ranks. Setting for both engines: CPU ranks bound to cores "
+        f"(trainer.cpu_affinity={cfg.trainer.cpu_affinity}); gloo socket threads trainer.gloo_threads="
+        f"{cfg.trainer.gloo_threads} (idle: our tensor-parallel group's, and all of the peer's, where tp > 1).\n"
     )
     plot_throughput(rows, out_dir / f"{cfg.bench.name}_throughput.png")
     return rows
