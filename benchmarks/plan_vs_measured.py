@@ -38,8 +38,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from modelpar.affinity import priority_restorable
 from modelpar.plan import HARDWARE, CostModel, ModelSpec, Strategy, predict, replicated_elementwise_s
-from modelpar.testing import run_on_ranks
+from modelpar.testing import run_on_ranks, shutdown_pools
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = ["single", "tp2", "pp2-1f1b", "pp2-vpp2-interleaved", "dp2", "tp2-pp2-1f1b"]
@@ -267,6 +268,8 @@ def main() -> None:
     overhead = run_on_ranks(1, layer_overhead)[0]
     links = run_on_ranks(2, gloo_links)[0]
     in_loop = max(run_on_ranks(2, all_reduce_in_loop))
+    if not priority_restorable():
+        shutdown_pools()  # its socket threads stay idle without root or CAP_SYS_NICE: fresh workers for the rest
     slowdown = max(1.0, run_on_ranks(2, busy_slowdown)[0])
     bandwidth, isolated_latency = fit_ring(links["all_reduce_s"])
     # the planner's ring model for 2 ranks, 256 KiB: bytes/bw + 2 * latency; take the latency a tp step sees

@@ -180,6 +180,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--name", default="bench_gloo_threads")
     args = parser.parse_args()
+    from modelpar.affinity import priority_restorable
+
+    if not priority_restorable():
+        raise SystemExit(
+            "transport_threads.py: switching gloo's socket threads back to normal priority needs root or "
+            "CAP_SYS_NICE; rerun with them (e.g. sudo), or compare two modelpar-bench runs with "
+            "trainer.gloo_threads=idle and =normal instead"
+        )
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 

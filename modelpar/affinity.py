@@ -99,7 +99,9 @@ def gloo_socket_threads() -> list[int]:
 def set_gloo_threads(mode: str, threads: Iterable[int] | None = None) -> list[int]:
     """Put gloo socket threads in the idle scheduling class (``idle``) or back to the normal one (``normal``):
     ``threads`` (ids, e.g. ``ParallelGroups.socket_threads["tp"]``), or else every one of this process.
-    Returns the threads changed. Threads of process groups created later start normal."""
+    Returns the threads changed. Threads of process groups created later start normal. Going back to normal
+    needs root or CAP_SYS_NICE (an unprivileged process may lower a thread's class but not raise it again);
+    without them such threads stay idle (``priority_restorable`` tells which case this is)."""
     if mode not in GLOO_THREAD_MODES:
         raise ValueError(f"gloo thread mode {mode!r} is not one of {GLOO_THREAD_MODES}")
     if not hasattr(os, "sched_setscheduler"):
@@ -113,3 +115,31 @@ def set_gloo_threads(mode: str, threads: Iterable[int] | None = None) -> list[in
             continue
         changed.append(tid)
     return changed
+
+
+_RESTORABLE: bool | None = None
+
+
+def priority_restorable() -> bool:
+    """Whether this process may move a thread from the idle class back to normal (tried once on a helper
+    thread that only waits; cached)."""
+    global _RESTORABLE
+    if _RESTORABLE is None:
+        import threading
+
+        if not hasattr(os, "sched_setscheduler"):
+            _RESTORABLE = False
+            return _RESTORABLE
+        release = threading.Event()
+        helper = threading.Thread(target=release.wait, name="modelpar-priority-probe", daemon=True)
+        helper.start()
+        try:
+            os.sched_setscheduler(helper.native_id, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(helper.native_id, os.SCHED_OTHER, os.sched_param(0))
+            _RESTORABLE = True
+        except OSError:
+            _RESTORABLE = False
+        finally:
+            release.set()
+            helper.join()
+    return _RESTORABLE

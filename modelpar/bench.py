@@ -64,7 +64,7 @@ from modelpar.flops import model_shape, training_flops_per_token
 from modelpar.layout import SCHEDULES
 from modelpar.pipeline import Costs, Timeline, build_schedule, simulate
 from modelpar.pipeline.actions import SEND_B, SEND_F
-from modelpar.testing import run_on_ranks
+from modelpar.testing import run_on_ranks, shutdown_pools
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
@@ -264,15 +264,18 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     tensor-parallel group's gloo socket threads at idle priority (``trainer.gloo_threads=idle``, layouts with
     tp > 1), the peer's socket threads go idle too (``peer_socket_threads``: it cannot tell its groups apart),
     which measured 1.06-1.12x faster for it (``benchmarks/results/bench_gloo_threads.md``)."""
-    from modelpar.affinity import pinned, set_gloo_threads
+    from modelpar.affinity import gloo_socket_threads, pinned, set_gloo_threads
     from modelpar.train import runs_on_cpu
 
     pin = cfg.trainer.cpu_affinity == "auto" and dist.get_world_size() > 1 and runs_on_cpu(cfg)
     try:
         with pinned(dist.get_rank(), 1, enabled=pin):
-            return _bench_rank(cfg, data_path)
+            out = _bench_rank(cfg, data_path)
     finally:
         set_gloo_threads("normal")  # the workers are reused by the next layout
+    # without root or CAP_SYS_NICE an idled thread cannot go back to normal: run() then replaces the workers
+    out["gloo_threads_restored"] = not any(os.sched_getscheduler(t) == os.SCHED_IDLE for t in gloo_socket_threads())
+    return out
 
 
 def peer_socket_threads(trainer) -> set[int]:
@@ -677,6 +680,8 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
                 f"modelpar-bench: pass {k + 1}/{opts.passes} {name} ({world} ranks) vs {peer or 'no peer'}", flush=True
             )
             per_rank = run_on_ranks(world, bench_rank, case, train_path, timeout_s=opts.timeout_s)
+            if not all(r["gloo_threads_restored"] for r in per_rank):
+                shutdown_pools()  # gloo socket threads stuck at idle priority must not slow the next layout
             pooled[i] = per_rank if k == 0 else [_pool(a, b) for a, b in zip(pooled[i], per_rank, strict=True)]
             for r in per_rank:
                 if "profile" in r:
