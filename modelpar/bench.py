@@ -431,6 +431,7 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         }
 
     ours, theirs = side("ours"), side("peer")
+    rounds = paired_round_ratios(ours["step_s_all"], theirs["step_s_all"], cfg.bench.steps_per_round) if theirs else []
     pipeline = sorted((r for r in per_rank if r["tp_rank"] == 0 and r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
     timelines = [Timeline(tuple(r["records"][i] for r in pipeline)) for i in range(len(pipeline[0]["records"]))]
     durations = _mean_durations(timelines)
@@ -452,6 +453,7 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         "peer_name": peer,
         "peer": theirs,
         "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None,
+        "ratio_per_round": rounds,  # the spread says how far the ratio above can be trusted on a noisy machine
         "first_loss_rel_diff": abs(ours["first_loss"] - theirs["first_loss"]) / abs(ours["first_loss"])
         if theirs
         else None,
@@ -468,6 +470,18 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
     row["losses_agree"] = row["first_loss_rel_diff"] <= 1e-5 if theirs else None
     row["_timeline"] = timelines[-1]
     return row
+
+
+def paired_round_ratios(ours: list[float], peer: list[float], per_round: int) -> list[float]:
+    """Our speed over the peer's in each round: the median of the peer's ``per_round`` steps over the median
+    of ours. Ours and the peer's steps of one round ran back to back, so a round sees one machine load; the
+    spread over rounds is the noise the ratio of whole-run medians carries."""
+    if len(ours) != len(peer) or per_round < 1 or len(ours) % per_round:
+        raise ValueError(f"{len(ours)} and {len(peer)} steps do not split into rounds of {per_round}")
+    return [
+        statistics.median(peer[i : i + per_round]) / statistics.median(ours[i : i + per_round])
+        for i in range(0, len(ours), per_round)
+    ]
 
 
 def _mean_durations(timelines: list[Timeline]) -> dict[str, float]:
@@ -538,7 +552,7 @@ def table_rows(rows: dict[str, dict]) -> list[list[str]]:
                 f"{ours['tokens_per_s']:,.0f}",
                 row["peer_name"] or "-",
                 f"{peer['tokens_per_s']:,.0f}" if peer else "-",
-                f"{row['ratio']:.2f}x" if row["ratio"] else "-",
+                _ratio_cell(row),
                 f"{ours['tflops_per_rank']:.4f}",
                 f"{ours['mfu']:.1%}" if ours["mfu"] is not None else "-",
                 f"{ours['cpu_share']:.2f}" + (f" / {peer['cpu_share']:.2f}" if peer else ""),
@@ -550,6 +564,14 @@ def table_rows(rows: dict[str, dict]) -> list[list[str]]:
             ]
         )
     return out
+
+
+def _ratio_cell(row: dict) -> str:
+    if not row["ratio"]:
+        return "-"
+    rounds = row.get("ratio_per_round") or []
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{row['ratio']:.2f}x{spread}"
 
 
 def markdown_table(rows: dict[str, dict]) -> str:
@@ -630,7 +652,8 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
     (out_dir / f"{cfg.bench.name}.md").write_text(
         f"# modelpar-bench: {cfg.model.name}, batch {cfg.data.global_batch} x {cfg.data.seq_len}\n\n"
         f"{markdown_table(rows)}\n\n"
-        "ratio: our tokens/s over the peer's, interleaved run by run; CPU share: process CPU seconds over wall "
+        "ratio: our tokens/s over the peer's, interleaved run by run (in brackets the lowest and highest ratio "
+        "of single rounds, ours and the peer's steps back to back); CPU share: process CPU seconds over wall "
         "seconds per rank, ours / peer (1.0 = a whole core; other jobs share the 2 cores); bubble: idle compute "
         "over ranks x span, measured from the runtime's records / simulated with the measured mean F/B/W / "
         "replayed with every action's measured duration (so stage imbalance included); of ideal: tokens/s over "

@@ -244,3 +244,25 @@ def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
     steady = last_stage[:-1]  # the last W leaves nothing in flight
     assert len(set(steady)) == 1, f"live saved bytes grew across micro-batches: {steady}"
     assert last_stage[-1] == 0
+
+
+def test_round_ratios_pair_each_round_of_ours_with_the_peers():
+    from modelpar.bench import paired_round_ratios
+
+    ours = [1.0, 1.2, 2.0, 2.2]  # round 2 ran on a slower machine for both
+    peer = [1.5, 1.7, 2.2, 2.4]
+    assert paired_round_ratios(ours, peer, 2) == pytest.approx([1.6 / 1.1, 2.3 / 2.1])
+    with pytest.raises(ValueError, match="do not split into rounds of 3"):
+        paired_round_ratios(ours, peer, 3)
+
+
+def test_ratio_cell_shows_the_spread_over_rounds(tiny_sweep):
+    from modelpar.bench import _ratio_cell
+
+    assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.4, 1.62, 1.5]}) == "1.50x (1.40-1.62)"
+    assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.5]}) == "1.50x"
+    assert _ratio_cell({"ratio": None}) == "-"
+    saved = json.loads((tiny_sweep / "bench.json").read_text())
+    rounds = saved["bench"]["rounds"] * saved["bench"]["passes"]  # every pass runs its own rounds
+    assert rounds > 1
+    assert all(len(row["ratio_per_round"]) == rounds for row in saved["rows"].values())
