@@ -666,6 +666,28 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
     return rows
 
 
+def check_options(opts: BenchOptions) -> None:
+    """Refuse impossible ``bench.*`` values with one line naming the fix, before any rank starts."""
+    if opts.peer_partition not in ("same", "uniform"):
+        raise ValueError(f"bench.peer_partition={opts.peer_partition!r} must be 'same' or 'uniform'")
+    for name in ("rounds", "steps_per_round", "passes"):
+        value = getattr(opts, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"bench.{name}={value!r} must be a whole number >= 1 (nothing would be timed)")
+    if isinstance(opts.warmup, bool) or not isinstance(opts.warmup, int) or opts.warmup < 1:
+        raise ValueError(
+            f"bench.warmup={opts.warmup!r} must be a whole number >= 1: each side's first step is always untimed"
+        )
+    if not opts.peak_tflops >= 0:
+        raise ValueError(f"bench.peak_tflops={opts.peak_tflops!r} must be > 0 TFLOP/s per rank, or 0 to measure it")
+    if not opts.timeout_s > 0:
+        raise ValueError(f"bench.timeout_s={opts.timeout_s!r} must be > 0 seconds")
+    if isinstance(opts.profile_rank, bool) or not isinstance(opts.profile_rank, int) or opts.profile_rank < -1:
+        raise ValueError(f"bench.profile_rank={opts.profile_rank!r} must be a rank (>= 0), or -1 for no profile")
+    if not opts.name or any(c in opts.name for c in "/\\"):
+        raise ValueError(f"bench.name={opts.name!r} must be a plain file stem, e.g. bench_mine")
+
+
 def run(cfg: BenchRecipe) -> dict[str, dict]:
     """Benchmark every layout of ``cfg.bench.sweep`` (or ``cfg.parallel``); returns all rows of the results."""
     from modelpar.bench_peers import peer_name
@@ -673,8 +695,7 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
     from modelpar.train import resolve_data
 
     opts = cfg.bench
-    if opts.peer_partition not in ("same", "uniform"):
-        raise ValueError(f"bench.peer_partition={opts.peer_partition!r} must be 'same' or 'uniform'")
+    check_options(opts)
 
     def peer_of(case: BenchRecipe) -> str | None:
         name = peer_name(case) if opts.peer else None
@@ -688,6 +709,10 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
         case.trainer.steps = max(case.trainer.steps, 1 + opts.warmup + opts.rounds * opts.steps_per_round)
         validate(case)
         cases.append(case)
+    worlds = [case.parallel.layout().world_size for case in cases]
+    if opts.profile_rank >= max(worlds):
+        most = max(worlds)
+        raise ValueError(f"bench.profile_rank={opts.profile_rank} is not a rank of any layout (at most {most} ranks)")
     train_path, _ = resolve_data(cfg)
     if TokenFile.open(train_path, cfg.model.vocab_size, cfg.data.seq_len).num_windows < cfg.data.global_batch:
         raise DataError(f"{train_path} holds fewer than data.global_batch={cfg.data.global_batch} windows")

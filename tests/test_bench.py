@@ -140,11 +140,29 @@ def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
     assert row["losses_agree"] and row["first_loss_rel_diff"] <= 1e-5
 
 
-def test_unknown_peer_partition_is_refused_before_any_rank_starts(tmp_path):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("bench.peer_partition=even", "bench.peer_partition='even' must be 'same' or 'uniform'"),
+        ("bench.rounds=0", r"bench.rounds=0 must be a whole number >= 1 \(nothing would be timed\)"),
+        ("bench.steps_per_round=0", "bench.steps_per_round=0 must be a whole number >= 1"),
+        ("bench.passes=-1", "bench.passes=-1 must be a whole number >= 1"),
+        ("bench.warmup=0", "bench.warmup=0 must be a whole number >= 1: each side's first step is always untimed"),
+        ("bench.peak_tflops=-1", r"bench.peak_tflops=-1.0 must be > 0 TFLOP/s per rank, or 0 to measure it"),
+        ("bench.timeout_s=0", "bench.timeout_s=0.0 must be > 0 seconds"),
+        ("bench.profile_rank=-2", r"bench.profile_rank=-2 must be a rank \(>= 0\), or -1 for no profile"),
+        ("bench.profile_rank=2", r"bench.profile_rank=2 is not a rank of any layout \(at most 2 ranks\)"),
+        ("bench.name=a/b", "bench.name='a/b' must be a plain file stem"),
+    ],
+)
+def test_bad_bench_options_are_refused_before_any_rank_starts(tmp_path, override, message):
     from modelpar.bench import run
 
-    with pytest.raises(ValueError, match="bench.peer_partition='even' must be 'same' or 'uniform'"):
-        run(_tiny_bench_config(tmp_path, "bench.peer_partition=even"))
+    cfg = _tiny_bench_config(tmp_path, override)
+    cfg.bench.results_dir = str(tmp_path / "results")
+    with pytest.raises(ValueError, match=message):
+        run(cfg)
+    assert not (tmp_path / "results").exists()  # nothing ran, nothing written
 
 
 def test_sweep_writes_every_field_per_layout(tiny_sweep):
