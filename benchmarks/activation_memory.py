@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from modelpar import ParallelLayout
+from modelpar.argtypes import positive_int
 from modelpar.bench import SavedTensorMeter
 from modelpar.model import TransformerConfig, build_chunk
 from modelpar.testing import current_groups, run_on_ranks
@@ -126,8 +127,8 @@ def format_row(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2, help="micro-batch size (bench-tiny: 16 / 8 micro-batches)")
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=positive_int, default=2, help="micro-batch size (bench-tiny: 16 / 8 = 2)")
+    parser.add_argument("--seq", type=positive_int, default=128)
     parser.add_argument("--out", type=Path, default=RESULTS / "activation_memory.json")
     args = parser.parse_args()
     config = replace(BENCH_TINY, max_seq_len=max(args.seq, BENCH_TINY.max_seq_len))

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from modelpar.argtypes import check_layouts, positive_int
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -44,8 +46,9 @@ def bench(layouts: list[str], affinity: str, out: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["tp2-pp2-1f1b", "tp2", "pp2-1f1b"])
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=positive_int, default=3)
     args = parser.parse_args()
+    check_layouts(parser, args.layouts)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.pairs):

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from modelpar.argtypes import positive_float, positive_int
 from modelpar.flops import ModelShape, training_flops_per_token
 from modelpar.model import TransformerConfig, build_model
 
@@ -123,13 +124,13 @@ def train_steps(config: TransformerConfig, args, device: torch.device) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps: exercise every path")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--peak-n", type=int, default=8192)
-    parser.add_argument("--time-limit", type=float, default=240.0, help="stop timing steps after this many seconds")
+    parser.add_argument("--micro-batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=2048)
+    parser.add_argument("--accum", type=positive_int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--warmup", type=positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=15)
+    parser.add_argument("--peak-n", type=positive_int, default=8192)
+    parser.add_argument("--time-limit", type=positive_float, default=240.0, help="stop timing steps after this many s")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.smoke:

@@ -440,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, each path once (works on CPU)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(OP_BUILDERS)}")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.only.split(",") if name and name not in OP_BUILDERS]
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: not a kernel; choose from {', '.join(OP_BUILDERS)}")
 
     if not torch.cuda.is_available() and not args.smoke:
         print(NEEDS_CUDA, file=sys.stderr)

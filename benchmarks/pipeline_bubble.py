@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelpar import ParallelLayout
+from modelpar.argtypes import positive_int
 from modelpar.pipeline import Costs, PipelineRuntime, Timeline, build_schedule, partition_uniform, simulate
 from modelpar.pipeline.gantt import render_text
 from modelpar.testing import current_groups, run_on_ranks
@@ -208,11 +210,14 @@ def format_row(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--m", type=int, default=8, help="micro-batches per step (a multiple of every pp)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pp", type=positive_int, nargs="+", default=[2, 4])
+    parser.add_argument("--m", type=positive_int, default=8, help="micro-batches per step (a multiple of every pp)")
+    parser.add_argument("--steps", type=positive_int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "pipeline_bubble.json")
     args = parser.parse_args()
+    if any(args.m % pp for pp in args.pp):
+        pps = " ".join(map(str, args.pp))
+        parser.error(f"--m {args.m} is not a multiple of every --pp {pps}; e.g. --m {math.lcm(*args.pp) * 2}")
     cfg = BenchConfig()
     load_before = os.getloadavg()[0]
     print("bubble fraction: measured from the runtime's records vs simulated from measured mean durations")

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.affinity import priority_restorable
+from modelpar.argtypes import check_layouts, positive_int
 from modelpar.plan import HARDWARE, CostModel, ModelSpec, Strategy, predict, replicated_elementwise_s
 from modelpar.testing import run_on_ranks, shutdown_pools
 
@@ -257,11 +258,14 @@ def strategy_of(row: dict, global_batch: int) -> Strategy:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=LAYOUTS)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--passes", type=int, default=2, help="sweeps of the layouts, round-robin (load drifts)")
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--passes", type=positive_int, default=2, help="sweeps of the layouts, round-robin")
     parser.add_argument("--from-json", type=Path, help="use the rows of an earlier modelpar-bench run")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_vs_measured.json")
     args = parser.parse_args()
+    check_layouts(parser, args.layouts)
+    if args.from_json and not args.from_json.is_file():
+        parser.error(f"--from-json {args.from_json}: no such file; give the bench.json of a modelpar-bench run")
     load_before = os.getloadavg()[0]
     peak = run_on_ranks(1, matmul_flops)[0]
     memory_bw = run_on_ranks(1, elementwise_bandwidth)[0]

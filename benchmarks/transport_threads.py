@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from modelpar.argtypes import check_layouts, positive_int
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # policy: what the trainer does (its tp group's socket threads idle when tp > 1) and what modelpar-bench gives
 # the peer (all its socket threads idle when tp > 1); all: every socket thread idle; normal: none
@@ -177,9 +179,10 @@ def main() -> None:
         nargs="+",
         default=["tp2", "tp2-pp2-1f1b", "pp2-1f1b", "pp2-vpp2-interleaved", "pp2-gpipe", "pp2-zb-h1", "dp2"],
     )
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=positive_int, default=6)
     parser.add_argument("--name", default="bench_gloo_threads")
     args = parser.parse_args()
+    check_layouts(parser, args.layouts)
     from modelpar.affinity import priority_restorable
 
     if not priority_restorable():

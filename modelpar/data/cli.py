@@ -14,17 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from modelpar.argtypes import positive_int
 from modelpar.data.corpus import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, default_corpus
 from modelpar.data.prepare import PreparedInfo, prepare, tokenizer_for
 from modelpar.data.token_file import DataError, TokenFile, max_token_id, open_tokens
 
 _SAMPLE_TOKENS = 64
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,20 +30,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", type=Path, help="text files, or directories searched for --glob")
     p.add_argument("--output", "-o", type=Path, required=True, help="token file to write (.npy)")
     p.add_argument("--tokenizer", default="byte", help="byte (default), bpe (trained here) or a tokenizer.json")
-    p.add_argument("--vocab-size", type=_positive_int, help="bpe vocabulary size (default 8192)")
-    p.add_argument("--max-bytes", type=_positive_int, help="read at most this many bytes of text")
+    p.add_argument("--vocab-size", type=positive_int, help="bpe vocabulary size (default 8192)")
+    p.add_argument("--max-bytes", type=positive_int, help="read at most this many bytes of text")
     p.add_argument("--glob", default="*.txt", help="file pattern inside directories (default *.txt)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="hold out the last tokens as OUT-val.npy")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
     p = commands.add_parser("inspect", help="describe a token file")
     p.add_argument("file", type=Path)
-    p.add_argument("--seq-len", type=_positive_int, default=1024, help="window length to count windows for")
-    p.add_argument("--vocab-size", type=_positive_int, help="also check the file against this model vocabulary")
+    p.add_argument("--seq-len", type=positive_int, default=1024, help="window length to count windows for")
+    p.add_argument("--vocab-size", type=positive_int, help="also check the file against this model vocabulary")
 
     p = commands.add_parser("corpus", help="build (or find) the default Python-stdlib corpus")
     p.add_argument("--cache-dir", type=Path, default=Path("data/cache"))
-    p.add_argument("--max-bytes", type=_positive_int, default=DEFAULT_CORPUS_BYTES)
+    p.add_argument("--max-bytes", type=positive_int, default=DEFAULT_CORPUS_BYTES)
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
     return parser
 
