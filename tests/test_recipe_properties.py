@@ -1,5 +1,7 @@
 """Property: any recipe and layout is either trained or rejected with one clear line, never a traceback."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -10,6 +12,7 @@ from modelpar.testing import run_on_ranks
 from modelpar.train import USER_ERRORS, check_recipe
 
 VOCAB = 64
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @st.composite
@@ -96,3 +99,56 @@ def test_the_recipe_model_group_is_the_model_shape_plus_a_name():
     shape = {f.name: f.type for f in fields(TransformerConfig)}
     assert recipe.pop("name") == "str"
     assert recipe == shape
+
+
+@pytest.mark.parametrize(
+    "group, field, value, needle",
+    [
+        ("optim", "lr", -1.0, "optim.lr=-1.0 must be >= 0"),
+        ("optim", "lr", float("inf"), "optim.lr=inf must be >= 0, and finite"),
+        ("optim", "min_lr", 1.0, "optim.min_lr=1.0 must be between 0 and optim.lr=0.003"),
+        ("optim", "beta2", 1.0, "optim.beta2=1.0 must be in [0, 1)"),
+        ("optim", "eps", float("nan"), "optim.eps=nan must be > 0"),
+        ("optim", "weight_decay", -0.1, "optim.weight_decay=-0.1 must be >= 0"),
+        ("optim", "bucket_mb", 0.0, "optim.bucket_mb=0.0 must be > 0"),
+        ("model", "norm_eps", 0.0, "model.norm_eps=0.0 must be > 0"),
+        ("model", "rope_theta", -5.0, "model.rope_theta=-5.0 must be > 0"),
+        ("data", "seed", -1, "data.seed=-1 must be in [0, 2**32)"),
+        ("trainer", "seed", 2**32, "trainer.seed=4294967296 must be in [0, 2**32)"),
+        ("trainer", "log_every", 0, "trainer.log_every=0 must be >= 1"),
+        ("trainer", "ckpt_every", -5, "trainer.ckpt_every=-5 must be >= 0 (0: no checkpoints)"),
+        ("trainer", "keep_last", -1, "trainer.keep_last=-1 must be >= 0 (0: keep every checkpoint)"),
+        ("trainer", "straggler_factor", 0.5, "trainer.straggler_factor=0.5 must be > 1"),
+        ("trainer", "spike_factor", 0.9, "trainer.spike_factor=0.9 must be 0 (off) or > 1"),
+        ("trainer", "check_every", -1, "trainer.check_every=-1 must be >= 0 (0: never)"),
+        ("trainer", "threads_per_rank", 0, "trainer.threads_per_rank=0 must be >= 1"),
+    ],
+)
+def test_numbers_outside_their_range_are_named_with_the_range(group, field, value, needle):
+    import dataclasses
+
+    from modelpar.config import RecipeError, validate
+
+    cfg = TrainConfig()
+    setattr(cfg, group, dataclasses.replace(getattr(cfg, group), **{field: value}))
+    with pytest.raises(RecipeError) as caught:
+        validate(cfg)
+    assert str(caught.value) == needle or str(caught.value).startswith(needle)
+    assert "\n" not in str(caught.value)
+    validate(TrainConfig())  # the defaults pass
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("*.yaml")))
+def test_every_shipped_recipe_composes_and_validates(name):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.bench import register_bench_schema
+    from modelpar.config import register_schema, validate
+
+    register_schema()
+    register_bench_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name=name, overrides=["trainer.out_dir=unused"]))
+    layout = validate(cfg)
+    assert layout.world_size >= 1

@@ -51,6 +51,8 @@ def tokens(tmp_path_factory):
             "parallel.stage_layers=[2.25, 1.75] must list pp*vpp=2 whole or half (e.g. 4.5) counts",
         ),
         (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=256"),
+        (["optim.lr=-1"], "optim.lr=-1.0 must be >= 0"),
+        (["trainer.log_every=0"], "trainer.log_every=0 must be >= 1"),
         (["data.path=/nonexistent/tokens.npy"], "/nonexistent/tokens.npy"),
         (["trainer.resume=/nonexistent/ckpt"], "/nonexistent/ckpt is not a checkpoint directory"),
     ],
