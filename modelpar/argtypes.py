@@ -26,6 +26,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
 def check_layouts(parser: argparse.ArgumentParser, specs: list[str]) -> None:
     """Every ``--layouts`` entry reads as a ``modelpar-bench`` layout spec (e.g. ``tp2-pp2-1f1b``), or the
     parser exits with one line naming the entry and the accepted words."""

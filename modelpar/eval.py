@@ -32,6 +32,8 @@ from modelpar.train import RECIPES, USER_ERRORS, runs_on_cpu
 
 def eval_config(cfg: TrainConfig) -> TrainConfig:
     """The recipe with the eval windows as its one global batch (checked like a training recipe)."""
+    if cfg.eval.windows < 1:
+        raise RecipeError(f"eval.windows={cfg.eval.windows} must be >= 1")
     return replace(cfg, data=replace(cfg.data, global_batch=cfg.eval.windows))
 
 

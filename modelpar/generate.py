@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from modelpar.argtypes import non_negative_float, positive_int
 from modelpar.checkpoint import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
 from modelpar.model import ModelChunk, TransformerConfig, build_model
 
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="modelpar-generate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--tokens", type=positive_int, default=64)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json written by modelpar-data")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Benchmark scripts refuse bad arguments in one line, before any rank starts or any file is written."""
+"""Command-line tools and benchmark scripts refuse bad arguments in one line, before any work starts."""
 
 import argparse
 import pathlib
@@ -57,3 +57,29 @@ def test_benchmark_scripts_refuse_bad_arguments_in_one_line(tmp_path, script, ar
     assert last.startswith(f"{script}: error: ") and message in last, done.stderr
     assert "Traceback" not in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tokens", "0"], "argument --tokens: '0' is not a positive integer"),
+        (["--temperature", "-1"], "argument --temperature: '-1' is not a number >= 0"),
+    ],
+)
+def test_generate_refuses_bad_numbers_before_loading_anything(args, message, capsys):
+    from modelpar.generate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["/nonexistent/checkpoint", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_refuses_zero_windows_in_one_line():
+    from modelpar.config import RecipeError, TrainConfig
+    from modelpar.eval import eval_config
+
+    cfg = TrainConfig()
+    cfg.eval.windows = 0
+    with pytest.raises(RecipeError, match=r"^eval.windows=0 must be >= 1$"):
+        eval_config(cfg)
