@@ -380,6 +380,11 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
+        # the partial sums of a row-parallel matmul or a vocab-parallel lookup: a fresh tensor nothing else reads,
+        # so it is summed in place (autograd is told; it would refuse backward if another op had saved it)
+        if x.is_contiguous() and not x.is_leaf:
+            ctx.mark_dirty(x)
+            return all_reduce(x, tp.group)
         return all_reduce(x.clone(memory_format=torch.contiguous_format), tp.group)
 
     @staticmethod
