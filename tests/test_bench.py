@@ -284,3 +284,78 @@ def test_ratio_cell_shows_the_spread_over_rounds(tiny_sweep):
     rounds = saved["bench"]["rounds"] * saved["bench"]["passes"]  # every pass runs its own rounds
     assert rounds > 1
     assert all(len(row["ratio_per_round"]) == rounds for row in saved["rows"].values())
+
+
+def _tp_breakdown_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tp_breakdown
+
+    return tp_breakdown
+
+
+def _skipped_sums() -> dict:
+    from modelpar import comm
+    from modelpar.testing import current_groups
+
+    groups = current_groups()
+    mine = torch.full((4,), float(torch.distributed.get_rank() + 1))
+    undo = _tp_breakdown_module().skip_tp_collectives(groups.tp_group)
+    try:
+        skipped_tp = comm.all_reduce(mine.clone(), groups.tp_group)
+        skipped_async = mine.clone()
+        comm.all_reduce_async(skipped_async, groups.tp_group).wait()
+        other = comm.all_reduce(mine.clone(), groups.dp_group)
+    finally:
+        undo()
+    real_tp = comm.all_reduce(mine.clone(), groups.tp_group)
+    return {"skipped_tp": skipped_tp[0].item(), "skipped_async": skipped_async[0].item(), "dp": other[0].item()} | {
+        "real_tp": real_tp[0].item()
+    }
+
+
+def test_tp_breakdown_skips_only_the_tp_groups_collectives_and_undoes_it():
+    from modelpar import ParallelLayout
+    from modelpar.testing import run_on_ranks
+
+    out = run_on_ranks(4, _skipped_sums, layout=ParallelLayout(tp=2, dp=2))
+    for rank, got in enumerate(out):  # tp pairs (0, 1) and (2, 3); dp pairs (0, 2) and (1, 3); values rank + 1
+        tp_sum = sum(r + 1 for r in range(4) if r // 2 == rank // 2)
+        dp_sum = sum(r + 1 for r in range(4) if r % 2 == rank % 2)
+        assert got == {"skipped_tp": rank + 1, "skipped_async": rank + 1, "dp": dp_sum, "real_tp": tp_sum}
+
+
+def test_tp_breakdown_script_times_both_modes_per_layout(tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16))
+    sets = ["model=tiny", "data.seq_len=16", "data.global_batch=8", "parallel.microbatches=4", f"data.path={tokens}"]
+    sets.append(f"trainer.out_dir={tmp_path / 'run'}")
+    args = ["--layouts", "single", "tp2-sp", "--rounds", "2", "--steps", "1", "--results-dir", str(tmp_path)]
+    _tp_breakdown_module().main(args + [a for s in sets for a in ("--set", s)])
+    rows = {r["layout"]: r for r in json.loads((tmp_path / "tp_breakdown.json").read_text())["rows"]}
+    assert set(rows) == {"single-m4", "tp2-sp-m4"}
+    assert "timing_only" not in rows["single-m4"] and rows["single-m4"]["trained"]["step_s"] > 0
+    tp = rows["tp2-sp-m4"]
+    assert tp["trained"]["step_s"] > 0 and tp["timing_only"]["step_s"] > 0
+    assert tp["tp_comm_and_wait_s"] == pytest.approx(tp["trained"]["step_s"] - tp["timing_only"]["step_s"])
+    assert tp["compute_scaling"] == pytest.approx(
+        tp["timing_only"]["step_s"] * 2 / rows["single-m4"]["trained"]["step_s"]
+    )
+    assert "| tp2-sp-m4 | 2 |" in (tmp_path / "tp_breakdown.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "model=nope"], "--set: In 'bench': Could not find 'model/nope'"),
+        (["--set", "trainer.log_every=0"], "trainer.log_every=0 must be >= 1"),
+        (["--set", "data.path=/no/such/tokens.npy"], "token file /no/such/tokens.npy does not exist"),
+        (["--layouts", "tp3"], "tp=3 does not divide heads=8"),
+        (["--rounds", "0"], "argument --rounds: '0' is not a positive integer"),
+    ],
+)
+def test_tp_breakdown_refuses_bad_input_in_one_line_before_any_rank(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        _tp_breakdown_module().main([*argv, "--results-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tp_breakdown.py: error: ") and message in err
+    assert not list(tmp_path.iterdir())
