@@ -43,10 +43,10 @@ PEER_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # schedules torch.distributed
 
 
 def peer_name(cfg: TrainConfig) -> str | None:
-    """What the peer of this layout is, or None when there is none (zb-h1, sp, dp mixed with tp/pp, or an
-    embedding tied across pipeline stages or tp ranks, which the peer does not synchronise)."""
+    """What the peer of this layout is, or None when there is none (zb-h1, sp, dp mixed with tp/pp, activation
+    recompute, or an embedding tied across pipeline stages or tp ranks, which the peer does not synchronise)."""
     p = cfg.parallel
-    if cfg.model.tie_embeddings and (p.pp > 1 or p.tp > 1):
+    if cfg.model.tie_embeddings and (p.pp > 1 or p.tp > 1) or p.recompute != "none":
         return None
     parts = []
     if p.pp > 1:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from modelpar.affinity import AFFINITY_MODES, GLOO_THREAD_MODES
 from modelpar.comm import COLLECTIVE_ALGORITHMS
 from modelpar.layout import SCHEDULES, LayoutError, ParallelLayout
+from modelpar.model import RECOMPUTE
 
 
 class RecipeError(ValueError):
@@ -53,6 +54,7 @@ class ParallelConfig:
     partition: str = "flops"
     stage_layers: list[float] = field(default_factory=list)  # layers per chunk (4 or 4.5) when partition=explicit
     collectives: str = "auto"  # auto | native | exchange (modelpar.comm.set_collective_algorithm)
+    recompute: str = "none"  # none | full: keep only each block's input and rerun its forward in backward
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp)
@@ -184,6 +186,8 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(
             f"parallel.collectives={p.collectives!r} is unknown; choose one of {', '.join(COLLECTIVE_ALGORITHMS)}"
         )
+    if p.recompute not in RECOMPUTE:
+        raise RecipeError(f"parallel.recompute={p.recompute!r} must be one of {', '.join(RECOMPUTE)}")
     if p.partition not in PARTITIONS:
         raise RecipeError(f"parallel.partition={p.partition!r} must be one of {', '.join(PARTITIONS)}")
     if p.partition == "explicit" and (

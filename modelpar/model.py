@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from modelpar_kernels import BACKENDS, resolve_backend
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from modelpar.comm import TensorParallelGroup, all_reduce, comm_tag
 from modelpar.init import init_logical
@@ -74,6 +75,8 @@ class TransformerConfig:
 
 
 BLOCK_HALVES = ("attention", "mlp")
+# none: keep what every op saves for backward; full: keep each block's input only and rerun the block in backward
+RECOMPUTE = ("none", "full")
 
 
 class Block(nn.Module):
@@ -129,6 +132,13 @@ class Block(nn.Module):
 Fetch = Callable[[str, ShardInfo], torch.Tensor]
 
 
+def _run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block under the "layer" communication tag, so that its collectives count as the layer's when a
+    recompute reruns it inside backward too."""
+    with comm_tag("layer"):
+        return block(x)
+
+
 class ModelChunk(nn.Module):
     """Blocks ``layer_ids`` of the model, plus the embedding if ``first`` and the final norm and head if ``last``.
 
@@ -154,11 +164,15 @@ class ModelChunk(nn.Module):
         last: bool,
         split_blocks: Mapping[int, str] | None = None,
         sequence_parallel: bool = False,
+        recompute: str = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
         self.config, self.tp, self.first, self.last = config, tp, first, last
+        self.recompute = recompute
         self.layer_ids = ids = tuple(layer_ids)
         if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
             raise ValueError(f"layer_ids={ids} must be ascending ids in 0..{config.layers - 1}")
@@ -197,7 +211,12 @@ class ModelChunk(nn.Module):
                 x = self.embed_tokens(x)
         with comm_tag("layer"):
             for block in self.layers.values():
-                x = block(x)
+                if self.recompute == "full" and torch.is_grad_enabled():
+                    # keep the block's input only; backward reruns its forward (collectives included, in the
+                    # same order on every tp rank) to get what its own backward needs
+                    x = checkpoint(_run_block, block, x, use_reentrant=False)
+                else:
+                    x = block(x)
         if self.lm_head is not None:
             with comm_tag("head"):
                 x = self.lm_head(self.norm(x))
@@ -317,6 +336,7 @@ def build_chunk(
     seed: int,
     split_blocks: Mapping[int, str] | None = None,
     sequence_parallel: bool = False,
+    recompute: str = "none",
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> ModelChunk:
@@ -333,6 +353,7 @@ def build_chunk(
         last=last,
         split_blocks=split_blocks,
         sequence_parallel=sequence_parallel,
+        recompute=recompute,
         device=device,
         dtype=dtype,
     )
@@ -346,6 +367,7 @@ def build_model(
     *,
     seed: int,
     sequence_parallel: bool = False,
+    recompute: str = "none",
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> ModelChunk:
@@ -358,6 +380,7 @@ def build_model(
         last=True,
         seed=seed,
         sequence_parallel=sequence_parallel,
+        recompute=recompute,
         device=device,
         dtype=dtype,
     )

@@ -117,6 +117,7 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
             split_blocks=partition.split_blocks(c),
             seed=cfg.trainer.seed,
             sequence_parallel=cfg.parallel.sp,
+            recompute=cfg.parallel.recompute,
             device=device,
         )
         for c in partition.chunks_of(groups.pp_rank)

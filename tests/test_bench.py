@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
         ("tp2-sp", dict(tp=2, sp=True)),
         ("tp2-native", dict(tp=2, collectives="native")),
         ("pp2-blocks", dict(pp=2, partition="blocks")),
+        ("single-rc", dict(tp=1, pp=1, recompute="full")),
+        ("tp2-pp2-rc", dict(tp=2, pp=2, recompute="full")),
+        ("tp2", dict(tp=2, recompute="none")),
     ],
 )
 def test_layout_specs_set_the_parallel_config(spec, want):
@@ -48,6 +51,8 @@ def test_layout_name_reads_back_as_the_same_layout():
         "tp2-native",
         "pp2-uniform",
         "pp2-params",
+        "single-rc",
+        "tp2-pp2-zb-h1-m4-rc",
     ):
         parallel = parse_layout(spec, ParallelConfig(microbatches=8))
         assert parse_layout(layout_name(parallel), ParallelConfig(microbatches=8)) == parallel
@@ -359,3 +364,17 @@ def test_tp_breakdown_refuses_bad_input_in_one_line_before_any_rank(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tp_breakdown.py: error: ") and message in err
     assert not list(tmp_path.iterdir())
+
+
+def test_recompute_row_holds_less_activation_memory_and_has_no_peer(tmp_path):
+    from modelpar.bench import run
+
+    rows = run(_tiny_bench_config(tmp_path, "bench.sweep=[pp2-1f1b,pp2-1f1b-rc]"))
+    plain, rc = rows["pp2-1f1b-m4"], rows["pp2-1f1b-m4-rc"]
+    assert rc["peer_name"] is None and rc["peer"] is None  # the peers have no recompute to compare with
+    assert plain["peer"] is not None
+    for held, held_rc in zip(
+        plain["activation_peak_bytes_per_stage"], rc["activation_peak_bytes_per_stage"], strict=True
+    ):
+        assert 0 < held_rc < held / 2
+    assert rc["comm_bytes_per_step"]["p2p_send"] == plain["comm_bytes_per_step"]["p2p_send"]

@@ -80,8 +80,8 @@ def test_region_ops_are_free_identities_on_a_single_device():
     assert log.events == []
 
 
-def _model_comm(config, sp):
-    model = build_model(config, current_groups(), seed=SEED, sequence_parallel=sp)
+def _model_comm(config, sp, recompute="none"):
+    model = build_model(config, current_groups(), seed=SEED, sequence_parallel=sp, recompute=recompute)
     ids, targets = batch(config)
     with record_comm() as forward:
         logits = model(ids)
@@ -205,3 +205,19 @@ def test_collective_algorithms_compute_the_same_collectives(algorithm, tp):
 def test_unknown_collective_algorithm_is_refused():
     with pytest.raises(ValueError, match="not one of"):
         comm.set_collective_algorithm("tree")
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_full_recompute_reruns_each_layers_forward_collectives_inside_backward(sp):
+    config = CONFIGS["mha-untied"]
+    L, bsh = config.layers, BATCH * SEQ * config.hidden
+    plain, full = (run_on_ranks(4, _model_comm, config, sp, rc, layout=layout_for(2))[0] for rc in ("none", "full"))
+    assert _count(full[0]) == _count(plain[0])  # forward: the same
+    # backward reruns each block's forward up to the last tensor its backward needs (torch's checkpoint stops
+    # there): every collective of the block but the MLP's output reduction, the block's last op
+    rerun = (
+        {("layer", "all_gather", bsh): 2 * L, ("layer", "reduce_scatter", bsh): L}
+        if sp
+        else {("layer", "all_reduce", bsh): L}
+    )
+    assert _count(full[2]) == _count(plain[2]) + Counter(rerun)

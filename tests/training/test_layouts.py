@@ -82,6 +82,21 @@ LAYOUTS = [
     dict(tp=2, pp=2, partition="explicit", stage_layers=[2.5, 1.5]),  # a cut between attention and MLP
     dict(pp=2, vpp=2, schedule="interleaved", microbatches=2, partition="explicit", stage_layers=[0.5, 1.5, 1.5, 0.5]),
     dict(tp=2, collectives="native"),  # gloo's own ring instead of the exchange
+    # full recompute: each block's forward (its tp collectives included) reruns inside backward
+    dict(recompute="full"),
+    dict(tp=2, pp=2, recompute="full"),
+    dict(tp=2, sp=True, recompute="full"),
+    dict(pp=2, schedule="zb-h1", microbatches=4, recompute="full"),  # B and W each rerun the forward
+    dict(
+        pp=2,
+        vpp=2,
+        schedule="interleaved",
+        microbatches=2,
+        partition="explicit",
+        stage_layers=[0.5, 1.5, 1.5, 0.5],
+        recompute="full",
+    ),
+    dict(dp=2, pp=2, zero_=1, schedule="gpipe", recompute="full"),
 ]
 
 
