@@ -66,6 +66,9 @@ from modelpar.layout import LayoutError, ParallelLayout
 
 GIB = 2**30
 RECOMPUTE_MODES = ("none", "selective", "full")
+# what modelpar-train runs (parallel.recompute); selective (Megatron's: recompute the attention core) is modelled
+# for comparison with published runs only: modelpar's attention keeps no s x s scores to drop
+TRAINER_RECOMPUTE = ("none", "full")
 MODEL_PRESET_DIR = pathlib.Path(__file__).resolve().parents[1] / "recipes" / "model"
 
 
@@ -698,7 +701,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp", type=int, help="pin data parallelism")
     ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
     ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
-    ap.add_argument("--recompute", default=",".join(RECOMPUTE_MODES), help="comma-separated modes to try")
+    ap.add_argument(
+        "--recompute",
+        default=",".join(TRAINER_RECOMPUTE),
+        help="comma-separated modes to try: none, full (what modelpar-train runs), selective (Megatron's, modelled)",
+    )
     ap.add_argument("--top", type=int, default=10, help="rows to print")
     ap.add_argument("--json", type=pathlib.Path, help="write every fitting layout here")
     return ap
@@ -747,6 +754,33 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     tie = spec.tie_embeddings if args.tie_embeddings is None else args.tie_embeddings
     name = spec.name if shape == spec.shape else f"{spec.name} (custom shape)"
     return ModelSpec(name, shape, tie, args.flash_attention)
+
+
+def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
+    """The ``modelpar-train`` overrides that run ``strategy`` (model and hardware aside), or None where the trainer
+    cannot (selective recompute)."""
+    if strategy.recompute not in TRAINER_RECOMPUTE:
+        return None
+    layout = strategy.layout
+    out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.dp={layout.dp}"]
+    if layout.vpp > 1:
+        out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
+    out.append(f"parallel.microbatches={strategy.micro_batches}")
+    out += ["parallel.sp=true"] * strategy.sp
+    out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
+    out += ["optim.zero=1"] * strategy.zero1
+    return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """``model=<preset>`` and the shape flags given, as ``modelpar-train`` overrides."""
+    out = [f"model={args.model}"]
+    for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"):
+        if getattr(args, key) is not None:
+            out.append(f"model.{key}={getattr(args, key)}")
+    if args.tie_embeddings is not None:
+        out.append(f"model.tie_embeddings={str(args.tie_embeddings).lower()}")
+    return out
 
 
 def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
@@ -802,6 +836,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for line in format_table(planned, args.top):
         print(line)
+    best = trainer_overrides(planned[0].strategy, args.seq_len)
+    if best is None:
+        print("#1 uses selective recompute, which modelpar-train does not run (it has parallel.recompute=none|full)")
+    else:
+        print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
     if args.json:
         record = {
             "model": {
@@ -815,7 +854,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gpus": args.gpus,
             "global_batch": args.global_batch,
             "seq_len": args.seq_len,
-            "layouts": [entry.as_dict() for entry in planned],
+            "layouts": [
+                entry.as_dict() | {"trainer_overrides": trainer_overrides(entry.strategy, args.seq_len)}
+                for entry in planned
+            ],
         }
         args.json.write_text(json.dumps(record, indent=1))
     return 0

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pathlib
 import statistics
 
 import pytest
@@ -23,6 +24,8 @@ from modelpar.plan import (
     stage_memory,
 )
 from modelpar.published import GPT3_175B, SEQ_LEN, TABLE_1, VOCAB, predicted_tflops
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 A100 = HARDWARE["a100-80gb"]
 LLAMA_8B = load_model("llama-8b")
@@ -272,7 +275,8 @@ def test_cli_prints_a_ranked_table_and_writes_json(tmp_path, capsys):
     assert main([*argv, "--json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "layouts fit" in lines[0] and "tokens/s" in lines[1]
-    assert [line.split()[0] for line in lines[3:]] == ["1", "2", "3"]
+    assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
+    assert lines[6].startswith("run #1: modelpar-train model=llama-8b parallel.tp=") and len(lines) == 7
     record = json.loads(out.read_text())
     first = record["layouts"][0]
     assert first["tp"] * first["pp"] * first["dp"] == 16
@@ -333,3 +337,32 @@ def test_plan_vs_published_script_reports_each_row_with_its_residual():
     assert row["planner_choice_step_s"] <= row["published_layout_step_s"]  # its choice is never predicted slower
     table = script.markdown([row])
     assert "| 1.7B (Table 1) | 32 | 512 | 1 x 1 | 137 |" in table
+
+
+def test_cli_names_the_trainer_overrides_that_run_the_best_layout_and_they_validate(tmp_path, capsys):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.config import register_schema, validate
+
+    register_schema()
+    out = tmp_path / "plan.json"
+    argv = ["--model", "tiny", "--gpus", "4", "--global-batch", "16", "--seq-len", "64", "--hardware", "cpu"]
+    assert main([*argv, "--recompute", "full", "--layers", "8", "--json", str(out)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("run #1: modelpar-train ")
+    overrides = line.removeprefix("run #1: modelpar-train ").split()
+    assert overrides[:2] == ["model=tiny", "model.layers=8"] and "parallel.recompute=full" in overrides
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=[*overrides, f"trainer.out_dir={tmp_path}"]))
+    layout = validate(cfg)
+    best = json.loads(out.read_text())["layouts"][0]
+    assert (layout.tp, layout.pp, layout.dp, layout.vpp) == (best["tp"], best["pp"], best["dp"], best["vpp"])
+    assert cfg.parallel.microbatches == best["micro_batches"] and cfg.data.global_batch == 16
+    assert best["trainer_overrides"] == overrides[2:]
+
+
+def test_cli_says_when_the_best_layout_needs_recompute_the_trainer_lacks(capsys):
+    argv = ["--model", "llama-70b", "--gpus", "256", "--global-batch", "512", "--seq-len", "4096"]
+    assert main([*argv, "--hardware", "h100-80gb", "--recompute", "selective", "--top", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("#1 uses selective recompute, which modelpar-train")
