@@ -86,7 +86,7 @@ LAYOUTS = [
     dict(recompute="full"),
     dict(tp=2, pp=2, recompute="full"),
     dict(tp=2, sp=True, recompute="full"),
-    dict(pp=2, schedule="zb-h1", microbatches=4, recompute="full"),  # B and W each rerun the forward
+    dict(tp=2, pp=2, schedule="zb-h1", microbatches=4, recompute="full"),  # B reruns the forward, W reuses it
     dict(
         pp=2,
         vpp=2,
