@@ -218,7 +218,7 @@ def fit_ring(all_reduce_s: dict[int, float], ranks: int = 2) -> tuple[float, flo
     return 1.0 / inv_bw, max(latency, 0.0)
 
 
-def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path) -> dict[str, dict]:
+def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path, name: str) -> dict[str, dict]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -231,7 +231,7 @@ def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path) 
         f"bench.passes={passes}",
         "bench.steps_per_round=2",
         f"bench.results_dir={results_dir}",
-        "bench.name=plan_vs_measured_steps",
+        f"bench.name={name}",
         "trainer.out_dir=runs/bench",
     ]
     with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
@@ -248,11 +248,15 @@ def model_spec(report: dict) -> ModelSpec:
 
 
 def strategy_of(row: dict, global_batch: int) -> Strategy:
+    from modelpar.bench import parse_layout
+    from modelpar.config import ParallelConfig
     from modelpar.layout import ParallelLayout
 
     layout = ParallelLayout(tp=row["tp"], pp=row["pp"], dp=row["dp"], vpp=row["vpp"])
     m = row["micro_batches"]
-    return Strategy(layout, global_batch // row["dp"] // m, m, sp=row["sp"])
+    # rows written before the field existed: the layout's canonical name carries it ("-rc")
+    recompute = row.get("recompute") or parse_layout(row["layout"], ParallelConfig()).recompute
+    return Strategy(layout, global_batch // row["dp"] // m, m, recompute=recompute, sp=row["sp"])
 
 
 def main() -> None:
@@ -290,8 +294,9 @@ def main() -> None:
         report = json.loads(args.from_json.read_text())
         rows = {name: report["rows"][name] for name in args.layouts if name in report["rows"]}
     else:
-        rows = bench_rows(args.layouts, args.rounds, args.passes, args.out.parent)
-        report = json.loads((args.out.parent / "plan_vs_measured_steps.json").read_text())
+        steps = f"{args.out.stem}_steps"  # the bench run behind it, beside it
+        rows = bench_rows(args.layouts, args.rounds, args.passes, args.out.parent, steps)
+        report = json.loads((args.out.parent / f"{steps}.json").read_text())
     hardware = dataclasses.replace(
         HARDWARE["cpu"],
         peak_flops=peak,

@@ -449,6 +449,7 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         "dp": p.dp,
         "vpp": p.vpp,
         "sp": p.sp,
+        "recompute": p.recompute,
         "schedule": p.schedule if p.pp > 1 else "none",
         "micro_batches": p.microbatches,
         "world_size": layout.world_size,
