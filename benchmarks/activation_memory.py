@@ -3,8 +3,8 @@
     python benchmarks/activation_memory.py                  # bench-tiny's layer, b=2, s=128; tp 1 and 2, sp off/on
     python benchmarks/activation_memory.py --batch 1 --seq 256
 
-One block of ``modelpar.model`` (a ``ModelChunk`` holding one layer, nothing else) runs forward on emulated
-ranks (gloo, one thread each) with ``modelpar.bench.SavedTensorMeter`` on: the bytes of every tensor autograd
+One block of ``modelpar.model.transformer`` (a ``ModelChunk`` holding one layer, nothing else) runs forward on emulated
+ranks (gloo, one thread each) with ``modelpar.perf.bench.SavedTensorMeter`` on: the bytes of every tensor autograd
 keeps for backward, once per storage, parameters excluded, which is exactly what stays alive per layer and
 micro-batch until its backward. Beside it, the paper's per-layer formula for 16-bit activations (table 2)::
 
@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from modelpar import ParallelLayout
-from modelpar.argtypes import positive_int
-from modelpar.bench import SavedTensorMeter
-from modelpar.model import TransformerConfig, build_chunk
+from modelpar.cli.args import positive_int
+from modelpar.model.transformer import TransformerConfig, build_chunk
+from modelpar.perf.bench import SavedTensorMeter
 from modelpar.testing import current_groups, run_on_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from modelpar.argtypes import check_layouts, positive_int
+from modelpar.cli.args import check_layouts, positive_int
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -29,7 +29,7 @@ def bench(layouts: list[str], affinity: str, out: Path) -> dict[str, float]:
         [
             sys.executable,
             "-m",
-            "modelpar.bench",
+            "modelpar.perf.bench",
             f"bench.sweep=[{','.join(layouts)}]",
             "bench.peer=false",
             f"trainer.cpu_affinity={affinity}",

@@ -6,7 +6,7 @@
 
 1. Peak: the median TFLOP/s of a large square bf16 matmul (``--peak-n``, 8192 by default), timed with CUDA
    events after a warm-up; the nominal dense peak of the card (989 TFLOP/s for H100/H200 SXM) is printed beside.
-2. The model: ``recipes/model/llama-1b.yaml`` built by ``modelpar.model.build_model`` on one device
+2. The model: ``recipes/model/llama-1b.yaml`` built by ``modelpar.model.transformer.build_model`` on one device
    (``kernels=auto``: the Triton kernels on CUDA), fp32 parameters and AdamW state (master weights) with the
    forward and backward under ``torch.autocast(bfloat16)``; this is what a single-device step of the trainer
    computes, in a plain loop (``Trainer`` needs a process group and a token file). If the Triton kernels fail
@@ -14,7 +14,7 @@
 3. ``--warmup`` untimed steps (Triton compiles here), then ``--steps`` timed ones; each step is ``--accum``
    micro-batches of ``--micro-batch x --seq`` random tokens, forward + backward, grad clipping, fused AdamW.
 
-MFU = model FLOPs per step (``modelpar.flops.training_flops_per_token``: 6 N + 12 L h s per token, no
+MFU = model FLOPs per step (``modelpar.model.flops.training_flops_per_token``: 6 N + 12 L h s per token, no
 recompute) / median step time / measured peak. Prints a table and writes ``benchmarks/results/
 gpu_llama1b_mfu.json`` (``--out``). Budget: the whole run stays well under 8 minutes on an H200; the
 script stops timing early if ``--time-limit`` seconds pass.
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from modelpar.argtypes import positive_float, positive_int
-from modelpar.flops import ModelShape, training_flops_per_token
-from modelpar.model import TransformerConfig, build_model
+from modelpar.cli.args import positive_float, positive_int
+from modelpar.model.flops import ModelShape, training_flops_per_token
+from modelpar.model.transformer import TransformerConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

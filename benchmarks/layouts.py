@@ -3,10 +3,10 @@
     python benchmarks/layouts.py                                   # recipes/bench.yaml's sweep, a few minutes
     python benchmarks/layouts.py 'bench.sweep=[single,tp2,pp2-1f1b,tp2-pp2-1f1b]' bench.rounds=6
 
-See ``modelpar.bench`` for what is measured; results land in ``benchmarks/results/bench.*``.
+See ``modelpar.perf.bench`` for what is measured; results land in ``benchmarks/results/bench.*``.
 """
 
-from modelpar.bench import main
+from modelpar.perf.bench import main
 
 if __name__ == "__main__":
     main()

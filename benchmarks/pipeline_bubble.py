@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelpar import ParallelLayout
-from modelpar.argtypes import positive_int
+from modelpar.cli.args import positive_int
 from modelpar.pipeline import Costs, PipelineRuntime, Timeline, build_schedule, partition_uniform, simulate
 from modelpar.pipeline.gantt import render_text
 from modelpar.testing import current_groups, run_on_ranks

@@ -5,12 +5,12 @@
 
 In one run:
 
-1. calibrate ``modelpar.plan``'s ``cpu`` hardware preset: peak FLOP/s from a one-thread fp32 matmul (the
+1. calibrate ``modelpar.perf.plan``'s ``cpu`` hardware preset: peak FLOP/s from a one-thread fp32 matmul (the
    shapes of bench-tiny's biggest GEMM and a square one; the faster counts), and the gloo links from
    all-reduces of 4 B .. 4 MiB between two ranks, fitted to the planner's own ring model
    ``2(n-1)/n * bytes / bw + 2(n-1) * latency`` by least squares (a send/recv ping-pong is reported beside);
 2. run ``modelpar-bench`` (no peer) for each layout, one thread per rank, median of the timed steps;
-3. predict each layout with ``modelpar.plan.predict`` twice: with ``CostModel()`` as shipped (efficiency
+3. predict each layout with ``modelpar.perf.plan.predict`` twice: with ``CostModel()`` as shipped (efficiency
    0.55) and with the efficiency fitted on the single-rank layout (one global knob, as ``CostModel`` says;
    the measured element-wise and per-layer overhead terms are held fixed in the fit);
    the residual is ``predicted / measured - 1``. Goal: within 20 %.
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from modelpar.affinity import priority_restorable
-from modelpar.argtypes import check_layouts, positive_int
-from modelpar.plan import HARDWARE, CostModel, ModelSpec, Strategy, predict, replicated_elementwise_s
+from modelpar.backends.gloo_cpu import priority_restorable
+from modelpar.cli.args import check_layouts, positive_int
+from modelpar.perf.plan import HARDWARE, CostModel, ModelSpec, Strategy, predict, replicated_elementwise_s
 from modelpar.testing import run_on_ranks, shutdown_pools
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -71,7 +71,7 @@ def elementwise_bandwidth(shape=(2, 128, 256), reps: int = 30) -> float:
     ``REPLICATED_PASSES`` activation-sized passes."""
     from modelpar_kernels import rms_norm
 
-    from modelpar.plan import REPLICATED_PASSES
+    from modelpar.perf.plan import REPLICATED_PASSES
 
     torch.set_num_threads(1)
     x = torch.randn(shape, requires_grad=True)
@@ -91,8 +91,8 @@ def layer_overhead(layers: int = 8, reps: int = 20) -> float:
     """Seconds of one layer's forward + backward that do not scale with its size: our ``Block`` at hidden 32
     (8 heads of 4, SwiGLU 32) on 2 sequences of 8 tokens, where matmuls, attention scores and element-wise
     work are all negligible and what remains is op dispatch and autograd bookkeeping."""
-    from modelpar.comm import TensorParallelGroup
-    from modelpar.model import Block, TransformerConfig
+    from modelpar.model.transformer import Block, TransformerConfig
+    from modelpar.parallel.comm import TensorParallelGroup
 
     torch.set_num_threads(1)
     config = TransformerConfig(vocab_size=64, hidden=32, layers=layers, heads=8, kv_heads=8, ffn_hidden=32)
@@ -112,8 +112,8 @@ def busy_slowdown(reps: int = 8) -> float:
     """On 2 ranks: how much slower one bench-tiny block's forward + backward (micro-batch 2 x 128, hidden 256)
     runs while the other rank runs the same loop on the other core than while it is idle (the fastest rep of
     each; shared caches and memory bandwidth)."""
-    from modelpar.comm import TensorParallelGroup
-    from modelpar.model import Block, TransformerConfig
+    from modelpar.model.transformer import Block, TransformerConfig
+    from modelpar.parallel.comm import TensorParallelGroup
 
     torch.set_num_threads(1)
     config = TransformerConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
@@ -147,8 +147,8 @@ def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
     """On 2 ranks: what one engine all-reduce of ``nbytes`` adds to a loop of ~1 ms matmuls, as in a tp step
     (no barrier before each one, so the ranks' drift and the thread hand-offs count), bound and with the socket
     threads idle as the trainer runs its tp group."""
-    from modelpar import comm
-    from modelpar.affinity import pinned, set_gloo_threads
+    from modelpar.backends.gloo_cpu import pinned, set_gloo_threads
+    from modelpar.parallel import comm
 
     torch.set_num_threads(1)
     a, b, x = torch.randn(256, 256), torch.randn(256, 768), torch.zeros(nbytes // 4)
@@ -174,9 +174,9 @@ def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
 
 
 def gloo_links(sizes=(4, 65536, 262144, 1 << 20, 4 << 20), rounds: int = 20) -> dict:
-    """On 2 ranks: median all-reduce time per size, through the engine's collectives (``modelpar.comm``,
+    """On 2 ranks: median all-reduce time per size, through the engine's collectives (``modelpar.parallel.comm``,
     algorithm ``auto``) and gloo's native ring beside; and half a send/recv round trip of 256 KiB."""
-    from modelpar import comm
+    from modelpar.parallel import comm
 
     rank = dist.get_rank()
     out = {"all_reduce_s": {}, "native_all_reduce_s": {}, "p2p_one_way_s": {}}
@@ -222,7 +222,8 @@ def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path, 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.bench import RECIPES, run
+    from modelpar.perf.bench import run
+    from modelpar.training.config import RECIPES
 
     overrides = [
         f"bench.sweep=[{','.join(layouts)}]",
@@ -240,7 +241,7 @@ def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path, 
 
 
 def model_spec(report: dict) -> ModelSpec:
-    from modelpar.flops import ModelShape
+    from modelpar.model.flops import ModelShape
 
     m = report["model"]
     shape = ModelShape(m["vocab_size"], m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["ffn_hidden"])
@@ -248,9 +249,9 @@ def model_spec(report: dict) -> ModelSpec:
 
 
 def strategy_of(row: dict, global_batch: int) -> Strategy:
-    from modelpar.bench import parse_layout
-    from modelpar.config import ParallelConfig
-    from modelpar.layout import ParallelLayout
+    from modelpar.parallel.layout import ParallelLayout
+    from modelpar.perf.bench import parse_layout
+    from modelpar.training.config import ParallelConfig
 
     layout = ParallelLayout(tp=row["tp"], pp=row["pp"], dp=row["dp"], vpp=row["vpp"])
     m = row["micro_batches"]

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelpar.argtypes import check_layouts, positive_int
+from modelpar.cli.args import check_layouts, positive_int
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -53,8 +53,8 @@ class _Done:
 
 
 def skip_tp_collectives(tp_group: dist.ProcessGroup):
-    """Patch ``modelpar.comm`` so collectives over ``tp_group`` return at once; returns the undo function."""
-    import modelpar.comm as comm
+    """Patch ``modelpar.parallel.comm`` so collectives over ``tp_group`` return at once; returns the undo function."""
+    import modelpar.parallel.comm as comm
 
     saved = {name: getattr(comm, name) for name in ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter")}
 
@@ -92,8 +92,8 @@ def skip_tp_collectives(tp_group: dist.ProcessGroup):
 
 def rank_ab(cfg, data_path: str, rounds: int, steps: int) -> dict:
     """One rank: ``rounds`` x (``steps`` trained steps and ``steps`` timing-only ones), alternating order."""
-    from modelpar.affinity import pinned
-    from modelpar.trainer import Trainer
+    from modelpar.backends.gloo_cpu import pinned
+    from modelpar.training.trainer import Trainer
 
     out = {mode: [] for mode in MODES} | {f"{mode}_cpu": [] for mode in MODES}
     with pinned(dist.get_rank(), 1, enabled=cfg.trainer.cpu_affinity == "auto" and dist.get_world_size() > 1):
@@ -129,8 +129,8 @@ def rank_ab(cfg, data_path: str, rounds: int, steps: int) -> dict:
 
 def layout_case(base, spec: str, rounds: int, steps: int):
     """The recipe ``base`` under layout ``spec``, validated (raises ``ValueError`` naming the problem)."""
-    from modelpar.bench import parse_layout
-    from modelpar.config import validate
+    from modelpar.perf.bench import parse_layout
+    from modelpar.training.config import validate
 
     cfg = replace(base, parallel=parse_layout(spec, base.parallel))
     cfg.trainer = replace(cfg.trainer, steps=max(cfg.trainer.steps, 2 + rounds * steps * len(MODES)))
@@ -139,7 +139,7 @@ def layout_case(base, spec: str, rounds: int, steps: int):
 
 
 def run_layout(cfg, data_path: str, rounds: int, steps: int) -> dict:
-    from modelpar.bench import layout_name
+    from modelpar.perf.bench import layout_name
     from modelpar.testing import run_on_ranks
 
     world = cfg.parallel.layout().world_size
@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    from modelpar.bench import register_bench_schema
+    from modelpar.cli.train import resolve_data
     from modelpar.data import TokenFile
-    from modelpar.train import resolve_data
+    from modelpar.perf.bench import register_bench_schema
 
     register_bench_schema()
     overrides = [

@@ -4,7 +4,7 @@
     python benchmarks/transport_threads.py --layouts tp2 --rounds 4
 
 For each layout the ranks build our ``Trainer`` and the layout's peer (DTensor TP, torch.distributed.pipelining
-or DDP, ``modelpar.bench_peers``) once, bound to their cores as ``modelpar-bench`` binds them, and then
+or DDP, ``modelpar.perf.peers``) once, bound to their cores as ``modelpar-bench`` binds them, and then
 alternate inside the same processes: each round times one step of ours and one of the peer under each of
 three settings (``MODES`` below; the order flips every round). Both sides of
 every ratio are therefore seconds apart on the same workers, which is what makes a 5-10% effect visible on a
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from modelpar.argtypes import check_layouts, positive_int
+from modelpar.cli.args import check_layouts, positive_int
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # policy: what the trainer does (its tp group's socket threads idle when tp > 1) and what modelpar-bench gives
@@ -37,7 +37,7 @@ MODES = ("policy", "all", "normal")
 
 def socket_thread_cpu_s() -> float:
     """CPU seconds used so far by this process's gloo socket threads."""
-    from modelpar.affinity import gloo_socket_threads
+    from modelpar.backends.gloo_cpu import gloo_socket_threads
 
     total = 0
     for tid in gloo_socket_threads():
@@ -51,11 +51,11 @@ def socket_thread_cpu_s() -> float:
 
 def rank_ab(cfg, data_path: str, rounds: int) -> dict:
     """One rank: ``rounds`` x (ours and the peer under both modes), in alternating order."""
-    from modelpar.affinity import pinned, set_gloo_threads
-    from modelpar.bench import peer_socket_threads
-    from modelpar.bench_peers import Peer, peer_name
+    from modelpar.backends.gloo_cpu import pinned, set_gloo_threads
     from modelpar.data import WindowSampler
-    from modelpar.trainer import Trainer, build_partition, transformer_config
+    from modelpar.perf.bench import peer_socket_threads
+    from modelpar.perf.peers import Peer, peer_name
+    from modelpar.training.trainer import Trainer, build_partition, transformer_config
 
     try:
         with pinned(dist.get_rank(), 1, enabled=cfg.trainer.cpu_affinity == "auto"):
@@ -101,9 +101,9 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
 
 
 def run_layout(base, layout: str, data_path: str, rounds: int) -> dict:
-    from modelpar.bench import layout_name, parse_layout
-    from modelpar.config import validate
+    from modelpar.perf.bench import layout_name, parse_layout
     from modelpar.testing import run_on_ranks
+    from modelpar.training.config import validate
 
     case = replace(base, parallel=parse_layout(layout, base.parallel))
     case.trainer.steps = 10 * rounds + 10
@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--name", default="bench_gloo_threads")
     args = parser.parse_args()
     check_layouts(parser, args.layouts)
-    from modelpar.affinity import priority_restorable
+    from modelpar.backends.gloo_cpu import priority_restorable
 
     if not priority_restorable():
         raise SystemExit(
@@ -194,8 +194,8 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.bench import register_bench_schema
-    from modelpar.train import resolve_data
+    from modelpar.cli.train import resolve_data
+    from modelpar.perf.bench import register_bench_schema
 
     register_bench_schema()
     recipes = Path(__file__).resolve().parent.parent / "recipes"

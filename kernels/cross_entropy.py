@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from modelpar_kernels.launch import check_device, row_block, tl, triton
 
-from modelpar import comm
+from modelpar.parallel import comm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from modelpar.layout import ParallelLayout
+from modelpar.parallel.layout import ParallelLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 _FAILURE_GRACE_S = 1.0  # after one rank fails, how long to wait for the others' own reports
@@ -59,7 +59,7 @@ _current_layout: ParallelLayout | None = None
 
 def current_groups():
     """The ``ParallelGroups`` of the layout passed to ``run_on_ranks`` (call inside the rank function)."""
-    from modelpar.distributed import ParallelGroups
+    from modelpar.parallel.groups import ParallelGroups
 
     if _current_layout is None:
         raise RuntimeError("current_groups() needs run_on_ranks(..., layout=ParallelLayout(...))")
@@ -70,7 +70,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks: mp.Queue, re
     global _current_layout
     import torch
 
-    from modelpar.distributed import init_distributed
+    from modelpar.parallel.groups import init_distributed
 
     torch.set_num_threads(1)
     parent = os.getppid()
@@ -110,7 +110,7 @@ class _RankPool:
 
     def __init__(self, world_size: int, start_timeout_s: float = 60.0):
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "modelpar.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "modelpar.parallel.groups"])
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="modelpar-ranks-")
         init_file = os.path.join(self._dir, "store")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from modelpar.affinity import core_block, job_cores, pinned
+from modelpar.backends.gloo_cpu import core_block, job_cores, pinned
 from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
 
 
@@ -49,7 +49,7 @@ def _write_mask(out_dir: str) -> None:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity control on this OS")
 @pytest.mark.parametrize("pin", [True, False])
 def test_launched_cpu_ranks_run_on_their_own_cores_unless_told_not_to(tmp_path, pin):
-    from modelpar.launch import launch
+    from modelpar.parallel.launch import launch
 
     launch(3, _write_mask, str(tmp_path), timeout_s=60.0, pin_cpu=pin)
     masks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(3)]
@@ -62,8 +62,8 @@ def _gloo_thread_policies(mode: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from modelpar import comm
-    from modelpar.affinity import gloo_socket_threads, priority_restorable, set_gloo_threads
+    from modelpar.backends.gloo_cpu import gloo_socket_threads, priority_restorable, set_gloo_threads
+    from modelpar.parallel import comm
 
     before = set(gloo_socket_threads())
     group = dist.new_group([0, 1])
@@ -101,16 +101,16 @@ def test_gloo_socket_threads_go_idle_and_back_while_collectives_still_run(mode):
 
 
 def test_unknown_gloo_thread_mode_is_refused():
-    from modelpar.affinity import set_gloo_threads
+    from modelpar.backends.gloo_cpu import set_gloo_threads
 
     with pytest.raises(ValueError, match="'low' is not one of"):
         set_gloo_threads("low")
 
 
 def _trainer_gloo_policies(cfg, data_path: str) -> dict:
-    from modelpar.affinity import gloo_socket_threads, priority_restorable
-    from modelpar.distributed import ParallelGroups
-    from modelpar.trainer import Trainer
+    from modelpar.backends.gloo_cpu import gloo_socket_threads, priority_restorable
+    from modelpar.parallel.groups import ParallelGroups
+    from modelpar.training.trainer import Trainer
 
     def idle() -> set[int]:
         return {tid for tid in gloo_socket_threads() if os.sched_getscheduler(tid) == os.SCHED_IDLE}

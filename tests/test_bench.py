@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.bench import RECIPES, SavedTensorMeter, layout_name, parse_layout
-from modelpar.bench_peers import regroup_rows
-from modelpar.config import ParallelConfig
+from modelpar.perf.bench import SavedTensorMeter, layout_name, parse_layout
+from modelpar.perf.peers import regroup_rows
+from modelpar.training.config import RECIPES, ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def _tiny_bench_config(tmp, *extra):
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
-    from modelpar.bench import run
+    from modelpar.perf.bench import run
 
     tmp = tmp_path_factory.mktemp("bench")
     run(_tiny_bench_config(tmp))
@@ -131,7 +131,7 @@ def tiny_sweep(tmp_path_factory):
 def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
     tmp_path, layout, counts, peer_partition, peer_name
 ):
-    from modelpar.bench import run
+    from modelpar.perf.bench import run
 
     cfg = _tiny_bench_config(
         tmp_path,
@@ -161,7 +161,7 @@ def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
     ],
 )
 def test_bad_bench_options_are_refused_before_any_rank_starts(tmp_path, override, message):
-    from modelpar.bench import run
+    from modelpar.perf.bench import run
 
     cfg = _tiny_bench_config(tmp_path, override)
     cfg.bench.results_dir = str(tmp_path / "results")
@@ -224,15 +224,15 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
         f"bench.results_dir={tmp_path}",
         f"hydra.sweep.dir={tmp_path / 'hydra'}",
     ]
-    subprocess.run([sys.executable, "-m", "modelpar.bench", *overrides], check=True, timeout=120, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "modelpar.perf.bench", *overrides], check=True, timeout=120, cwd=ROOT)
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert set(rows) == {"single-m4", "pp2-1f1b-m4"}
     assert rows["pp2-1f1b-m4"]["peer"] is None
 
 
 def _live_after_each_weight_backward(cfg, data_path):
-    from modelpar.bench import SavedTensorMeter
-    from modelpar.trainer import Trainer
+    from modelpar.perf.bench import SavedTensorMeter
+    from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, None)
     meter = SavedTensorMeter([p for p, _ in trainer.model.params])
@@ -252,8 +252,8 @@ def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
     """Saved activations do not pile up on the last stage: after every W the same bytes are live."""
     import numpy as np
 
-    from modelpar.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
     from modelpar.testing import run_on_ranks
+    from modelpar.training.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
 
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 97, size=20000, dtype=np.uint16))
@@ -270,7 +270,7 @@ def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
 
 
 def test_round_ratios_pair_each_round_of_ours_with_the_peers():
-    from modelpar.bench import paired_round_ratios
+    from modelpar.perf.bench import paired_round_ratios
 
     ours = [1.0, 1.2, 2.0, 2.2]  # round 2 ran on a slower machine for both
     peer = [1.5, 1.7, 2.2, 2.4]
@@ -280,7 +280,7 @@ def test_round_ratios_pair_each_round_of_ours_with_the_peers():
 
 
 def test_ratio_cell_shows_the_spread_over_rounds(tiny_sweep):
-    from modelpar.bench import _ratio_cell
+    from modelpar.perf.bench import _ratio_cell
 
     assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.4, 1.62, 1.5]}) == "1.50x (1.40-1.62)"
     assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.5]}) == "1.50x"
@@ -299,7 +299,7 @@ def _tp_breakdown_module():
 
 
 def _skipped_sums() -> dict:
-    from modelpar import comm
+    from modelpar.parallel import comm
     from modelpar.testing import current_groups
 
     groups = current_groups()
@@ -367,7 +367,7 @@ def test_tp_breakdown_refuses_bad_input_in_one_line_before_any_rank(tmp_path, ca
 
 
 def test_recompute_row_holds_less_activation_memory_and_has_no_peer(tmp_path):
-    from modelpar.bench import run
+    from modelpar.perf.bench import run
 
     rows = run(_tiny_bench_config(tmp_path, "bench.sweep=[pp2-1f1b,pp2-1f1b-rc]"))
     plain, rc = rows["pp2-1f1b-m4"], rows["pp2-1f1b-m4-rc"]

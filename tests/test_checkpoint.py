@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from modelpar.checkpoint import (
+from modelpar.checkpoint.store import (
     CheckpointError,
     Piece,
     latest_checkpoint,

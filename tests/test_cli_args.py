@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from modelpar.argtypes import check_layouts, positive_float, positive_int
+from modelpar.cli.args import check_layouts, positive_float, positive_int
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_benchmark_scripts_refuse_bad_arguments_in_one_line(tmp_path, script, ar
     ],
 )
 def test_generate_refuses_bad_numbers_before_loading_anything(args, message, capsys):
-    from modelpar.generate import main
+    from modelpar.cli.generate import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["/nonexistent/checkpoint", *args])
@@ -76,8 +76,8 @@ def test_generate_refuses_bad_numbers_before_loading_anything(args, message, cap
 
 
 def test_eval_refuses_zero_windows_in_one_line():
-    from modelpar.config import RecipeError, TrainConfig
-    from modelpar.eval import eval_config
+    from modelpar.cli.eval import eval_config
+    from modelpar.training.config import RecipeError, TrainConfig
 
     cfg = TrainConfig()
     cfg.eval.windows = 0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from modelpar.cli.data import main
 from modelpar.data import (
     ByteTokenizer,
     DataError,
@@ -14,7 +15,6 @@ from modelpar.data import (
     TokenFile,
     WindowSampler,
     default_corpus,
-    main,
     prepare,
     stdlib_sources,
     tokenizer_for,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from modelpar.distributed import choose_backend, launch_env_from_environ
-from modelpar.launch import LaunchError, launch
+from modelpar.parallel.groups import choose_backend, launch_env_from_environ
+from modelpar.parallel.launch import LaunchError, launch
 
 
 def test_torchrun_environment_is_read():

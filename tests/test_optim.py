@@ -13,8 +13,6 @@ import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from modelpar.comm import record_comm
-from modelpar.layout import ParallelLayout
 from modelpar.optim import (
     DataParallelOptimizer,
     GradientSynchronizer,
@@ -28,6 +26,8 @@ from modelpar.optim import (
     optimizer_state_tensors,
     set_lr,
 )
+from modelpar.parallel.comm import record_comm
+from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import current_groups, run_on_ranks
 
 SHAPES = {"fc1.weight": (12, 8), "fc1.bias": (12,), "unused": (5,), "fc2.weight": (3, 12), "fc2.bias": (3,)}

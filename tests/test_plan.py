@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from modelpar.layout import ParallelLayout
-from modelpar.plan import (
+from modelpar.parallel.layout import ParallelLayout
+from modelpar.perf.plan import (
     HARDWARE,
     CostModel,
     SearchSpace,
@@ -23,7 +23,7 @@ from modelpar.plan import (
     replicated_elementwise_s,
     stage_memory,
 )
-from modelpar.published import GPT3_175B, SEQ_LEN, TABLE_1, VOCAB, predicted_tflops
+from modelpar.perf.published import GPT3_175B, SEQ_LEN, TABLE_1, VOCAB, predicted_tflops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def strategy(tp=1, pp=1, dp=1, vpp=1, b=1, m=8, recompute="none", zero1=False, s
 
 # -- validation against Narayanan et al. 2021 ----------------------------------------------------------------
 
-# Published runs (modelpar.published, which names the source): Table 1 of Narayanan et al. 2021 and the paper's
+# Published runs (modelpar.perf.published, which names the source): Table 1 of Narayanan et al. 2021 and the paper's
 # GPT-3 175B estimate. The planner's efficiency is its default for every row; it was not fitted to them.
 TOLERANCE = 0.15
 
@@ -343,7 +343,7 @@ def test_cli_names_the_trainer_overrides_that_run_the_best_layout_and_they_valid
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.config import register_schema, validate
+    from modelpar.training.config import register_schema, validate
 
     register_schema()
     out = tmp_path / "plan.json"

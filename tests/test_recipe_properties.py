@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from modelpar.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
+from modelpar.cli.train import USER_ERRORS, check_recipe
 from modelpar.testing import run_on_ranks
-from modelpar.train import USER_ERRORS, check_recipe
+from modelpar.training.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
 
 VOCAB = 64
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -49,7 +49,7 @@ def recipes(draw) -> TrainConfig:
 
 
 def one_step(cfg: TrainConfig, data_path: str) -> float:
-    from modelpar.trainer import Trainer
+    from modelpar.training.trainer import Trainer
 
     return Trainer(cfg, data_path, None).train_step().loss
 
@@ -92,8 +92,8 @@ def test_the_recipe_model_group_is_the_model_shape_plus_a_name():
     added to one and not the other would be silently dropped or fail at the first run."""
     from dataclasses import fields
 
-    from modelpar.config import ModelConfig
-    from modelpar.model import TransformerConfig
+    from modelpar.model.transformer import TransformerConfig
+    from modelpar.training.config import ModelConfig
 
     recipe = {f.name: f.type for f in fields(ModelConfig)}
     shape = {f.name: f.type for f in fields(TransformerConfig)}
@@ -127,7 +127,7 @@ def test_the_recipe_model_group_is_the_model_shape_plus_a_name():
 def test_numbers_outside_their_range_are_named_with_the_range(group, field, value, needle):
     import dataclasses
 
-    from modelpar.config import RecipeError, validate
+    from modelpar.training.config import RecipeError, validate
 
     cfg = TrainConfig()
     setattr(cfg, group, dataclasses.replace(getattr(cfg, group), **{field: value}))
@@ -143,8 +143,8 @@ def test_every_shipped_recipe_composes_and_validates(name):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.bench import register_bench_schema
-    from modelpar.config import register_schema, validate
+    from modelpar.perf.bench import register_bench_schema
+    from modelpar.training.config import register_schema, validate
 
     register_schema()
     register_bench_schema()

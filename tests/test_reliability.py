@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.checkpoint import Piece, load_pieces, read_index, step_dir
+from modelpar.checkpoint.store import Piece, load_pieces, read_index, step_dir
 from modelpar.testing import RankError, run_on_ranks
 from tests.training.test_layouts import TINY, make_config
 
@@ -28,7 +28,7 @@ def train(tmp_path: Path, *overrides: str, faults: str = "", timeout: int = 240)
     env = dict(os.environ, MODELPAR_FAULTS=faults)
     start = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "modelpar.train", *SMALL, f"hydra.run.dir={tmp_path}", *overrides],
+        [sys.executable, "-m", "modelpar.cli.train", *SMALL, f"hydra.run.dir={tmp_path}", *overrides],
         capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
     return proc, time.time() - start
@@ -101,7 +101,7 @@ def token_path(tmp_path_factory):
 def run_with_faults(cfg, data_path, faults: str, steps: int):
     os.environ["MODELPAR_FAULTS"] = faults
     try:
-        from modelpar.trainer import Trainer
+        from modelpar.training.trainer import Trainer
 
         trainer = Trainer(cfg, data_path, None)
         before = [p.detach().clone() for p, _ in trainer.model.params]

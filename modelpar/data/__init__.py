@@ -5,7 +5,6 @@
     modelpar.data.prepare     text files -> token file + JSON sidecar, written atomically
     modelpar.data.corpus      the default corpus: Python's stdlib source, built once into a cache folder
     modelpar.data.sampler     WindowSampler: seeded global order, contiguous dp slices, resumable
-    modelpar.data.cli         `modelpar-data` / `python -m modelpar.data`
 
 Typical use in a training loop::
 
@@ -15,7 +14,6 @@ Typical use in a training loop::
     inputs, targets = data.batch(sampler.next_batch())      # [32 / dp, 256] each
 """
 
-from modelpar.data.cli import main
 from modelpar.data.corpus import default_corpus, stdlib_sources
 from modelpar.data.prepare import PreparedInfo, prepare, tokenizer_for
 from modelpar.data.sampler import WindowSampler
@@ -32,7 +30,6 @@ __all__ = [
     "WindowSampler",
     "default_corpus",
     "load_tokenizer",
-    "main",
     "max_token_id",
     "open_tokens",
     "prepare",

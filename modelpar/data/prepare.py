@@ -76,7 +76,7 @@ class PreparedInfo:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(
                 f"cannot read the sidecar {sidecar} of {path} ({type(e).__name__}: {e}); "
-                "rebuild it with `python -m modelpar.data prepare ... --overwrite`"
+                "rebuild it with `modelpar-data prepare ... --overwrite`"
             ) from None
 
     def to_json(self) -> dict:

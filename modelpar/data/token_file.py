@@ -42,7 +42,7 @@ def open_tokens(path: str | Path) -> np.ndarray:
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"token file {path} does not exist; create it with `python -m modelpar.data prepare`")
+        raise DataError(f"token file {path} does not exist; create it with `modelpar-data prepare`")
     try:
         with path.open("rb") as f:
             version = np.lib.format.read_magic(f)
@@ -54,7 +54,7 @@ def open_tokens(path: str | Path) -> np.ndarray:
         reason = " ".join(str(e).split())
         raise DataError(
             f"{path} is not a readable .npy file ({reason}); token files are written by np.save or "
-            "`python -m modelpar.data prepare`"
+            "`modelpar-data prepare`"
         ) from None
     if dtype.hasobject:
         raise DataError(

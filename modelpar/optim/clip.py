@@ -7,9 +7,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from modelpar import comm
-from modelpar.distributed import ParallelGroups
 from modelpar.optim.param_info import ParamsWithInfo
+from modelpar.parallel import comm
+from modelpar.parallel.groups import ParallelGroups
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_, so a norm just at max_norm is left alone
 

@@ -6,13 +6,13 @@ import contextlib
 
 import torch
 
-from modelpar.distributed import ParallelGroups
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from modelpar.optim.param_info import ParamsWithInfo
 from modelpar.optim.state import load_optimizer_state_tensors, optimizer_state_tensors
 from modelpar.optim.zero import ZeroOneAdamW
+from modelpar.parallel.groups import ParallelGroups
 
 
 class DataParallelOptimizer:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from modelpar import comm
 from modelpar.optim.param_info import check_same_across, check_unique
+from modelpar.parallel import comm
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelpar import comm
+from modelpar.parallel import comm
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from modelpar import comm
 from modelpar.optim.adamw import make_adamw
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_same_across, check_unique
+from modelpar.parallel import comm
 
 
 @dataclass(frozen=True)

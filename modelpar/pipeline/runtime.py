@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from modelpar.distributed import ParallelGroups
+from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline.actions import (
     RECV_B,
     RECV_F,

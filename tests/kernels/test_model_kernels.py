@@ -7,7 +7,7 @@ import torch
 from modelpar_kernels.launch import interpreting
 
 from modelpar import ParallelLayout
-from modelpar.model import TransformerConfig, build_model
+from modelpar.model.transformer import TransformerConfig, build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.kernels import ATTENTION_FP32_TOL, DEVICE, FP32_TOL, assert_close
 

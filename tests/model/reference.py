@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from modelpar import ParallelLayout
-from modelpar.model import ModelChunk, TransformerConfig
+from modelpar.model.transformer import ModelChunk, TransformerConfig
 
 BATCH, SEQ = 2, 8
 SEED = 1234

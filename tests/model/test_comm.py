@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
-from modelpar import comm
-from modelpar.comm import TensorParallelGroup, record_comm
-from modelpar.model import build_model
+from modelpar.model.transformer import build_model
+from modelpar.parallel import comm
+from modelpar.parallel.comm import TensorParallelGroup, record_comm
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import BATCH, CONFIGS, SEED, SEQ, batch, layout_for
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modelpar.hf import config_from_hf, export_hf, import_hf
-from modelpar.model import TransformerConfig, build_model
+from modelpar.model.hf import config_from_hf, export_hf, import_hf
+from modelpar.model.transformer import TransformerConfig, build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import layout_for, rel_err
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modelpar import LayoutError, ParallelLayout
-from modelpar.model import TransformerConfig, build_chunk, build_model
+from modelpar.model.transformer import TransformerConfig, build_chunk, build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import BATCH, CONFIGS, SEED, SEQ, batch, check_pieces, layout_for, pieces, rel_err
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelpar.bench import SavedTensorMeter
-from modelpar.model import TransformerConfig, build_model
+from modelpar.model.transformer import TransformerConfig, build_model
+from modelpar.perf.bench import SavedTensorMeter
 
 CONFIG = TransformerConfig(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=32)
 BATCH, SEQ = 2, 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelpar.model import build_model
+from modelpar.model.transformer import build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import CONFIGS, SEED, batch, check_pieces, layout_for, pieces, rel_err
 

@@ -1,4 +1,4 @@
-"""The runtime drives ``modelpar.model`` chunks (Llama-style, tensor-parallel inside) unchanged."""
+"""The runtime drives ``modelpar.model.transformer`` chunks (Llama-style, tensor-parallel inside) unchanged."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modelpar import ParallelLayout
-from modelpar.model import TransformerConfig, build_chunk, build_model
+from modelpar.model.transformer import TransformerConfig, build_chunk, build_model
 from modelpar.pipeline import PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.testing import current_groups, run_on_ranks
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.ckpt import main as ckpt_main
-from modelpar.generate import load_single_device_model
+from modelpar.cli.ckpt import main as ckpt_main
+from modelpar.cli.generate import load_single_device_model
 from modelpar.testing import run_on_ranks
 from tests.training.test_layouts import TINY, make_config, train_and_collect
 
 
 def train_cli(*overrides, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "modelpar.train", *overrides],
+        [sys.executable, "-m", "modelpar.cli.train", *overrides],
         capture_output=True,
         text=True,
         timeout=120,
@@ -129,7 +129,7 @@ def test_reshard_writes_a_loadable_checkpoint_of_the_new_layout(checkpoint, tmp_
     assert all(torch.equal(t, b.full_state()[n]) for n, t in a.full_state().items())
     assert len(list(dst.glob("step-*/model-*.safetensors"))) == 4
     # the Adam moments travel too, as logical tensors equal to the source's
-    from modelpar.checkpoint import Piece, load_pieces, read_index
+    from modelpar.checkpoint.store import Piece, load_pieces, read_index
 
     src_index, dst_index = read_index(checkpoint), read_index(dst / "step-00000003")
     assert dst_index["optimizer_step"] == src_index["optimizer_step"] == 3
@@ -155,7 +155,7 @@ def test_eval_under_any_layout_equals_the_single_device_loss(checkpoint, tokens,
 
     windows = 8
     proc = subprocess.run(
-        [sys.executable, "-m", "modelpar.eval", f"eval.checkpoint={checkpoint}", f"eval.windows={windows}",
+        [sys.executable, "-m", "modelpar.cli.eval", f"eval.checkpoint={checkpoint}", f"eval.windows={windows}",
          f"data.path={tokens}", f"parallel={parallel}", "parallel.microbatches=2", *TINY_OVERRIDES],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
@@ -172,7 +172,7 @@ def test_eval_under_any_layout_equals_the_single_device_loss(checkpoint, tokens,
 
 def test_multirun_sweeps_layouts_with_equal_losses(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "modelpar.train", "-m", "parallel=single,tp2", "trainer.steps=2",
+        [sys.executable, "-m", "modelpar.cli.train", "-m", "parallel=single,tp2", "trainer.steps=2",
          "trainer.progress=false", "trainer.sample_tokens=0", "model.layers=2", "data.corpus_max_bytes=200000",
          f"hydra.sweep.dir={tmp_path}"],
         capture_output=True, text=True, timeout=300,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
 from modelpar.testing import run_on_ranks
+from modelpar.training.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
 
 TINY = ModelConfig(name="test", vocab_size=61, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=32)
 
@@ -31,7 +31,7 @@ def token_path(tmp_path_factory):
 
 def train_and_collect(cfg: TrainConfig, data_path: str, resume_from=None, save_at=()):
     """On every rank: train to ``cfg.trainer.steps``; return (loss, grad norm) per step and this rank's pieces."""
-    from modelpar.trainer import Trainer, model_pieces
+    from modelpar.training.trainer import Trainer, model_pieces
 
     trainer = Trainer(cfg, data_path, resume_from)
     losses = []
@@ -135,8 +135,8 @@ def logits_after_loading(cfg: TrainConfig, data_path: str, ckpt: str):
     """Every rank loads ``ckpt`` into its layout; the last stage returns the full-vocab logits of one batch."""
     import torch.distributed as dist
 
-    from modelpar.comm import all_gather
-    from modelpar.trainer import Trainer
+    from modelpar.parallel.comm import all_gather
+    from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, ckpt)
     inputs, _ = trainer.tokens.batch(range(2))

@@ -11,13 +11,13 @@ from tests.training.test_layouts import make_config, token_path  # noqa: F401 - 
 
 
 def fit(cfg, data_path):
-    from modelpar.trainer import Trainer
+    from modelpar.training.trainer import Trainer
 
     Trainer(cfg, data_path, None).fit()
 
 
 def losses_of(cfg, data_path):
-    from modelpar.trainer import Trainer
+    from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, None)
     return [trainer.train_step().loss for _ in range(cfg.trainer.steps)]

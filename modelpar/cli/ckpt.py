@@ -1,0 +1,166 @@
+"""modelpar-ckpt: inspect, verify, reshard and convert checkpoints.
+
+    modelpar-ckpt verify  runs/x/checkpoints                    # latest (or a step-* directory): every SHA-256
+    modelpar-ckpt reshard runs/x/checkpoints/step-00000200 out/tp4 --tp 4 --pp 1
+    modelpar-ckpt import-hf path/to/llama-hf ckpts/imported       # config.json + model.safetensors -> checkpoint
+    modelpar-ckpt export-hf runs/x/checkpoints/step-00000200 hf/  # -> a directory LlamaForCausalLM loads
+
+Any layout can also load any checkpoint directly (``trainer.resume=PATH``); ``reshard`` writes the files of the
+new layout ahead of time. Only safetensors and JSON are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint, save_checkpoint
+from modelpar.parallel.launch import LaunchError
+from modelpar.parallel.layout import LayoutError, ParallelLayout
+from modelpar.training.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
+
+
+def refuse_existing(dst: Path) -> None:
+    if dst.exists() and any(dst.iterdir()):
+        raise CheckpointError(f"{dst} exists and is not empty; choose a new destination (nothing is overwritten)")
+
+
+def model_config_of(index: dict) -> ModelConfig:
+    fields = {k: v for k, v in index["model"].items() if k in ModelConfig.__dataclass_fields__}
+    return ModelConfig(**fields)
+
+
+def cmd_verify(args) -> int:
+    ckpt = resolve_checkpoint(args.path)
+    index = read_index(ckpt, verify=True)
+    total = sum(info["bytes"] for info in index["files"].values())
+    print(
+        f"{ckpt}: OK — step {index['step']}, layout {index['layout']}, {len(index['tensors'])} tensors, "
+        f"{len(index['files'])} files, {total / 2**20:.1f} MiB, every SHA-256 verified"
+    )
+    return 0
+
+
+def _reshard_worker(src: str, dst_root: str, cfg: TrainConfig, step: int, meta: dict) -> None:
+    import torch
+
+    from modelpar.parallel.groups import ParallelGroups
+    from modelpar.training.trainer import (
+        build_rank_model,
+        load_model_from_checkpoint,
+        load_optimizer_pieces,
+        model_pieces,
+    )
+
+    groups = ParallelGroups.build(cfg.parallel.layout())
+    model = build_rank_model(cfg, groups, torch.device("cpu"))
+    index = read_index(src, verify=False)
+    load_model_from_checkpoint(model.chunks, Path(src), index)
+    moments = load_optimizer_pieces(model.chunks, Path(src), index) if "optimizer_step" in meta else {}
+    rng = {"rng/torch": torch.get_rng_state()}
+    save_checkpoint(dst_root, step, model_pieces(model.chunks), rng, meta, optimizer=moments)
+
+
+def cmd_reshard(args) -> int:
+    from modelpar.parallel.launch import launch
+
+    src = resolve_checkpoint(args.src)
+    index = read_index(src, verify=True)
+    dst = Path(args.dst)
+    refuse_existing(dst)
+    model = model_config_of(index)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, sp=False)
+    layout = parallel.layout()
+    layout.check_model(layers=model.layers, heads=model.heads, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden)
+    cfg = TrainConfig(model=model, parallel=parallel, trainer=TrainerConfig(progress=False))
+    meta = {
+        "layout": asdict(layout),
+        "model": asdict(model),
+        "parallel": asdict(parallel),
+        "world_size": layout.world_size,
+        "sampler": index.get("sampler"),
+        "optimizer": False,  # no per-rank optimizer state; plain AdamW's logical moments travel (below)
+        "resharded_from": str(src),
+    }
+    if "optimizer_tensors" in index and "optimizer_step" in index:
+        meta["optimizer_step"] = index["optimizer_step"]
+    launch(layout.world_size, _reshard_worker, str(src), str(dst), cfg, int(index["step"]), meta)
+    written = resolve_checkpoint(dst)
+    read_index(written, verify=True)
+    print(f"{written}: resharded {src} ({index['layout']}) -> {asdict(layout)}")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from modelpar.model.hf import config_from_hf, import_hf
+    from modelpar.model.transformer import build_model
+    from modelpar.training.trainer import model_pieces
+
+    dst = Path(args.dst)
+    refuse_existing(dst)
+    tcfg = config_from_hf(args.hf_dir)
+    model = build_model(tcfg, seed=0)
+    import_hf(args.hf_dir, model)
+    mcfg = ModelConfig(name=Path(args.hf_dir).name, **asdict(tcfg))
+    layout = ParallelLayout()
+    meta = {
+        "layout": asdict(layout),
+        "model": asdict(mcfg),
+        "parallel": asdict(ParallelConfig()),
+        "world_size": 1,
+        "sampler": None,
+        "optimizer": False,
+        "imported_from": str(args.hf_dir),
+    }
+    import torch
+
+    path = save_checkpoint(dst, 0, model_pieces([model]), {"rng/torch": torch.get_rng_state()}, meta)
+    print(f"{path}: imported {args.hf_dir} ({tcfg.layers} layers, hidden {tcfg.hidden}, vocab {tcfg.vocab_size})")
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    from modelpar.cli.generate import load_single_device_model
+    from modelpar.model.hf import save_hf
+
+    src = resolve_checkpoint(args.src)
+    out = Path(args.hf_dir)
+    refuse_existing(out)
+    model = load_single_device_model(src)
+    save_hf(out, model.config, model.full_state())
+    print(f"{out}: exported {src} as a LlamaForCausalLM directory (config.json + model.safetensors)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="modelpar-ckpt", description="Inspect, verify, reshard and convert.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("verify", help="check every file's SHA-256, and that none is missing or extra")
+    p.add_argument("path")
+    p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("reshard", help="write a checkpoint for another layout")
+    p.add_argument("src")
+    p.add_argument("dst")
+    for name in ("tp", "pp", "dp", "vpp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.set_defaults(fn=cmd_reshard)
+    p = sub.add_parser("import-hf", help="a LlamaForCausalLM directory -> checkpoint (loads into any layout)")
+    p.add_argument("hf_dir")
+    p.add_argument("dst")
+    p.set_defaults(fn=cmd_import_hf)
+    p = sub.add_parser("export-hf", help="checkpoint -> a LlamaForCausalLM directory")
+    p.add_argument("src")
+    p.add_argument("hf_dir")
+    p.set_defaults(fn=cmd_export_hf)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (CheckpointError, LayoutError, LaunchError, ValueError, OSError) as exc:
+        print(f"modelpar-ckpt: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""modelpar-generate: sample text from a checkpoint on one process (greedy or temperature).
+
+    modelpar-generate runs/<run>/checkpoints/step-00000150 --prompt "def main(" --tokens 80 --temperature 0.8
+
+The checkpoint is loaded into the single-device model whatever layout saved it (resharding is just reading
+the whole of each logical tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
+from modelpar.cli.args import non_negative_float, positive_int
+from modelpar.model.transformer import ModelChunk, TransformerConfig, build_model
+
+
+def load_single_device_model(ckpt: str | Path) -> ModelChunk:
+    """The whole model on this process (tp = pp = 1), weights from ``ckpt`` (a step directory or its root)."""
+    ckpt = resolve_checkpoint(ckpt)
+    index = read_index(ckpt)
+    fields = {k: v for k, v in index["model"].items() if k in TransformerConfig.__dataclass_fields__}
+    model = build_model(TransformerConfig(**fields), seed=0)
+    shards = model.logical_shards()
+    wanted = {name: Piece.whole(name, tuple(s.global_shape)) for name, s in shards.items()}
+    loaded = load_pieces(ckpt, index, list(wanted.values()))
+    model.load_logical(lambda name, shard: loaded[wanted[name]])
+    return model.eval()
+
+
+@torch.no_grad()
+def generate(model: ModelChunk, prompt: torch.Tensor, tokens: int, temperature: float = 0.0, seed: int = 0):
+    """prompt: [s] int64 -> [s + tokens]; greedy when ``temperature`` is 0. Context cut to max_seq_len."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = prompt.clone()
+    for _ in range(tokens):
+        context = ids[-model.config.max_seq_len :][None]
+        logits = model(context)[0, -1, : model.config.vocab_size].float()
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt])
+    return ids
+
+
+def sample_from_checkpoint(
+    ckpt: str | Path, token_path: str, tokens: int, *, seq_len: int, prompt_len: int = 48, temperature: float = 0.7
+) -> str:
+    """A continuation of the start of ``token_path`` (sampled at ``temperature``), decoded with the file's tokenizer."""
+    from modelpar.data import TokenFile, tokenizer_for
+
+    model = load_single_device_model(ckpt)
+    data = TokenFile.open(token_path, model.config.vocab_size, seq_len)
+    prompt, _ = data.window(0)
+    prompt = prompt[:prompt_len]
+    out = generate(model, prompt, tokens, temperature)
+    tok = tokenizer_for(token_path)
+    return tok.decode(out[:prompt_len]) + " | " + tok.decode(out[prompt_len:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="modelpar-generate", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--tokens", type=positive_int, default=64)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json written by modelpar-data")
+    args = parser.parse_args(argv)
+    from modelpar.data import load_tokenizer
+
+    try:
+        model = load_single_device_model(args.checkpoint)
+        tok = load_tokenizer(args.tokenizer)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"modelpar-generate: error: {exc}", file=sys.stderr)
+        return 2
+    prompt = torch.as_tensor(tok.encode(args.prompt), dtype=torch.int64)
+    out = generate(model, prompt, args.tokens, args.temperature, args.seed)
+    print(tok.decode(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

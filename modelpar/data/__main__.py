@@ -1,3 +1,0 @@
-from modelpar.data.cli import main
-
-raise SystemExit(main())

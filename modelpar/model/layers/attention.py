@@ -1,0 +1,71 @@
+"""Tensor-parallel causal self-attention with RoPE and grouped-query heads."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from modelpar_kernels import apply_rope, attention, rope_tables
+from torch import nn
+
+from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.parallel.comm import TensorParallelGroup
+
+
+class ParallelAttention(nn.Module):
+    """Heads split over the tp ranks: q, k, v fused in one column-parallel weight, output row-parallel::
+
+        x [b, s, h] --f--> qkv_proj [(hq + 2*hkv_local)*d / t, h] -> q [b, s, hq/t, d], k, v [b, s, hkv_local, d]
+                    --> RoPE(q, k), causal attention per head --> o_proj [h, hq*d/t] --g--> [b, s, h]
+
+    Key/value heads (grouped-query attention, hkv heads shared by groups of hq/hkv query heads):
+
+    - tp divides hkv: sharded like the query heads, rank r holds kv heads ``r*hkv/t .. (r+1)*hkv/t``;
+    - hkv divides tp: replicated, rank r holds the one kv head its query heads use, ``r // (t/hkv)``. The
+      t/hkv ranks sharing it each compute only their query heads' part of its gradient
+      (``ShardInfo.grad_is_partial``); ``reduce_tensor_parallel_grads`` sums them.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        rope_theta: float,
+        tp: TensorParallelGroup,
+        *,
+        sequence_parallel: bool = False,
+        backend: str = "torch",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.head_dim = d = hidden // heads
+        self.rope_theta, self.backend = rope_theta, backend
+        self.heads = heads // tp.size
+        if kv_heads % tp.size == 0:
+            self.kv_heads, first_kv, replicas = kv_heads // tp.size, tp.rank * kv_heads // tp.size, 1
+        else:
+            replicas = tp.size // kv_heads
+            self.kv_heads, first_kv = 1, tp.rank // replicas
+        kv = [
+            ColumnPart(name, kv_heads * d, first_kv * d, self.kv_heads * d, replicas, tp.rank % replicas == 0)
+            for name in ("k_proj.weight", "v_proj.weight")
+        ]
+        parts = [ColumnPart.even("q_proj.weight", heads * d, tp.rank, tp.size), *kv]
+        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
+        self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [b, s, h] (or [b, s/t, h] with sequence parallel) -> same shape. Positions start at 0."""
+        d = self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = (rearrange(t, "b s (n d) -> b s n d", d=d) for t in (q, k, v))
+        cos, sin = rope_tables(q.shape[1], d, self.rope_theta, device=q.device)
+        q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
+        out = attention(q, k, v, causal=True, backend=self.backend)
+        return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
+
+    def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
+        return self.qkv_proj.logical_shards(prefix) | self.o_proj.logical_shards(prefix)

@@ -1,0 +1,127 @@
+"""Column- and row-parallel linear layers (Megatron-LM, Shoeybi et al. 2019), without bias as in Llama."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.parallel.comm import (
+    TensorParallelGroup,
+    column_parallel_matmul,
+    gather_from_sequence_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T`` with the output features (rows of ``W``) split over the tp ranks::
+
+                 W [out, in]
+            +----------------+      x [b, s, in] replicated, or [b, s/t, in] under sequence parallel
+        r0  |      W_0       |      f: identity fwd, all-reduce bwd (overlapped with the weight gradient), or
+            +----------------+         under sequence parallel gather_from_sequence_region (all-gather fwd,
+                                       reduce-scatter bwd)
+        r1  |      W_1       |      each rank: y_r = x @ W_r.T  [b, s, out/t], no communication
+            +----------------+
+
+    Several logical tensors may be fused into one local weight (``parts``: q/k/v, gate/up); each part is split
+    on its own, so rank r holds ``[q_r; k_r; v_r]``. Output ``y_r``: [b, s, sum of local part sizes].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: Sequence[ColumnPart],
+        tp: TensorParallelGroup,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.parts = tuple(parts)
+        self.tp = tp
+        self.sequence_parallel = sequence_parallel
+        rows = sum(p.size for p in self.parts)
+        # zeros: rows past a part's end (vocab padding) are never loaded and must stay inert
+        self.weight = nn.Parameter(torch.zeros(rows, in_features, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [b, s, in] (or [b, s/t, in] with sequence parallel) -> [b, s, local out]."""
+        if self.sequence_parallel:
+            return F.linear(gather_from_sequence_region(x, self.tp), self.weight)
+        return column_parallel_matmul(x, self.weight, self.tp)
+
+    def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
+        shards, start = {}, 0
+        for part in self.parts:
+            held = max(0, min(part.size, part.rows - part.offset))
+            shards[prefix + part.name] = ShardInfo(
+                param=self.weight,
+                local_rows=slice(start, start + held),
+                global_shape=(part.rows, self.in_features),
+                dim=None if part.size == part.rows else 0,
+                offset=part.offset,
+                replicated_over_tp=part.replicas > 1,
+                primary=part.primary,
+                grad_is_partial=part.replicas > 1,
+            )
+            start += part.size
+        return shards
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T`` with the input features (columns of ``W``) split over the tp ranks::
+
+           W [out, in]
+    +--------+--------+
+    |  W_0   |  W_1   |        x_r [b, s, in/t] (the output of a column-parallel layer, never gathered)
+    +--------+--------+        each rank: partial y_r = x_r @ W_r.T   [b, s, out]
+       r0       r1             g: reduce_from_tp_region  (all-reduce fwd, identity bwd) -> y [b, s, out]
+                               or reduce_scatter_to_sequence_region (reduce-scatter fwd, all-gather bwd)
+                                  -> y [b, s/t, out] with sequence parallel
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TensorParallelGroup,
+        *,
+        name: str = "weight",
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"{name}: {in_features} input features do not split over tp={tp.size}")
+        self.in_features, self.out_features, self.name = in_features, out_features, name
+        self.tp = tp
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features // tp.size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [b, s, in/t] -> [b, s, out] (or [b, s/t, out] with sequence parallel), summed over tp."""
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(y, self.tp)
+        return reduce_from_tp_region(y, self.tp)
+
+    def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
+        local = self.in_features // self.tp.size
+        return {
+            prefix + self.name: ShardInfo(
+                param=self.weight,
+                local_rows=slice(None),
+                global_shape=(self.out_features, self.in_features),
+                dim=1 if self.tp.size > 1 else None,
+                offset=self.tp.rank * local,
+            )
+        }

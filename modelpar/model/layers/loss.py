@@ -1,0 +1,39 @@
+"""Cross-entropy on vocab-parallel logits (the full-vocab logits are never gathered)."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from modelpar_kernels import vocab_parallel_cross_entropy
+
+from modelpar.model.layers.embedding import vocab_range
+from modelpar.parallel.comm import TensorParallelGroup, comm_tag
+
+IGNORE_INDEX = -100
+
+
+def vocab_parallel_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    tp: TensorParallelGroup,
+    vocab_size: int,
+    *,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Mean cross-entropy over the tokens whose target is not -100.
+
+    logits: [b, s, V_pad/t], this rank's slice of the padded vocabulary (columns >= ``vocab_size`` are padding
+    and never take part); targets: [b, s] global token ids. Communication (torch reference): an all-reduce of
+    the row max (b*s elements) and one of sum-exp and target logit together (2*b*s), tagged "loss".
+    """
+    start, _ = vocab_range(vocab_size, tp)
+    with comm_tag("loss"):
+        return vocab_parallel_cross_entropy(
+            rearrange(logits, "b s v -> (b s) v"),
+            rearrange(targets, "b s -> (b s)"),
+            vocab_start=start,
+            vocab_size=vocab_size,
+            group=tp.group if tp.size > 1 else None,
+            ignore_index=IGNORE_INDEX,
+            backend=backend,
+        )

@@ -1,0 +1,386 @@
+"""A Llama-style decoder, tensor-parallel inside each layer and sliceable into pipeline stages.
+
+    ids [b, s] -> VocabParallelEmbedding -> [Block: x + attn(norm(x)); x + mlp(norm(x))] x L -> RMSNorm
+        -> column-parallel lm_head -> logits [b, s, V_pad/t] -> vocab-parallel cross-entropy
+
+A ``ModelChunk`` is a contiguous run of blocks, plus the embedding on the first chunk and the final norm and
+head on the last; the whole model is one chunk holding everything, and tp=1 without a process group is the
+single-device reference. Under sequence parallel the residual stream between blocks (and between pipeline
+stages) is sharded along the sequence: [b, s/t, h].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from modelpar_kernels import BACKENDS, resolve_backend
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from modelpar.model.init import init_logical
+from modelpar.model.layers import (
+    ColumnParallelLinear,
+    ColumnPart,
+    ParallelAttention,
+    ParallelSwiGLU,
+    RMSNorm,
+    ShardInfo,
+    VocabParallelEmbedding,
+    vocab_parallel_loss,
+    vocab_range,
+)
+from modelpar.parallel.comm import TensorParallelGroup, all_reduce, comm_tag
+from modelpar.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Shape of the model; parallelism lives in the layout, not here."""
+
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    ffn_hidden: int = 176
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"model.hidden={self.hidden} is not a multiple of heads={self.heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim hidden/heads={self.head_dim} must be even for RoPE")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model.kv_heads={self.kv_heads} must divide heads={self.heads}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"model.kernels={self.kernels!r} is not one of {BACKENDS}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise ``LayoutError`` (one line, with a fix) if ``layout`` cannot shard this model."""
+        layout.check_model(layers=self.layers, heads=self.heads, kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden)
+
+
+BLOCK_HALVES = ("attention", "mlp")
+# none: keep what every op saves for backward; full: keep each block's input only and rerun the block in backward
+RECOMPUTE = ("none", "full")
+
+
+class Block(nn.Module):
+    """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h].
+
+    ``half="attention"`` or ``"mlp"`` builds only that half (a pipeline split inside the block); the other half
+    lives in the neighbouring chunk, and the residual stream between them is what crosses the stages.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp: TensorParallelGroup,
+        *,
+        sequence_parallel: bool,
+        backend: str,
+        half: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if half is not None and half not in BLOCK_HALVES:
+            raise ValueError(f"half={half!r} must be None or one of {BLOCK_HALVES}")
+        self.half = half
+        kw = dict(sequence_parallel=sequence_parallel, backend=backend, device=device, dtype=dtype)
+        if half != "mlp":
+            self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
+            self.self_attn = ParallelAttention(
+                config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, **kw
+            )
+        if half != "attention":
+            self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
+            self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.half != "mlp":
+            x = x + self.self_attn(self.input_layernorm(x))
+        if self.half != "attention":
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
+
+    def logical_shards(self, prefix: str) -> dict[str, ShardInfo]:
+        shards = {}
+        if self.half != "mlp":
+            shards |= self.input_layernorm.logical_shards(prefix + "input_layernorm.")
+            shards |= self.self_attn.logical_shards(prefix + "self_attn.")
+        if self.half != "attention":
+            shards |= self.post_attention_layernorm.logical_shards(prefix + "post_attention_layernorm.")
+            shards |= self.mlp.logical_shards(prefix + "mlp.")
+        return shards
+
+
+Fetch = Callable[[str, ShardInfo], torch.Tensor]
+
+
+def _run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block under the "layer" communication tag, so that its collectives count as the layer's when a
+    recompute reruns it inside backward too."""
+    with comm_tag("layer"):
+        return block(x)
+
+
+class ModelChunk(nn.Module):
+    """Blocks ``layer_ids`` of the model, plus the embedding if ``first`` and the final norm and head if ``last``.
+
+    ``split_blocks`` names blocks of ``layer_ids`` held only in part (``{4: "mlp"}``: block 4's MLP half, its
+    attention being in the previous chunk); only the first block may be an ``"mlp"`` half and only the last an
+    ``"attention"`` half, so the chunk stays a contiguous piece of the model.
+
+    ``chunk(x)``: x is token ids [b, s] int64 on the first chunk, else the residual stream [b, s, h]
+    ([b, s/t, h] with sequence parallel). Returns the residual stream, or this rank's vocab-shard logits
+    [b, s, V_pad/t] on the last chunk. Parameters hold only this rank's tp shard; ``logical_shards`` maps them
+    to the global (HF Llama named) tensors. With tied embeddings the head reuses the embedding when both are in
+    this chunk; otherwise the last chunk holds a copy named ``embed_tokens.weight`` too, whose gradient the
+    trainer adds to the first chunk's (and vice versa) over the embedding group.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp: TensorParallelGroup,
+        layer_ids: Iterable[int],
+        *,
+        first: bool,
+        last: bool,
+        split_blocks: Mapping[int, str] | None = None,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
+        self.config, self.tp, self.first, self.last = config, tp, first, last
+        self.recompute = recompute
+        self.layer_ids = ids = tuple(layer_ids)
+        if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
+            raise ValueError(f"layer_ids={ids} must be ascending ids in 0..{config.layers - 1}")
+        self.split_blocks = dict(split_blocks or {})
+        for i, half in self.split_blocks.items():
+            if not ((ids and i == ids[0] and half == "mlp") or (ids and i == ids[-1] and half == "attention")):
+                raise ValueError(
+                    f"split_blocks={self.split_blocks}: only the first block may be an 'mlp' half and only the last "
+                    f"an 'attention' half of layer_ids={ids}"
+                )
+        ParallelLayout(tp=tp.size).check_model(
+            layers=config.layers, heads=config.heads, kv_heads=config.kv_heads, ffn_hidden=config.ffn_hidden
+        )
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.backend = resolve_backend(config.kernels, device or "cpu")
+        kw = dict(sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
+        h = config.hidden
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, **kw) if first else None
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, tp, backend=self.backend, half=self.split_blocks.get(i), **kw) for i in ids}
+        )
+        self.norm = RMSNorm(h, config.norm_eps, tp, backend=self.backend, **kw) if last else None
+        self.lm_head = None
+        if last:
+            start, size = vocab_range(config.vocab_size, tp)
+            head_name = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
+            self.lm_head = ColumnParallelLinear(h, [ColumnPart(head_name, config.vocab_size, start, size)], tp, **kw)
+            if config.tie_embeddings and first:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ids [b, s] (first chunk) or [b, s, h] / [b, s/t, h] -> [b, s, h] / [b, s/t, h] or logits."""
+        if self.embed_tokens is not None:
+            self._check_sequence(x.shape[1])
+            with comm_tag("embedding"):
+                x = self.embed_tokens(x)
+        with comm_tag("layer"):
+            for block in self.layers.values():
+                if self.recompute == "full" and torch.is_grad_enabled():
+                    # keep the block's input only; backward reruns its forward (collectives included, in the
+                    # same order on every tp rank) to get what its own backward needs
+                    x = checkpoint(_run_block, block, x, use_reentrant=False)
+                else:
+                    x = block(x)
+        if self.lm_head is not None:
+            with comm_tag("head"):
+                x = self.lm_head(self.norm(x))
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of this rank's logits [b, s, V_pad/t] against targets [b, s] (-100: ignored).
+
+        With the Triton kernels the logits buffer is consumed (overwritten by its gradient): do not read it after.
+        """
+        return vocab_parallel_loss(logits, targets, self.tp, self.config.vocab_size, backend=self.backend)
+
+    def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """Shape of the residual stream entering or leaving this chunk between stages: [b, s, h] or [b, s/t, h]."""
+        self._check_sequence(seq)
+        return (batch, seq // self.tp.size if self.sequence_parallel else seq, self.config.hidden)
+
+    def _check_sequence(self, seq: int) -> None:
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}")
+        if self.sequence_parallel and seq % self.tp.size:
+            raise ValueError(f"sequence parallel needs the sequence length {seq} divisible by tp={self.tp.size}")
+
+    def logical_shards(self) -> dict[str, ShardInfo]:
+        """Every logical tensor this chunk holds (a piece of), by HF Llama name without the ``model.`` prefix."""
+        shards = {}
+        if self.embed_tokens is not None:
+            shards |= self.embed_tokens.logical_shards("embed_tokens.")
+        for i, block in self.layers.items():
+            shards |= block.logical_shards(f"layers.{i}.")
+        if self.lm_head is not None:
+            shards |= self.norm.logical_shards("norm.") | self.lm_head.logical_shards()
+        return shards
+
+    @torch.no_grad()
+    def load_logical(self, fetch: Fetch) -> None:
+        """Set every logical tensor from ``fetch(name, shard)``.
+
+        ``fetch`` returns either the full global tensor (``shard.global_shape``; this rank slices it) or just
+        this rank's piece (``shard.local_shape``, i.e. ``global[shard.index]``). Padded vocab rows are untouched.
+        """
+        for name, shard in self.logical_shards().items():
+            value = fetch(name, shard)
+            if tuple(value.shape) == shard.global_shape:
+                value = value[shard.index]
+            elif tuple(value.shape) != shard.local_shape:
+                raise ValueError(
+                    f"{name}: got shape {tuple(value.shape)}, expected the global {shard.global_shape} "
+                    f"or this rank's {shard.local_shape}"
+                )
+            shard.tensor.copy_(value)
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The global value of every logical tensor of this chunk, assembled over tp (collective, tag "export")."""
+        state = {}
+        for name, shard in self.logical_shards().items():
+            full = torch.zeros(shard.global_shape, dtype=shard.param.dtype, device=shard.param.device)
+            if shard.primary:
+                full[shard.index] = shard.tensor
+            if self.tp.size > 1:
+                with comm_tag("export"):
+                    all_reduce(full, self.tp.group)
+            state[name] = full
+        return state
+
+    @torch.no_grad()
+    def reduce_tensor_parallel_grads(self) -> None:
+        """Sum the partial gradients of tp-replicated weights over the tp group; call once after backward.
+
+        Partial gradients come from norm weights under sequence parallel (each rank saw s/t tokens) and from kv
+        heads replicated because kv_heads < tp (each rank used them for its own query heads only). Call after
+        the last micro-batch's backward and before data-parallel reduction and clipping. One all-reduce per
+        chunk, tagged "grad_sync"; nothing when no weight is partial.
+        """
+        partial = [s for s in self.logical_shards().values() if s.grad_is_partial]
+        if not partial:
+            return
+        buffers = []
+        for shard in partial:
+            full = torch.zeros(shard.global_shape, dtype=shard.param.dtype, device=shard.param.device)
+            if shard.grad is not None:
+                full[shard.index] = shard.grad
+            buffers.append(full.flatten())
+        flat = torch.cat(buffers)
+        with comm_tag("grad_sync"):
+            all_reduce(flat, self.tp.group)
+        for shard, piece in zip(partial, flat.split([b.numel() for b in buffers]), strict=True):
+            if shard.param.grad is None:
+                shard.param.grad = torch.zeros_like(shard.param)
+            shard.grad.copy_(piece.view(shard.global_shape)[shard.index])
+
+    def initialise(self, seed: int) -> None:
+        """Layout-invariant initialisation: every logical tensor drawn whole from (seed, name), then sliced."""
+        c = self.config
+        self.load_logical(
+            lambda name, shard: init_logical(name, shard.global_shape, seed=seed, std=c.init_std, layers=c.layers)
+        )
+
+
+def tensor_parallel_group(groups=None) -> TensorParallelGroup:
+    """The tp group of a ``ParallelGroups``, a ``TensorParallelGroup`` as is, or the single device for None."""
+    if groups is None:
+        return TensorParallelGroup()
+    if isinstance(groups, TensorParallelGroup):
+        return groups
+    return TensorParallelGroup.of(groups)
+
+
+def build_chunk(
+    config: TransformerConfig,
+    groups,
+    layer_ids: Iterable[int],
+    *,
+    first: bool,
+    last: bool,
+    seed: int,
+    split_blocks: Mapping[int, str] | None = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> ModelChunk:
+    """One pipeline chunk, initialised layout-invariantly from ``seed``.
+
+    ``groups``: a ``ParallelGroups`` (its tp group is used), a ``TensorParallelGroup``, or None (single device).
+    ``split_blocks``: blocks held in part, as for ``ModelChunk``.
+    """
+    chunk = ModelChunk(
+        config,
+        tensor_parallel_group(groups),
+        layer_ids,
+        first=first,
+        last=last,
+        split_blocks=split_blocks,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        device=device,
+        dtype=dtype,
+    )
+    chunk.initialise(seed)
+    return chunk
+
+
+def build_model(
+    config: TransformerConfig,
+    groups=None,
+    *,
+    seed: int,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> ModelChunk:
+    """The whole model as one chunk (no pipeline). With ``groups=None`` it is the single-device model."""
+    return build_chunk(
+        config,
+        groups,
+        range(config.layers),
+        first=True,
+        last=True,
+        seed=seed,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        device=device,
+        dtype=dtype,
+    )

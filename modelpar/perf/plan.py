@@ -1,0 +1,868 @@
+"""Layout planner: predict memory and step time of every ``tp x pp x dp`` strategy and rank those that fit.
+
+An analytical model, not a simulator. For one strategy (layout, micro-batching, recompute, ZeRO-1, SP) it
+predicts, on the busiest rank:
+
+Memory (bytes), mixed precision ``bf16``: 18 bytes per parameter = 2 (bf16 weights) + 4 (fp32 gradients)
++ 12 (fp32 master weights and the two Adam moments); ZeRO-1 divides the 12 by dp. ``fp32`` (CPU): 16 =
+4 + 4 + 8 (no master copy). Activations per layer per micro-batch (Korthikanti et al. 2022, 16-bit, GPT
+block; doubled for fp32)::
+
+    none        s*b*h * (10 + 24/t + 5*a*s/(h*t))        with SP:  s*b*h * (34 + 5*a*s/h) / t
+    selective   s*b*h * (10 + 24/t)                      with SP:  s*b*h * 34 / t
+    full        2*s*b*h (the layer input only)           with SP:  2*s*b*h / t
+
+times the layers of one model chunk times the chunks in flight on that rank, read off the schedules in
+``modelpar.pipeline.schedule``: 1F1B holds ``min(m, p - r)`` micro-batches on stage ``r``; interleaved
+warms up with ``2*(p - r - 1) + (v - 1)*p`` chunk forwards and holds one more, which on the first stage is
+``L * (1 + (p-1)/(p*v))`` layers' worth (Korthikanti et al. 2022, section 4.2.3). Recompute adds one layer's
+transient working set; the last stage adds fp32 logits ``4*s*b*V/t``; the first the embedding's dropout mask.
+
+Step time, from the per-rank FLOPs of ``modelpar.model.flops`` (plus recomputed forwards)::
+
+    compute_s  = FLOPs on the busiest rank / (peak * efficiency)
+                 + element-wise work tp repeats on every rank (``REPLICATED_PASSES`` [b, s, h] passes per
+                 layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
+                 dispatch, which no parallelism shrinks)
+    tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
+                 ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node
+    pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
+    dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap);
+                 ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
+    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s)
+    total_s    = the sum of the above
+
+Ranks sharing one machine's cores (``compute_units`` > 0, a CPU): with more than one rank, compute_s times
+``busy_slowdown`` (cores busy at once share caches and memory bandwidth; measured, not assumed). More ranks
+than ``compute_units``: compute_s, tp_comm_s and pp_comm_s also times ranks / units, and the bubble only where
+the critical path (compute_s + bubble_s) is longer than that.
+
+The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) and ``CostModel``
+(achievable efficiency, DP overlap); ``tests/test_plan.py`` checks the model against Narayanan et al. 2021.
+
+Left out, so read predictions as +-15%: matmul efficiency falling for small or thin GEMMs (one global factor
+instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, ZB-H1 and
+GPipe schedules, and the memory of an uneven split (the busiest chunk's layers are assumed on every stage). The
+Korthikanti activation terms are for a GPT block (4h GeLU MLP); a SwiGLU block differs by a few ``sbh``.
+``ModelSpec.flash_attention`` drops the stored ``s x s`` scores (what a fused attention kernel does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import yaml
+
+from modelpar.model.flops import ModelShape, training_flops_per_token
+from modelpar.parallel.layout import LayoutError, ParallelLayout
+from modelpar.training.config import RECIPES
+
+GIB = 2**30
+RECOMPUTE_MODES = ("none", "selective", "full")
+# what modelpar-train runs (parallel.recompute); selective (Megatron's: recompute the attention core) is modelled
+# for comparison with published runs only: modelpar's attention keeps no s x s scores to drop
+TRAINER_RECOMPUTE = ("none", "full")
+MODEL_PRESET_DIR = pathlib.Path(RECIPES) / "model"
+
+
+class PlanError(ValueError):
+    """Impossible planning inputs or no answer; the message is one line naming the problem and a fix."""
+
+
+# -- inputs --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs of a model: its matmul shape, whether the head shares the embedding, and whether
+    attention runs as a fused (flash) kernel that never stores the ``s x s`` scores."""
+
+    name: str
+    shape: ModelShape
+    tie_embeddings: bool = False
+    flash_attention: bool = False
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. Bandwidths are bytes/s per device, one direction."""
+
+    name: str
+    peak_flops: float  # dense FLOP/s of the training dtype (bf16 on GPUs, fp32 on CPU)
+    memory_bytes: float
+    intra_node_bw: float
+    inter_node_bw: float
+    gpus_per_node: int
+    latency_s: float  # per message (per ring step of a collective)
+    reserved_bytes: float = 2 * GIB  # runtime context, communication buffers, allocator slack
+    dtype: str = "bf16"  # bf16: mixed precision with fp32 master weights; fp32: everything fp32
+    memory_bw: float = 0.0  # bytes/s one rank's element-wise ops stream at (0: not modelled)
+    compute_units: int = 0  # ranks that can compute at once (CPU cores); 0: every rank has its own device
+    layer_overhead_s: float = 0.0  # host cost of one layer's fwd+bwd per micro-batch that tp does not shrink
+    #   (op dispatch and autograd bookkeeping on CPU, kernel launches on GPU); 0: not modelled
+    busy_slowdown: float = 1.0  # compute time x this when ranks share the compute units (CPU cores) and more
+    #   than one computes at once; 1.0 with a device per rank
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Per parameter: fp32 master (bf16 only) and the two fp32 Adam moments."""
+        return 12 if self.dtype == "bf16" else 8
+
+
+GRAD_BYTES = 4  # gradients are accumulated and reduced in fp32 in both dtypes
+
+HARDWARE = {
+    # A100 SXM 80GB: 312 TFLOP/s dense bf16; NVLink3 12 links x 25 GB/s per direction; DGX A100 has one
+    # 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s).
+    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 3e-6, memory_bw=2.0e12),
+    # Latency: ~3 us per ring step (NCCL's low-latency protocol), so an 8-GPU all-reduce starts at ~40 us.
+    # H100 SXM: 989 TFLOP/s dense bf16; NVLink4 18 links x 25 GB/s; one 400 Gb/s NDR NIC per GPU (50 GB/s).
+    # HBM: A100 80GB 2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s.
+    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=3.35e12),
+    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=4.8e12),
+    # This project's CPU machine, one thread per rank: torch fp32 matmul measured ~90-98 GFLOP/s on one
+    # AMD EPYC core; gloo over loopback moves ~1 GB/s with ~0.25 ms per message (2 MB all-reduce ~4 ms,
+    # send+recv round trip ~3.5 ms, see DESIGN.md); element-wise ops on [256, 256] fp32 ~10 GB/s with dispatch;
+    # 2 cores. Rough: benchmarks/plan_vs_measured.py calibrates all of these in the run it compares.
+    "cpu": Hardware(
+        "cpu",
+        100e9,
+        8 * GIB,
+        1e9,
+        1e9,
+        2,
+        250e-6,
+        reserved_bytes=0.5 * GIB,
+        dtype="fp32",
+        memory_bw=10e9,
+        compute_units=2,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The model's two calibration knobs, global (never per case).
+
+    ``efficiency``: fraction of peak the matmul-dominated compute reaches (kernels, non-matmul ops, launch
+    gaps, optimizer step all folded in). ``dp_overlap``: fraction of the DP gradient all-reduce hidden behind
+    backward (modelpar's buckets reduce during the last micro-batch's backward).
+    """
+
+    efficiency: float = 0.55
+    dp_overlap: float = 0.5
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a step: the layout plus micro-batching, activation recompute, ZeRO-1 and SP."""
+
+    layout: ParallelLayout
+    micro_batch_size: int
+    micro_batches: int
+    recompute: str = "none"  # none | selective | full
+    zero1: bool = False
+    sp: bool = False
+
+    @property
+    def global_batch(self) -> int:
+        return self.layout.dp * self.micro_batch_size * self.micro_batches
+
+    @property
+    def schedule(self) -> str:
+        if self.layout.pp == 1:
+            return "none"
+        return "interleaved" if self.layout.vpp > 1 else "1f1b"
+
+    def __str__(self) -> str:
+        flags = [f"b{self.micro_batch_size}", f"m{self.micro_batches}", f"rc-{self.recompute}"]
+        flags += ["zero1"] * self.zero1 + ["sp"] * self.sp
+        return f"{self.layout} {' '.join(flags)}"
+
+
+# -- outputs -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one rank; ``stage`` names which pipeline stage (first or last) this is."""
+
+    stage: str
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    reserved: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.reserved
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step of one strategy: seconds per component on the busiest rank, memory on the fullest."""
+
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float  # exposed part only
+    bubble_s: float
+    memory: MemoryBreakdown
+    fits: bool
+    tokens_per_s: float
+    model_flops_per_step: float  # modelpar.model.flops convention, no recompute
+    hardware_flops_per_step: float  # including recomputed forwards
+    mfu: float
+    hfu: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["total_s"] = self.total_s
+        out["memory"]["total"] = self.memory.total
+        return out
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    strategy: Strategy
+    prediction: Prediction
+
+    def as_dict(self) -> dict:
+        s = self.strategy
+        return {
+            "tp": s.layout.tp,
+            "pp": s.layout.pp,
+            "dp": s.layout.dp,
+            "vpp": s.layout.vpp,
+            "schedule": s.schedule,
+            "micro_batch_size": s.micro_batch_size,
+            "micro_batches": s.micro_batches,
+            "recompute": s.recompute,
+            "zero1": s.zero1,
+            "sp": s.sp,
+            **self.prediction.as_dict(),
+        }
+
+
+# -- the model's pieces --------------------------------------------------------------------------------------
+
+
+def layers_per_chunk(layers: int, layout: ParallelLayout) -> int:
+    """Layers in the busiest model chunk (uneven splits give some chunk one more)."""
+    return math.ceil(layers / (layout.pp * layout.vpp))
+
+
+def chunks_in_flight(strategy: Strategy, stage: int) -> int:
+    """Model chunks whose activations stage ``stage`` holds at its peak under the strategy's schedule."""
+    p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
+    if v == 1:
+        return min(m, p - stage)
+    return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+
+
+def activation_bytes_per_layer(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """Stored activations of one layer for one micro-batch (Korthikanti et al. 2022, table 2)."""
+    s, b, h, a, t = seq_len, strategy.micro_batch_size, model.shape.hidden, model.shape.heads, strategy.layout.tp
+    attention_scores = 0 if model.flash_attention else 5 * a * s / h
+    if strategy.recompute == "full":
+        per_token = 2.0 / (t if strategy.sp else 1)
+    elif strategy.sp:
+        per_token = (34 + (attention_scores if strategy.recompute == "none" else 0)) / t
+    else:
+        per_token = 10 + 24 / t + (attention_scores / t if strategy.recompute == "none" else 0)
+    return s * b * h * per_token * (hardware.weight_bytes / 2)
+
+
+def recompute_working_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """Transient activations rebuilt while one layer's backward runs (nothing without recompute)."""
+    if strategy.recompute == "none":
+        return 0.0
+    full = dataclasses.replace(strategy, recompute="none")
+    kept = activation_bytes_per_layer(model, strategy, seq_len, hardware)
+    return activation_bytes_per_layer(model, full, seq_len, hardware) - kept
+
+
+def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
+    """Parameters stored on a rank of pipeline stage ``stage`` (its tp shard)."""
+    shape, t = model.shape, layout.tp
+    layer = shape.block_params() / t + 2 * shape.hidden  # norms are replicated over tp
+    params = layers_per_chunk(shape.layers, layout) * layout.vpp * layer
+    embedding = shape.vocab_size * shape.hidden / t
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        params += embedding
+    if last:
+        params += shape.hidden + (0 if first and model.tie_embeddings else embedding)
+    return params
+
+
+def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> MemoryBreakdown:
+    layout = strategy.layout
+    params = stage_params(model, layout, stage)
+    s, b, h, t = seq_len, strategy.micro_batch_size, model.shape.hidden, layout.tp
+    in_flight = chunks_in_flight(strategy, stage)
+    per_layer = activation_bytes_per_layer(model, strategy, seq_len, hardware)
+    activations = per_layer * layers_per_chunk(model.shape.layers, layout) * in_flight
+    activations += recompute_working_bytes(model, strategy, seq_len, hardware)
+    if stage == 0:
+        activations += s * b * h * in_flight / (t if strategy.sp else 1)  # embedding dropout mask, 1 byte
+    if stage == layout.pp - 1:
+        activations += 4 * s * b * model.shape.vocab_size / t  # fp32 logits for the cross-entropy
+    optimizer = params * hardware.optimizer_bytes / (layout.dp if strategy.zero1 else 1)
+    return MemoryBreakdown(
+        stage="first" if stage == 0 else "last",
+        weights=params * hardware.weight_bytes,
+        grads=params * GRAD_BYTES,
+        optimizer=optimizer,
+        activations=activations,
+        reserved=hardware.reserved_bytes,
+    )
+
+
+def peak_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> MemoryBreakdown:
+    """The fuller of the first stage (most micro-batches in flight) and the last (head and logits)."""
+    stages = {0, strategy.layout.pp - 1}
+    return max((stage_memory(model, strategy, seq_len, hardware, st) for st in stages), key=lambda m: m.total)
+
+
+def ring_all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency_s: float) -> float:
+    """Ring all-reduce: reduce-scatter then all-gather, 2(n-1) steps each moving nbytes/n."""
+    if ranks == 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency_s
+
+
+def ring_all_gather_s(nbytes: float, ranks: int, bandwidth: float, latency_s: float) -> float:
+    """Ring all-gather (or reduce-scatter) of a tensor of ``nbytes`` in total: n-1 steps of nbytes/n."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency_s
+
+
+def group_bandwidth(hardware: Hardware, span: int) -> float:
+    """Bandwidth of a group whose ranks lie within ``span`` consecutive ranks: NVLink if one node holds it."""
+    return hardware.intra_node_bw if span <= hardware.gpus_per_node else hardware.inter_node_bw
+
+
+def layer_forward_flops(shape: ModelShape, tokens: int, seq_len: int) -> float:
+    """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
+    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
+
+
+# Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
+# split (sequence parallelism does): two RMSNorms (forward ~3 passes, backward ~6) and two residual adds
+# (forward 3, backward ~2), counted in activation-sized reads plus writes.
+REPLICATED_PASSES = 24
+
+
+def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """One micro-batch's work that every tp rank repeats, on the busiest rank: element-wise passes (0 without
+    ``memory_bw``) and the per-layer host overhead (``layer_overhead_s``)."""
+    layout = strategy.layout
+    layers = layers_per_chunk(model.shape.layers, layout) * layout.vpp
+    overhead = layers * hardware.layer_overhead_s
+    if not hardware.memory_bw:
+        return overhead
+    nbytes = strategy.micro_batch_size * seq_len * model.shape.hidden * hardware.weight_bytes * REPLICATED_PASSES
+    return overhead + layers * nbytes / (layout.tp if strategy.sp else 1) / hardware.memory_bw
+
+
+def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
+    """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included.
+
+    The blocks are split as the trainer's default ``parallel.partition=flops`` splits them: the last chunk's
+    head counts against half blocks (``partition_by_cost``), so the busiest rank is the costliest chunk set.
+    """
+    shape, layout = model.shape, strategy.layout
+    tokens = strategy.micro_batch_size * seq_len
+    forward = layer_forward_flops(shape, tokens, seq_len)
+    extra = {"none": 0.0, "selective": 4.0 * tokens * shape.hidden * seq_len, "full": forward}[strategy.recompute]
+    block = 3 * forward + extra
+    head = 6.0 * tokens * shape.vocab_size * shape.hidden
+    if layout.pp == 1:
+        return shape.layers * block + head
+    attention_share = (2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len) / forward
+    return block * _busiest_rank_blocks(
+        shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float, attention_share: float) -> float:
+    """Cost of the busiest rank, in blocks, under the trainer's FLOP-balanced split in half blocks (attention
+    costs ``attention_share`` of a block, the MLP the rest, the head ``head_in_blocks``)."""
+    from modelpar.pipeline.partition import partition_by_cost
+
+    halves = [attention_share, 1.0 - attention_share] * layers
+    split = partition_by_cost(halves, pp, vpp, head_cost=head_in_blocks, halves=True)
+
+    def cost(chunk: int) -> float:
+        start, stop = split.half_range(chunk)
+        return sum(halves[start:stop]) + head_in_blocks * split.has_head(chunk)
+
+    return max(sum(cost(c) for c in split.chunks_of(rank)) for rank in range(pp))
+
+
+def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
+    """Model FLOPs of the whole step plus the forwards that recompute runs again."""
+    shape, tokens = model.shape, strategy.global_batch * seq_len
+    forward = layer_forward_flops(shape, tokens, seq_len)
+    extra = {"none": 0.0, "selective": 4.0 * tokens * shape.hidden * seq_len, "full": forward}[strategy.recompute]
+    return training_flops_per_token(shape, seq_len) * tokens + shape.layers * extra
+
+
+# -- prediction ----------------------------------------------------------------------------------------------
+
+
+def predict(
+    strategy: Strategy, model: ModelSpec, hardware: Hardware, *, seq_len: int, costs: CostModel | None = None
+) -> Prediction:
+    """Predicted step time and peak memory of ``strategy`` (see the module docstring for every formula)."""
+    costs = costs or CostModel()
+    layout = strategy.layout
+    t, p, v, m = layout.tp, layout.pp, layout.vpp, strategy.micro_batches
+    shape, b = model.shape, strategy.micro_batch_size
+    rate = hardware.peak_flops * costs.efficiency
+    compute_s = m * stage_step_flops(model, strategy, seq_len) / t / rate
+    compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
+
+    act_bytes = b * seq_len * shape.hidden * hardware.weight_bytes  # one [b, s, h] activation
+    collectives_per_layer = 6 if strategy.recompute == "full" else 4
+    layers_on_rank = layers_per_chunk(shape.layers, layout) * v
+    tp_bw = group_bandwidth(hardware, t)
+    tp_comm_s = m * layers_on_rank * collectives_per_layer * ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
+
+    pp_comm_s = 0.0
+    if p > 1:
+        # Scatter/gather (Narayanan et al. 2021, 4.1): each tp rank sends 1/t of the activation, the receiver
+        # all-gathers it over NVLink; with SP the activation is already sharded.
+        link = group_bandwidth(hardware, t * p)
+        p2p_s = act_bytes / t / link + hardware.latency_s
+        if not strategy.sp:
+            p2p_s += ring_all_gather_s(act_bytes, t, hardware.intra_node_bw, hardware.latency_s)
+        pp_comm_s = 2 * (v * m + p - 1) * p2p_s
+
+    dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
+    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s)
+    units = hardware.compute_units
+    if units and layout.world_size > 1:
+        compute_s *= hardware.busy_slowdown
+    if units and layout.world_size > units:
+        # more ranks than cores: they time-share, and a rank idle in the bubble hands its core to the others,
+        # so the step is the larger of all ranks' compute spread over the cores and the critical path; a
+        # message needs both of its ranks running, so communication stretches by the same factor
+        share = layout.world_size / units
+        shared = compute_s * share
+        bubble_s = max(0.0, compute_s + bubble_s - shared)
+        compute_s = shared
+        tp_comm_s *= share
+        pp_comm_s *= share
+    memory = peak_memory(model, strategy, seq_len, hardware)
+    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + bubble_s
+    tokens = strategy.global_batch * seq_len
+    model_flops = training_flops_per_token(shape, seq_len) * tokens
+    hw_flops = hardware_flops_per_step(model, strategy, seq_len)
+    world_peak = layout.world_size * hardware.peak_flops
+    return Prediction(
+        compute_s=compute_s,
+        tp_comm_s=tp_comm_s,
+        pp_comm_s=pp_comm_s,
+        dp_comm_s=dp_comm_s,
+        bubble_s=bubble_s,
+        memory=memory,
+        fits=memory.total <= hardware.memory_bytes,
+        tokens_per_s=tokens / total_s,
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hw_flops,
+        mfu=model_flops / total_s / world_peak,
+        hfu=hw_flops / total_s / world_peak,
+    )
+
+
+def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel) -> float:
+    """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages."""
+    layout = strategy.layout
+    t, p, d = layout.tp, layout.pp, layout.dp
+    params = max(stage_params(model, layout, st) for st in {0, p - 1})
+    bw = group_bandwidth(hardware, t * p * d)
+    exposed = 0.0
+    if d > 1 and strategy.zero1:
+        # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
+        exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+    elif d > 1:
+        exposed = (1 - costs.dp_overlap) * ring_all_reduce_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+    if p > 1 and model.tie_embeddings:
+        embedding = model.shape.vocab_size * model.shape.hidden / t * GRAD_BYTES
+        exposed += ring_all_reduce_s(embedding, 2, group_bandwidth(hardware, t * p), hardware.latency_s)
+    return exposed
+
+
+# -- search --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which strategies ``plan`` tries; ``None`` leaves a degree free. Every choice is a tuple of options."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    max_vpp: int = 4
+    max_micro_batch_size: int = 8
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    zero1: tuple[bool, ...] = (False, True)
+    sp: tuple[bool, ...] = (False, True)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def valid_layouts(model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace) -> list[ParallelLayout]:
+    """Every ``tp x pp x dp = gpus`` (vpp = 1) that shards the model and splits the batch."""
+    shape = model.shape
+    found = []
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if any(want is not None and want != got for want, got in ((space.tp, tp), (space.pp, pp), (space.dp, dp))):
+                continue
+            if global_batch % dp:
+                continue
+            layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+            try:
+                layout.check_model(
+                    layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, ffn_hidden=shape.ffn_hidden
+                )
+            except LayoutError:
+                continue
+            found.append(layout)
+    return found
+
+
+def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_len: int, space: SearchSpace):
+    """Every micro-batching, interleaving, recompute, ZeRO-1 and SP choice for one ``tp x pp x dp``."""
+    per_replica = global_batch // layout.dp
+    for b in (k for k in _divisors(per_replica) if k <= space.max_micro_batch_size):
+        m = per_replica // b
+        for v in range(1, space.max_vpp + 1 if layout.pp > 1 else 2):
+            # modelpar's interleaved schedule walks micro-batches in groups of pp.
+            if v > 1 and (m % layout.pp or layout.pp * v > model.shape.layers):
+                continue
+            chunked = dataclasses.replace(layout, vpp=v)
+            for recompute in space.recompute:
+                for zero1 in space.zero1 if layout.dp > 1 else (False,):
+                    for sp in space.sp if layout.tp > 1 and seq_len % layout.tp == 0 else (False,):
+                        yield Strategy(chunked, b, m, recompute, zero1, sp)
+
+
+def plan(
+    model: ModelSpec,
+    hardware: Hardware,
+    *,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    costs: CostModel | None = None,
+    space: SearchSpace | None = None,
+) -> list[PlannedLayout]:
+    """Strategies that fit in memory, fastest first (tokens/s, then less memory). Raises ``PlanError``."""
+    space = space or SearchSpace()
+    check_inputs(gpus=gpus, global_batch=global_batch, seq_len=seq_len, space=space)
+    layouts = valid_layouts(model, gpus, global_batch, space)
+    if not layouts:
+        raise PlanError(no_layout_message(model, gpus, global_batch, space))
+    planned, closest = [], None
+    for layout in layouts:
+        for strategy in strategies(model, layout, global_batch, seq_len, space):
+            prediction = predict(strategy, model, hardware, seq_len=seq_len, costs=costs)
+            entry = PlannedLayout(strategy, prediction)
+            if prediction.fits:
+                planned.append(entry)
+            elif closest is None or prediction.memory.total < closest.prediction.memory.total:
+                closest = entry
+    if not planned:
+        raise PlanError(nothing_fits_message(closest, hardware))
+    planned.sort(key=lambda e: (-e.prediction.tokens_per_s, e.prediction.memory.total))
+    return planned
+
+
+def check_inputs(*, gpus: int, global_batch: int, seq_len: int, space: SearchSpace) -> None:
+    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name}={value!r} must be a positive integer")
+    for name in ("tp", "pp", "dp"):
+        want = getattr(space, name)
+        if want is not None and (want < 1 or gpus % want):
+            raise PlanError(f"{name}={want} does not divide gpus={gpus}; try {name} in {_divisors(gpus)}")
+    bad = [r for r in space.recompute if r not in RECOMPUTE_MODES]
+    if bad or not space.recompute:
+        raise PlanError(f"recompute={list(space.recompute)} must list modes from {', '.join(RECOMPUTE_MODES)}")
+
+
+def no_layout_message(model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace) -> str:
+    candidates = sorted(range(max(1, gpus - 64), gpus + 65), key=lambda n: (abs(n - gpus), n))
+    nearest = [n for n in candidates if n != gpus and valid_layouts(model, n, global_batch, space)][:3]
+    fix = f"try {' or '.join(map(str, sorted(nearest)))} GPUs" if nearest else "change the GPU count or the batch"
+    s = model.shape
+    return (
+        f"no tp x pp x dp factorisation of {gpus} GPUs suits {model.name} (heads={s.heads}, kv_heads={s.kv_heads}, "
+        f"layers={s.layers}, global batch {global_batch}): tp must divide the heads, pp <= layers, dp must divide "
+        f"the batch; {fix}"
+    )
+
+
+def nothing_fits_message(closest: PlannedLayout, hardware: Hardware) -> str:
+    memory = closest.prediction.memory
+    states = memory.weights + memory.grads + memory.optimizer + memory.reserved
+    fix = (
+        "the model states alone exceed the device: add GPUs or memory"
+        if states > hardware.memory_bytes
+        else "shorten the micro-batch/sequence or add GPUs"
+    )
+    return (
+        f"nothing fits in {hardware.memory_bytes / GIB:.1f} GiB per device: the closest, {closest.strategy}, needs "
+        f"{memory.total / GIB:.1f} GiB on its {memory.stage} stage, missing by "
+        f"{(memory.total - hardware.memory_bytes) / GIB:.1f} GiB; {fix}"
+    )
+
+
+# -- presets -------------------------------------------------------------------------------------------------
+
+
+def model_presets() -> list[str]:
+    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml"))
+
+
+def load_model(name: str) -> ModelSpec:
+    """A model preset from ``recipes/model/<name>.yaml``."""
+    path = MODEL_PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise PlanError(f"unknown model preset {name!r}; choose one of {', '.join(model_presets())}")
+    cfg = yaml.safe_load(path.read_text())
+    shape = ModelShape(
+        cfg["vocab_size"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["ffn_hidden"]
+    )
+    return ModelSpec(cfg.get("name", name), shape, bool(cfg.get("tie_embeddings", False)))
+
+
+def load_hardware(name: str) -> Hardware:
+    if name not in HARDWARE:
+        raise PlanError(f"unknown hardware preset {name!r}; choose one of {', '.join(sorted(HARDWARE))}")
+    return HARDWARE[name]
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="modelpar-plan",
+        description="Rank tp x pp x dp layouts of a model by predicted throughput among those that fit in memory.",
+    )
+    ap.add_argument("--model", default="llama-8b", help=f"preset in recipes/model ({', '.join(model_presets())})")
+    for flag in ("vocab-size", "hidden", "layers", "heads", "kv-heads", "ffn-hidden"):
+        ap.add_argument(f"--{flag}", type=int, help="override the preset's shape")
+    ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument(
+        "--flash-attention", action="store_true", help="attention stores no s x s scores (drops the 5as/h term)"
+    )
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--hardware", default="h100-80gb", help=f"preset ({', '.join(sorted(HARDWARE))})")
+    ap.add_argument("--memory-gib", type=float, help="memory per device")
+    ap.add_argument("--peak-tflops", type=float, help="dense peak per device in the training dtype")
+    ap.add_argument("--intra-node-gbs", type=float, help="GB/s per device inside a node")
+    ap.add_argument("--inter-node-gbs", type=float, help="GB/s per device between nodes")
+    ap.add_argument("--gpus-per-node", type=int)
+    ap.add_argument("--latency-us", type=float, help="per message")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"))
+    ap.add_argument("--efficiency", type=float, default=CostModel.efficiency, help="achievable fraction of peak")
+    ap.add_argument("--dp-overlap", type=float, default=CostModel.dp_overlap, help="hidden fraction of DP comm")
+    ap.add_argument("--tp", type=int, help="pin tensor parallelism")
+    ap.add_argument("--pp", type=int, help="pin pipeline parallelism")
+    ap.add_argument("--dp", type=int, help="pin data parallelism")
+    ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
+    ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
+    ap.add_argument(
+        "--recompute",
+        default=",".join(TRAINER_RECOMPUTE),
+        help="comma-separated modes to try: none, full (what modelpar-train runs), selective (Megatron's, modelled)",
+    )
+    ap.add_argument("--top", type=int, default=10, help="rows to print")
+    ap.add_argument("--json", type=pathlib.Path, help="write every fitting layout here")
+    return ap
+
+
+# flag -> (Hardware field, unit of the flag in the field's units)
+HARDWARE_FLAGS = {
+    "memory_gib": ("memory_bytes", GIB),
+    "peak_tflops": ("peak_flops", 1e12),
+    "intra_node_gbs": ("intra_node_bw", 1e9),
+    "inter_node_gbs": ("inter_node_bw", 1e9),
+    "gpus_per_node": ("gpus_per_node", 1),
+    "latency_us": ("latency_s", 1e-6),
+}
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    """The ``--hardware`` preset with any of ``HARDWARE_FLAGS`` and ``--dtype`` overriding it."""
+    overrides = {"dtype": args.dtype} if args.dtype else {}
+    for flag, (field, unit) in HARDWARE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if value <= 0 and not (flag == "latency_us" and value == 0):
+            raise PlanError(f"--{flag.replace('_', '-')}={value} must be positive")
+        overrides[field] = value * unit
+    return dataclasses.replace(load_hardware(args.hardware), **overrides)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    spec = load_model(args.model)
+    shape_overrides = {
+        "vocab_size": args.vocab_size,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "ffn_hidden": args.ffn_hidden,
+    }
+    for key, value in shape_overrides.items():
+        if value is not None and value < 1:
+            raise PlanError(f"--{key.replace('_', '-')}={value} must be >= 1")
+    shape = dataclasses.replace(spec.shape, **{k: v for k, v in shape_overrides.items() if v is not None})
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise PlanError(f"hidden={shape.hidden}, heads={shape.heads}, kv_heads={shape.kv_heads} must divide evenly")
+    tie = spec.tie_embeddings if args.tie_embeddings is None else args.tie_embeddings
+    name = spec.name if shape == spec.shape else f"{spec.name} (custom shape)"
+    return ModelSpec(name, shape, tie, args.flash_attention)
+
+
+def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
+    """The ``modelpar-train`` overrides that run ``strategy`` (model and hardware aside), or None where the trainer
+    cannot (selective recompute)."""
+    if strategy.recompute not in TRAINER_RECOMPUTE:
+        return None
+    layout = strategy.layout
+    out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.dp={layout.dp}"]
+    if layout.vpp > 1:
+        out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
+    out.append(f"parallel.microbatches={strategy.micro_batches}")
+    out += ["parallel.sp=true"] * strategy.sp
+    out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
+    out += ["optim.zero=1"] * strategy.zero1
+    return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """``model=<preset>`` and the shape flags given, as ``modelpar-train`` overrides."""
+    out = [f"model={args.model}"]
+    for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"):
+        if getattr(args, key) is not None:
+            out.append(f"model.{key}={getattr(args, key)}")
+    if args.tie_embeddings is not None:
+        out.append(f"model.tie_embeddings={str(args.tie_embeddings).lower()}")
+    return out
+
+
+def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
+    header = (
+        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero1':<5} {'sp':<3} "
+        f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
+    )
+    yield header
+    yield "-" * len(header)
+    for i, entry in enumerate(planned[:top], 1):
+        s, p = entry.strategy, entry.prediction
+        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s
+        yield (
+            f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
+            f"{'yes' if s.zero1 else 'no':<5} {'yes' if s.sp else 'no':<3} {p.memory.total / GIB:>7.1f} "
+            f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
+            f"{comm / p.total_s:>5.1%}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model = model_from_args(args)
+        hardware = hardware_from_args(args)
+        space = SearchSpace(
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            max_vpp=args.max_vpp,
+            max_micro_batch_size=args.max_micro_batch_size,
+            recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
+        )
+        costs = CostModel(efficiency=args.efficiency, dp_overlap=args.dp_overlap)
+        if not 0 < costs.efficiency <= 1 or not 0 <= costs.dp_overlap <= 1:
+            raise PlanError("--efficiency must be in (0, 1] and --dp-overlap in [0, 1]")
+        planned = plan(
+            model,
+            hardware,
+            gpus=args.gpus,
+            global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            costs=costs,
+            space=space,
+        )
+    except PlanError as exc:
+        print(f"modelpar-plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{model.name} on {args.gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.0f} GiB, "
+        f"{hardware.peak_flops / 1e12:.4g} TFLOP/s {hardware.dtype}), batch {args.global_batch} x {args.seq_len}, "
+        f"efficiency {costs.efficiency}: {len(planned)} layouts fit"
+    )
+    for line in format_table(planned, args.top):
+        print(line)
+    best = trainer_overrides(planned[0].strategy, args.seq_len)
+    if best is None:
+        print("#1 uses selective recompute, which modelpar-train does not run (it has parallel.recompute=none|full)")
+    else:
+        print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
+    if args.json:
+        record = {
+            "model": {
+                "name": model.name,
+                **dataclasses.asdict(model.shape),
+                "tie_embeddings": model.tie_embeddings,
+                "flash_attention": model.flash_attention,
+            },
+            "hardware": dataclasses.asdict(hardware),
+            "costs": dataclasses.asdict(costs),
+            "gpus": args.gpus,
+            "global_batch": args.global_batch,
+            "seq_len": args.seq_len,
+            "layouts": [
+                entry.as_dict() | {"trainer_overrides": trainer_overrides(entry.strategy, args.seq_len)}
+                for entry in planned
+            ],
+        }
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

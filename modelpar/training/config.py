@@ -1,0 +1,273 @@
+"""The recipe schema: one dataclass per Hydra config group, validated before any rank starts.
+
+Hydra merges ``recipes/`` YAML and command-line overrides into these typed nodes, so an unknown key or a
+value of the wrong type is rejected by OmegaConf with the key's full path. ``validate`` then checks what
+types cannot express (the layout against the model, the batch against micro-batches, ...), one line each.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+from dataclasses import dataclass, field
+
+from modelpar.backends.gloo_cpu import AFFINITY_MODES, GLOO_THREAD_MODES
+from modelpar.model.transformer import RECOMPUTE
+from modelpar.parallel.comm import COLLECTIVE_ALGORITHMS
+from modelpar.parallel.layout import SCHEDULES, LayoutError, ParallelLayout
+
+# the shipped recipes: recipes/ in a checkout, the package data `modelpar_recipes` in an installed wheel
+RECIPES = str(importlib.resources.files("modelpar_recipes"))
+
+
+class RecipeError(ValueError):
+    """An invalid recipe; the message is one line naming the key, the problem and a fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    ffn_hidden: int = 176
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    kernels: str = "auto"
+
+
+PARTITIONS = ("flops", "blocks", "uniform", "params", "explicit")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    sp: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    # flops: balance half blocks (attention | MLP) against the head; blocks: the same in whole blocks;
+    # uniform: even layer counts; params: balance parameters; explicit: stage_layers
+    partition: str = "flops"
+    stage_layers: list[float] = field(default_factory=list)  # layers per chunk (4 or 4.5) when partition=explicit
+    collectives: str = "auto"  # auto | native | exchange (modelpar.parallel.comm.set_collective_algorithm)
+    recompute: str = "none"  # none | full: keep only each block's input and rerun its forward in backward
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    zero: int = 0
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a .npy of uint16/uint32 token ids; empty: the default corpus (Python's stdlib source)
+    val_path: str = ""
+    seq_len: int = 128
+    global_batch: int = 16
+    seed: int = 1234
+    corpus_max_bytes: int = 4_000_000
+    cache_dir: str = "data/cache"
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    seed: int = 0
+    out_dir: str = "runs/default"
+    log_every: int = 1
+    ckpt_every: int = 50
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    timeout_s: float = 300.0
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    threads_per_rank: int = 1
+    cpu_affinity: str = "auto"  # auto: bind each CPU rank to its own cores (modelpar.backends.gloo_cpu) | off
+    gloo_threads: str = "idle"  # idle: gloo's socket threads never take the core from compute (affinity) | normal
+    sample_tokens: int = 64
+    progress: bool = True
+    peak_tflops: float = 0.0  # per rank, for MFU; 0: a CPU estimate is not reported
+    nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the step on every rank, or halt
+    spike_factor: float = 0.0  # > 0: a loss above this factor x the recent mean is a spike
+    spike_action: str = "skip"  # skip | halt
+    check_every: int = 25  # steps between replica-drift and straggler checks (0: never)
+    drift_action: str = "warn"  # warn | halt
+    straggler_factor: float = 2.0  # a rank whose compute time exceeds this x the median is named
+    timeline_step: int = 0  # > 0: draw the pipeline timeline of this step to <out_dir>/timeline.png
+    tensorboard: bool = False  # also write scalars to <out_dir>/tensorboard (needs the tensorboard package)
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = ""
+    windows: int = 32
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def register_schema() -> None:
+    """Register the schema with Hydra's ConfigStore (recipes list it first in their defaults)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="modelpar_schema", node=TrainConfig)
+
+
+def validate(cfg: TrainConfig) -> ParallelLayout:
+    """Check what types cannot: raises ``RecipeError``/``LayoutError`` with one line. Returns the layout."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    for key, value in (
+        ("model.vocab_size", m.vocab_size),
+        ("model.hidden", m.hidden),
+        ("model.layers", m.layers),
+        ("model.heads", m.heads),
+        ("model.kv_heads", m.kv_heads),
+        ("model.ffn_hidden", m.ffn_hidden),
+        ("data.seq_len", d.seq_len),
+        ("data.global_batch", d.global_batch),
+        ("parallel.microbatches", p.microbatches),
+        ("trainer.steps", cfg.trainer.steps),
+    ):
+        if value < 1:
+            raise RecipeError(f"{key}={value} must be >= 1")
+    if m.hidden % m.heads:
+        raise RecipeError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
+    if (m.hidden // m.heads) % 2:
+        raise RecipeError(f"head dim {m.hidden // m.heads} must be even for RoPE; change model.hidden or model.heads")
+    if m.heads % m.kv_heads:
+        raise RecipeError(f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads}")
+    if d.seq_len > m.max_seq_len:
+        raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if m.kernels not in ("auto", "triton", "torch"):
+        raise RecipeError(f"model.kernels={m.kernels!r} must be one of auto, triton, torch")
+    if p.schedule not in SCHEDULES:
+        raise RecipeError(f"parallel.schedule={p.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if p.vpp > 1 and p.schedule != "interleaved":
+        raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+    if p.schedule == "interleaved" and p.vpp < 2:
+        raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
+    layout = p.layout()
+    layout.check_model(layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden)
+    if p.sp and p.tp > 1 and d.seq_len % p.tp:
+        raise RecipeError(f"parallel.sp=true needs data.seq_len={d.seq_len} divisible by parallel.tp={p.tp}")
+    if d.global_batch % p.dp:
+        raise RecipeError(f"data.global_batch={d.global_batch} is not divisible by parallel.dp={p.dp}")
+    per_replica = d.global_batch // p.dp
+    if per_replica % p.microbatches:
+        raise RecipeError(
+            f"parallel.microbatches={p.microbatches} does not divide the {per_replica} sequences per dp replica "
+            f"(data.global_batch={d.global_batch} / dp={p.dp}); try microbatches in "
+            f"{[k for k in range(1, per_replica + 1) if per_replica % k == 0]}"
+        )
+    if p.collectives not in COLLECTIVE_ALGORITHMS:
+        raise RecipeError(
+            f"parallel.collectives={p.collectives!r} is unknown; choose one of {', '.join(COLLECTIVE_ALGORITHMS)}"
+        )
+    if p.recompute not in RECOMPUTE:
+        raise RecipeError(f"parallel.recompute={p.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+    if p.partition not in PARTITIONS:
+        raise RecipeError(f"parallel.partition={p.partition!r} must be one of {', '.join(PARTITIONS)}")
+    if p.partition == "explicit" and (
+        len(p.stage_layers) != p.pp * p.vpp
+        or sum(p.stage_layers) != m.layers
+        or any(c < 0 or (2 * c) % 1 for c in p.stage_layers)
+    ):
+        raise RecipeError(
+            f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} whole or half (e.g. 4.5) "
+            f"counts >= 0 summing to model.layers={m.layers}"
+        )
+    if cfg.optim.zero not in (0, 1):
+        raise RecipeError(f"optim.zero={cfg.optim.zero} must be 0 or 1 (ZeRO-1 shards optimizer state over dp)")
+    if cfg.trainer.cpu_affinity not in AFFINITY_MODES:
+        raise RecipeError(
+            f"trainer.cpu_affinity={cfg.trainer.cpu_affinity!r} must be one of {', '.join(AFFINITY_MODES)}"
+        )
+    if cfg.trainer.gloo_threads not in GLOO_THREAD_MODES:
+        raise RecipeError(
+            f"trainer.gloo_threads={cfg.trainer.gloo_threads!r} must be one of {', '.join(GLOO_THREAD_MODES)}"
+        )
+    if cfg.trainer.dtype not in ("auto", "fp32", "bf16"):
+        raise RecipeError(f"trainer.dtype={cfg.trainer.dtype!r} must be auto, fp32 or bf16")
+    for key, value, allowed in (
+        ("trainer.nonfinite", cfg.trainer.nonfinite, ("skip", "halt")),
+        ("trainer.spike_action", cfg.trainer.spike_action, ("skip", "halt")),
+        ("trainer.drift_action", cfg.trainer.drift_action, ("warn", "halt")),
+    ):
+        if value not in allowed:
+            raise RecipeError(f"{key}={value!r} must be one of {', '.join(allowed)}")
+    if cfg.trainer.timeout_s <= 0:
+        raise RecipeError(f"trainer.timeout_s={cfg.trainer.timeout_s} must be > 0 (seconds before a stuck rank fails)")
+    if cfg.trainer.device not in ("auto", "cpu", "cuda"):
+        raise RecipeError(f"trainer.device={cfg.trainer.device!r} must be auto, cpu or cuda")
+    _check_numbers(cfg)
+    return layout
+
+
+SEED_LIMIT = 2**32  # numpy's seed range, which the trainer seeds too
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    """Numeric fields outside their meaningful range, each named with the range (one line)."""
+    m, o, d, t = cfg.model, cfg.optim, cfg.data, cfg.trainer
+    rules = (
+        ("model.max_seq_len", m.max_seq_len, m.max_seq_len >= 1, ">= 1"),
+        ("model.rope_theta", m.rope_theta, m.rope_theta > 0, "> 0"),
+        ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "> 0"),
+        ("model.init_std", m.init_std, m.init_std > 0, "> 0"),
+        ("optim.lr", o.lr, o.lr >= 0, ">= 0"),
+        ("optim.min_lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"between 0 and optim.lr={o.lr}"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+        ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0: measure the norm, clip nothing)"),
+        ("optim.bucket_mb", o.bucket_mb, o.bucket_mb > 0, "> 0"),
+        ("data.seed", d.seed, 0 <= d.seed < SEED_LIMIT, "in [0, 2**32)"),
+        ("data.corpus_max_bytes", d.corpus_max_bytes, d.corpus_max_bytes >= 1, ">= 1"),
+        ("trainer.seed", t.seed, 0 <= t.seed < SEED_LIMIT, "in [0, 2**32)"),
+        ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+        ("trainer.ckpt_every", t.ckpt_every, t.ckpt_every >= 0, ">= 0 (0: no checkpoints)"),
+        ("trainer.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0: keep every checkpoint)"),
+        ("trainer.threads_per_rank", t.threads_per_rank, t.threads_per_rank >= 1, ">= 1"),
+        ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0: no sample)"),
+        ("trainer.peak_tflops", t.peak_tflops, t.peak_tflops >= 0, ">= 0 (0: no MFU)"),
+        ("trainer.spike_factor", t.spike_factor, t.spike_factor == 0 or t.spike_factor > 1, "0 (off) or > 1"),
+        ("trainer.check_every", t.check_every, t.check_every >= 0, ">= 0 (0: never)"),
+        ("trainer.straggler_factor", t.straggler_factor, t.straggler_factor > 1, "> 1 (x the median rank)"),
+        ("trainer.timeline_step", t.timeline_step, t.timeline_step >= 0, ">= 0 (0: no timeline)"),
+        ("eval.windows", cfg.eval.windows, cfg.eval.windows >= 1, ">= 1"),
+    )
+    for key, value, ok, allowed in rules:
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):  # NaN fails every comparison
+            raise RecipeError(f"{key}={value} must be {allowed}" + (", and finite" if ok else ""))
+
+
+__all__ = ["LayoutError", "RecipeError", "TrainConfig", "register_schema", "validate"]
