@@ -92,7 +92,7 @@ def layer_overhead(layers: int = 8, reps: int = 20) -> float:
     (8 heads of 4, SwiGLU 32) on 2 sequences of 8 tokens, where matmuls, attention scores and element-wise
     work are all negligible and what remains is op dispatch and autograd bookkeeping."""
     from modelpar.model.transformer import Block, TransformerConfig
-    from modelpar.parallel.comm import TensorParallelGroup
+    from modelpar.parallel.regions import TensorParallelGroup
 
     torch.set_num_threads(1)
     config = TransformerConfig(vocab_size=64, hidden=32, layers=layers, heads=8, kv_heads=8, ffn_hidden=32)
@@ -113,7 +113,7 @@ def busy_slowdown(reps: int = 8) -> float:
     runs while the other rank runs the same loop on the other core than while it is idle (the fastest rep of
     each; shared caches and memory bandwidth)."""
     from modelpar.model.transformer import Block, TransformerConfig
-    from modelpar.parallel.comm import TensorParallelGroup
+    from modelpar.parallel.regions import TensorParallelGroup
 
     torch.set_num_threads(1)
     config = TransformerConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
@@ -148,7 +148,7 @@ def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
     (no barrier before each one, so the ranks' drift and the thread hand-offs count), bound and with the socket
     threads idle as the trainer runs its tp group."""
     from modelpar.backends.gloo_cpu import pinned, set_gloo_threads
-    from modelpar.parallel import comm
+    from modelpar.parallel import collectives
 
     torch.set_num_threads(1)
     a, b, x = torch.randn(256, 256), torch.randn(256, 768), torch.zeros(nbytes // 4)
@@ -159,7 +159,7 @@ def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
         for _ in range(reps):
             a @ b
             if with_comm:
-                comm.all_reduce(x, None)
+                collectives.all_reduce(x, None)
         return time.perf_counter() - start
 
     # as a tp step runs: bound to its core, the group's gloo socket thread idle (trainer.gloo_threads=idle)
@@ -174,24 +174,25 @@ def all_reduce_in_loop(nbytes: int = 262144, reps: int = 200) -> float:
 
 
 def gloo_links(sizes=(4, 65536, 262144, 1 << 20, 4 << 20), rounds: int = 20) -> dict:
-    """On 2 ranks: median all-reduce time per size, through the engine's collectives (``modelpar.parallel.comm``,
+    """On 2 ranks: median all-reduce time per size, through the engine's collectives (``modelpar.parallel.collectives``,
     algorithm ``auto``) and gloo's native ring beside; and half a send/recv round trip of 256 KiB."""
-    from modelpar.parallel import comm
+    from modelpar.backends import gloo_cpu
+    from modelpar.parallel import collectives
 
     rank = dist.get_rank()
     out = {"all_reduce_s": {}, "native_all_reduce_s": {}, "p2p_one_way_s": {}}
     for key, algorithm in (("all_reduce_s", "auto"), ("native_all_reduce_s", "native")):
-        comm.set_collective_algorithm(algorithm)
+        gloo_cpu.set_collective_algorithm(algorithm)
         for nbytes in sizes:
             x = torch.zeros(nbytes // 4)
             times = []
             for _ in range(rounds):
                 dist.barrier()
                 start = time.perf_counter()
-                comm.all_reduce(x, None)
+                collectives.all_reduce(x, None)
                 times.append(time.perf_counter() - start)
             out[key][nbytes] = statistics.median(times)
-    comm.set_collective_algorithm("auto")
+    gloo_cpu.set_collective_algorithm("auto")
     for nbytes in (4, 262144):
         x = torch.zeros(nbytes // 4)
         times = []

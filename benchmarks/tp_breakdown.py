@@ -53,8 +53,10 @@ class _Done:
 
 
 def skip_tp_collectives(tp_group: dist.ProcessGroup):
-    """Patch ``modelpar.parallel.comm`` so collectives over ``tp_group`` return at once; returns the undo function."""
-    import modelpar.parallel.comm as comm
+    """Patch the engine's collectives (``modelpar.parallel.collectives`` and the tp regions built on them) so
+    collectives over ``tp_group`` return at once; returns the undo function."""
+    import modelpar.parallel.collectives as comm
+    import modelpar.parallel.regions as regions
 
     saved = {name: getattr(comm, name) for name in ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter")}
 
@@ -81,11 +83,15 @@ def skip_tp_collectives(tp_group: dist.ProcessGroup):
         ("all_gather", all_gather),
         ("reduce_scatter", reduce_scatter),
     ):
-        setattr(comm, name, fn)
+        for module in (comm, regions):
+            if hasattr(module, name):
+                setattr(module, name, fn)
 
     def undo() -> None:
         for name, fn in saved.items():
-            setattr(comm, name, fn)
+            for module in (comm, regions):
+                if hasattr(module, name):
+                    setattr(module, name, fn)
 
     return undo
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from modelpar_kernels.launch import check_device, row_block, tl, triton
 
-from modelpar.parallel import comm
+from modelpar.parallel import collectives
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -30,7 +30,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             x = x.masked_fill(padded, float("-inf"))
         row_max = x.max(dim=-1).values
         if group is not None:
-            comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+            collectives.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
         shifted = x - row_max[:, None]
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -40,7 +40,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = torch.where(mine, shifted.gather(1, index[:, None]).squeeze(1), torch.zeros_like(sum_exp))
         if group is not None:
             both = torch.stack((sum_exp, target_logit))
-            comm.all_reduce(both, group)
+            collectives.all_reduce(both, group)
             sum_exp, target_logit = both[0], both[1]
         valid = targets != ignore_index
         n_valid = valid.sum().clamp(min=1)
@@ -167,12 +167,12 @@ def cross_entropy_forward_in_place(
     )
     row_max = local_max.clone()
     if group is not None:
-        comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
     # Rescale each rank's sum to the global max (a rank whose columns are all padding contributes 0).
     sum_exp = torch.where(sum_exp > 0, sum_exp * torch.exp(local_max - row_max), 0.0)
     if group is not None:
         both = torch.stack((sum_exp, target_logit))
-        comm.all_reduce(both, group)
+        collectives.all_reduce(both, group)
         sum_exp, target_logit = both[0], both[1]
     lse = row_max + sum_exp.log()
     valid = targets != ignore_index

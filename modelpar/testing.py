@@ -70,9 +70,11 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks: mp.Queue, re
     global _current_layout
     import torch
 
-    from modelpar.parallel.groups import init_distributed
+    from modelpar.backends.gloo_cpu import watch_socket_threads
+    from modelpar.parallel.world import init_distributed
 
     torch.set_num_threads(1)
+    watch_socket_threads()
     parent = os.getppid()
     init_distributed(rank, world_size, backend="gloo", init_method=f"file://{init_file}")
     results.put(("ready", rank, True, b""))
@@ -110,7 +112,9 @@ class _RankPool:
 
     def __init__(self, world_size: int, start_timeout_s: float = 60.0):
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "modelpar.parallel.groups"])
+        ctx.set_forkserver_preload(
+            ["torch", "torch.distributed", "modelpar.parallel.world", "modelpar.backends.gloo_cpu"]
+        )
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="modelpar-ranks-")
         init_file = os.path.join(self._dir, "store")

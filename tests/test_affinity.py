@@ -49,9 +49,10 @@ def _write_mask(out_dir: str) -> None:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity control on this OS")
 @pytest.mark.parametrize("pin", [True, False])
 def test_launched_cpu_ranks_run_on_their_own_cores_unless_told_not_to(tmp_path, pin):
+    from modelpar.backends.gloo_cpu import RankSetup
     from modelpar.parallel.launch import launch
 
-    launch(3, _write_mask, str(tmp_path), timeout_s=60.0, pin_cpu=pin)
+    launch(3, _write_mask, str(tmp_path), timeout_s=60.0, rank_setup=RankSetup(threads=1, pin=pin))
     masks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(3)]
     cores = job_cores()
     assert masks == ([core_block(r, 1, cores) for r in range(3)] if pin else [cores] * 3)
@@ -63,14 +64,14 @@ def _gloo_thread_policies(mode: str) -> dict:
     import torch.distributed as dist
 
     from modelpar.backends.gloo_cpu import gloo_socket_threads, priority_restorable, set_gloo_threads
-    from modelpar.parallel import comm
+    from modelpar.parallel import collectives
 
     before = set(gloo_socket_threads())
     group = dist.new_group([0, 1])
     mine = sorted(set(gloo_socket_threads()) - before)
     changed = set_gloo_threads(mode, mine)
     x = torch.full((4096,), float(dist.get_rank() + 1))
-    comm.all_reduce(x, group)  # the socket thread still makes progress
+    collectives.all_reduce(x, group)  # the socket thread still makes progress
     out = {
         "mine": mine,
         "changed": changed,
@@ -108,7 +109,7 @@ def test_unknown_gloo_thread_mode_is_refused():
 
 
 def _trainer_gloo_policies(cfg, data_path: str) -> dict:
-    from modelpar.backends.gloo_cpu import gloo_socket_threads, priority_restorable
+    from modelpar.backends.gloo_cpu import gloo_socket_threads, priority_restorable, socket_threads
     from modelpar.parallel.groups import ParallelGroups
     from modelpar.training.trainer import Trainer
 
@@ -121,8 +122,8 @@ def _trainer_gloo_policies(cfg, data_path: str) -> dict:
     during = idle()
     trainer.fit()
     return {
-        "tp": set(groups.socket_threads["tp"]),
-        "pp": set(groups.socket_threads["pp"]),
+        "tp": set(socket_threads(groups.tp_group)),
+        "pp": set(socket_threads(groups.pp_group)),
         "before": before,
         "during": during,
         "after": idle(),

@@ -299,20 +299,20 @@ def _tp_breakdown_module():
 
 
 def _skipped_sums() -> dict:
-    from modelpar.parallel import comm
+    from modelpar.parallel import collectives
     from modelpar.testing import current_groups
 
     groups = current_groups()
     mine = torch.full((4,), float(torch.distributed.get_rank() + 1))
     undo = _tp_breakdown_module().skip_tp_collectives(groups.tp_group)
     try:
-        skipped_tp = comm.all_reduce(mine.clone(), groups.tp_group)
+        skipped_tp = collectives.all_reduce(mine.clone(), groups.tp_group)
         skipped_async = mine.clone()
-        comm.all_reduce_async(skipped_async, groups.tp_group).wait()
-        other = comm.all_reduce(mine.clone(), groups.dp_group)
+        collectives.all_reduce_async(skipped_async, groups.tp_group).wait()
+        other = collectives.all_reduce(mine.clone(), groups.dp_group)
     finally:
         undo()
-    real_tp = comm.all_reduce(mine.clone(), groups.tp_group)
+    real_tp = collectives.all_reduce(mine.clone(), groups.tp_group)
     return {"skipped_tp": skipped_tp[0].item(), "skipped_async": skipped_async[0].item(), "dp": other[0].item()} | {
         "real_tp": real_tp[0].item()
     }

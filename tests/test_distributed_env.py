@@ -2,8 +2,8 @@
 
 import pytest
 
-from modelpar.parallel.groups import choose_backend, launch_env_from_environ
 from modelpar.parallel.launch import LaunchError, launch
+from modelpar.parallel.world import choose_backend, launch_env_from_environ
 
 
 def test_torchrun_environment_is_read():

@@ -26,7 +26,7 @@ from modelpar.optim import (
     optimizer_state_tensors,
     set_lr,
 )
-from modelpar.parallel.comm import record_comm
+from modelpar.parallel.collectives import record_comm
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import current_groups, run_on_ranks
 

@@ -1,4 +1,12 @@
-"""Bind each CPU rank to its own cores (``trainer.cpu_affinity=auto``).
+"""What gloo on a CPU machine needs and the engine must not see: exchange collectives, core binding and
+socket-thread priority. ``modelpar.backends.install`` sets it up on gloo ranks; NCCL ranks never load it.
+
+Exchange collectives (``parallel.collectives``)
+-----------------------------------------------
+See the comment above ``ExchangeCollectives``.
+
+Core binding (``trainer.cpu_affinity=auto``)
+--------------------------------------------
 
 Local rank ``r`` with ``t`` threads gets block ``r mod (cores // t)`` of ``t`` consecutive cores, out of the
 cores this job may use (its affinity mask at start). With no more ranks than blocks every rank owns its
@@ -10,7 +18,9 @@ holds three); with one rank per core (tp2, pp2) the difference was within run-to
 
 GPU ranks are not pinned (their host threads mostly wait on the device).
 
-``trainer.gloo_threads=idle`` (the default) also moves gloo's socket threads (``gloo_tcp_loop``, one per
+Socket threads (``trainer.gloo_threads``)
+-----------------------------------------
+``trainer.gloo_threads=idle`` (the default) moves gloo's socket threads (``gloo_tcp_loop``, one per
 process group) to the idle scheduling class. Such a thread runs an epoll loop over level-triggered sockets and
 only *tries* the connection's lock; while the rank's compute thread holds that lock (it posts every send and
 receive, and writes a message itself when the peer is already waiting for it), every wake-up of the socket
@@ -28,7 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from modelpar.parallel.collectives import install_algorithm, installed_algorithm
+from modelpar.parallel.groups import observe_group_creation
 
 AFFINITY_MODES = ("auto", "off")
 GLOO_THREAD_MODES = ("idle", "normal")
@@ -96,9 +113,30 @@ def gloo_socket_threads() -> list[int]:
     return sorted(out)
 
 
+_threads_of_group: dict = {}  # process group -> the socket thread ids its creation brought along
+
+
+def _record_socket_threads(kind: str, ranks: Sequence[int], create: Callable[[], dist.ProcessGroup]):
+    """Group-creation observer (``observe_group_creation``): each gloo group brings its own socket thread."""
+    before = set(gloo_socket_threads())
+    group = create()
+    _threads_of_group[group] = tuple(sorted(set(gloo_socket_threads()) - before))
+    return group
+
+
+def watch_socket_threads() -> None:
+    """Note the socket threads of every ``ParallelGroups`` group this process creates from now on."""
+    observe_group_creation(_record_socket_threads)
+
+
+def socket_threads(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The socket threads ``group`` brought along (empty if it was created before ``watch_socket_threads``)."""
+    return _threads_of_group.get(group, ())
+
+
 def set_gloo_threads(mode: str, threads: Iterable[int] | None = None) -> list[int]:
     """Put gloo socket threads in the idle scheduling class (``idle``) or back to the normal one (``normal``):
-    ``threads`` (ids, e.g. ``ParallelGroups.socket_threads["tp"]``), or else every one of this process.
+    ``threads`` (ids, e.g. ``socket_threads(groups.tp_group)``), or else every one of this process.
     Returns the threads changed. Threads of process groups created later start normal. Going back to normal
     needs root or CAP_SYS_NICE (an unprivileged process may lower a thread's class but not raise it again);
     without them such threads stay idle (``priority_restorable`` tells which case this is)."""
@@ -143,3 +181,194 @@ def priority_restorable() -> bool:
             release.set()
             helper.join()
     return _RESTORABLE
+
+
+# -- exchange collectives ------------------------------------------------------------------------------------
+#
+# gloo runs a collective through its worker threads and a ring of 2(t-1) steps; on loopback each step is a
+# thread hand-off, so a small all-reduce is latency-bound (about 1-2 ms for 4 KiB over 2 ranks on a 2-core
+# machine), while a pair of point-to-point messages costs a few hundred microseconds. For small power-of-two
+# groups on gloo the collectives below therefore run as recursive doubling over torch.distributed's own
+# isend/irecv (log2 t rounds, each an exchange with rank ^ 2^k), the latency-optimal textbook algorithm:
+#
+#   all-reduce       round k: swap the whole partial sum with rank ^ 2^k, add        (t=4: 2 rounds, 2 n sent)
+#   all-gather       round k: swap the 2^k blocks gathered so far with rank ^ 2^k    (t-1 blocks sent)
+#   reduce-scatter   recursive halving: send the half the partner keeps, add the half received
+#
+# Every rank adds the same two operands in the same order up to commutativity (a + b == b + a bit for bit), so
+# all ranks end with identical results; the summation order may differ from gloo's ring by an ulp. NCCL (GPU)
+# keeps its native collectives: this module is never installed there. ``set_collective_algorithm`` picks the
+# policy (recipe: parallel.collectives).
+
+COLLECTIVE_ALGORITHMS = ("auto", "native", "exchange")
+EXCHANGE_MAX_BYTES = 1 << 20  # auto: above this (and more than 2 ranks), gloo's bandwidth-optimal ring wins
+_EXCHANGE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+
+
+class ExchangeCollectives:
+    """A ``CollectiveAlgorithm`` (``modelpar.parallel.collectives``) running small power-of-two gloo groups as
+    recursive doubling; ``policy`` is ``auto`` (exchange up to ``EXCHANGE_MAX_BYTES``, any size on 2 ranks) or
+    ``exchange`` (always, on power-of-two groups)."""
+
+    def __init__(self, policy: str = "auto"):
+        if policy not in ("auto", "exchange"):
+            raise ValueError(f"exchange policy {policy!r} is not auto or exchange")
+        self.policy = policy
+        self._sizes: dict = {}
+
+    def uses_exchange(self, group: dist.ProcessGroup | None, nbytes: int, op=dist.ReduceOp.SUM) -> bool:
+        if not any(op == known for known in _EXCHANGE_OPS):
+            return False
+        known = self._sizes.get(group)
+        if known is None:
+            known = self._sizes[group] = (dist.get_world_size(group), dist.get_backend(group) == "gloo")
+        size, gloo = known
+        if size < 2 or size & (size - 1):
+            return False
+        if self.policy == "exchange":
+            return True
+        return gloo and (size == 2 or nbytes <= EXCHANGE_MAX_BYTES)
+
+    def all_reduce_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
+        if tensor.is_contiguous() and self.uses_exchange(group, tensor.numel() * tensor.element_size(), op):
+            return _ExchangeAllReduce(tensor, group, op)
+        return None
+
+    def all_gather_into(self, out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+        if not self.uses_exchange(group, out.numel() * out.element_size()):
+            return False
+        _exchange_all_gather(out, part, group)
+        return True
+
+    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+        if not self.uses_exchange(group, full.numel() * full.element_size()):
+            return False
+        _exchange_reduce_scatter(out, full, group)
+        return True
+
+
+def set_collective_algorithm(name: str) -> None:
+    """``auto``: exchange for small power-of-two gloo groups (any size for 2 ranks), native otherwise;
+    ``native``: always the backend's own collectives; ``exchange``: always exchange on power-of-two groups."""
+    if name not in COLLECTIVE_ALGORITHMS:
+        raise ValueError(f"collective algorithm {name!r} is not one of {COLLECTIVE_ALGORITHMS}")
+    install_algorithm(None if name == "native" else ExchangeCollectives(name))
+
+
+def collective_algorithm() -> str:
+    """The policy in force in this process (``native`` when no exchange algorithm is installed)."""
+    installed = installed_algorithm()
+    return installed.policy if isinstance(installed, ExchangeCollectives) else "native"
+
+
+def uses_exchange(group: dist.ProcessGroup | None, nbytes: int, op=dist.ReduceOp.SUM) -> bool:
+    """Whether a collective of ``nbytes`` over ``group`` runs as an exchange under the installed policy."""
+    installed = installed_algorithm()
+    return isinstance(installed, ExchangeCollectives) and installed.uses_exchange(group, nbytes, op)
+
+
+def _combine(acc: torch.Tensor, other: torch.Tensor, op) -> None:
+    if op == dist.ReduceOp.SUM:
+        acc.add_(other)
+    elif op == dist.ReduceOp.MAX:
+        torch.maximum(acc, other, out=acc)
+    else:
+        torch.minimum(acc, other, out=acc)
+
+
+def _swap(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, peer: int) -> list:
+    """Post the send of ``send`` to group rank ``peer`` and the receive of its message into ``recv``."""
+    peer = dist.get_global_rank(group, peer) if group is not None else peer
+    ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+    return dist.batch_isend_irecv(ops)
+
+
+class _ExchangeAllReduce:
+    """Recursive-doubling all-reduce in flight; ``wait()`` finishes the remaining rounds (``dist.Work``-like)."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
+        self.tensor, self.group, self.op = tensor, group, op
+        self.me, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.flat = tensor.view(-1)  # callers pass contiguous tensors only
+        self.buf = torch.empty_like(self.flat)
+        self.distance = 1
+        self.pending = _swap(self.flat, self.buf, group, self.me ^ 1)
+
+    def wait(self) -> bool:
+        while self.pending:
+            for work in self.pending:
+                work.wait()
+            _combine(self.flat, self.buf, self.op)
+            self.distance *= 2
+            self.pending = (
+                _swap(self.flat, self.buf, self.group, self.me ^ self.distance) if (self.distance < self.size) else []
+            )
+        return True
+
+
+def _exchange_all_gather(out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [t*n, ...] <- every rank's ``part`` [n, ...] in rank order, by recursive doubling."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    blocks = out.view(size, *part.shape)
+    blocks[me].copy_(part)
+    distance = 1
+    while distance < size:
+        mine, theirs = me & ~(distance - 1), (me ^ distance) & ~(distance - 1)
+        for work in _swap(blocks[mine : mine + distance], blocks[theirs : theirs + distance], group, me ^ distance):
+            work.wait()
+        distance *= 2
+
+
+def _exchange_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [n, ...] <- block ``rank`` of the sum over ranks of ``full`` [t*n, ...], by recursive halving."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    acc = full.reshape(size, *out.shape).clone()
+    lo, span = 0, size
+    while span > 1:
+        half = span // 2
+        keep = lo + (half if me & half else 0)
+        give = lo + (0 if me & half else half)
+        buf = torch.empty_like(acc[keep : keep + half])
+        for work in _swap(acc[give : give + half], buf, group, me ^ half):
+            work.wait()
+        acc[keep : keep + half].add_(buf)
+        lo, span = keep, half
+    out.copy_(acc[me])
+
+
+# -- set-up of a rank ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a CPU rank process does first, before torch starts its threads (``launch(..., rank_setup=...)``):
+    bind to its cores when ``pin`` and watch its gloo groups' socket threads. Picklable, for spawned ranks."""
+
+    threads: int = 1
+    pin: bool = False
+
+    def __call__(self, local_rank: int) -> None:
+        if self.pin:
+            pin_cpu_rank(local_rank, self.threads)
+        watch_socket_threads()
+
+
+@dataclass
+class GlooTuning:
+    """The tuning ``install`` applied to this rank; ``close()`` puts the socket threads back."""
+
+    idle_threads: tuple[int, ...] = ()
+
+    def close(self) -> None:
+        set_gloo_threads("normal", self.idle_threads)
+
+
+def install(collectives: str, gloo_threads: str, tp_group: dist.ProcessGroup | None, tp: int) -> GlooTuning:
+    """Tune this gloo rank: the collective policy (``parallel.collectives``), and with ``gloo_threads=idle`` and
+    tp > 1 the tensor-parallel group's socket thread at idle priority. Its collectives are posted and waited
+    for by the compute thread, so they need no background progress; the pipeline's p2p does, so its group
+    stays normal."""
+    set_collective_algorithm(collectives)
+    idle = socket_threads(tp_group) if gloo_threads == "idle" and tp > 1 else ()
+    set_gloo_threads("idle", idle)
+    return GlooTuning(tuple(idle))

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from modelpar import backends
+from modelpar.backends import rank_setup
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.cli.train import USER_ERRORS, runs_on_cpu
 from modelpar.data import DataError, TokenFile, default_corpus
@@ -40,17 +42,12 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:
     from modelpar.parallel.groups import ParallelGroups
     from modelpar.pipeline import PipelineRuntime, forward_only
-    from modelpar.training.trainer import (
-        build_rank_model,
-        idle_tp_socket_threads,
-        load_model_from_checkpoint,
-        resolve_device,
-    )
+    from modelpar.training.trainer import build_rank_model, load_model_from_checkpoint, resolve_device
 
     layout = cfg.parallel.layout()
     groups = ParallelGroups.build(layout)
     device = resolve_device(cfg)
-    idle_tp_socket_threads(cfg, groups, device)  # this process ends with the eval
+    backends.install(groups, device, collectives=cfg.parallel.collectives, gloo_threads=cfg.trainer.gloo_threads)
     model = build_rank_model(cfg, groups, device)
     load_model_from_checkpoint(model.chunks, Path(ckpt), read_index(ckpt, verify=False))
     m = cfg.parallel.microbatches
@@ -106,7 +103,7 @@ def run(cfg: TrainConfig) -> dict:
                 result_path,
                 timeout_s=cfg.trainer.timeout_s,
                 threads_per_rank=cfg.trainer.threads_per_rank,
-                pin_cpu=cfg.trainer.cpu_affinity == "auto" and runs_on_cpu(cfg),
+                rank_setup=rank_setup(runs_on_cpu(cfg), cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity),
             )
         except LaunchError as exc:
             print(f"modelpar-eval: {exc}", file=sys.stderr, flush=True)

@@ -19,11 +19,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from modelpar.backends import rank_setup
 from modelpar.checkpoint.store import CheckpointError, latest_checkpoint, read_index
 from modelpar.data import DataError, TokenFile, default_corpus
-from modelpar.parallel.groups import launch_env_from_environ
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.layout import LayoutError
+from modelpar.parallel.world import launch_env_from_environ
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
 from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register_schema, validate
 
@@ -137,7 +138,7 @@ def run(cfg: TrainConfig) -> None:
             timeout_s=cfg.trainer.timeout_s,
             threads_per_rank=cfg.trainer.threads_per_rank,
             flight_dir=str(out_dir / "flight"),
-            pin_cpu=cfg.trainer.cpu_affinity == "auto" and runs_on_cpu(cfg),
+            rank_setup=rank_setup(runs_on_cpu(cfg), cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity),
         )
     except LaunchError as exc:
         print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)

@@ -31,8 +31,9 @@ from modelpar.model.layers import (
     vocab_parallel_loss,
     vocab_range,
 )
-from modelpar.parallel.comm import TensorParallelGroup, all_reduce, comm_tag
+from modelpar.parallel.collectives import all_reduce, comm_tag
 from modelpar.parallel.layout import ParallelLayout
+from modelpar.parallel.regions import TensorParallelGroup
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.optim.param_info import ParamsWithInfo
-from modelpar.parallel import comm
+from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_, so a norm just at max_norm is left alone
@@ -48,10 +48,10 @@ def clip_grad_norm(
     reduce_over = [(groups.tp_group, groups.tp_ranks), (groups.pp_group, groups.pp_ranks)]
     if zero_sharded:
         reduce_over.append((groups.dp_group, groups.dp_ranks))
-    with comm.comm_tag("grad_norm"):
+    with collectives.comm_tag("grad_norm"):
         for group, ranks in reduce_over:
             if len(ranks) > 1:
-                comm.all_reduce(total, group)
+                collectives.all_reduce(total, group)
     squared = total.item()
     norm = math.sqrt(squared) if squared >= 0 else math.nan  # nan fails every comparison
     coef = max_norm / (norm + _EPS)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.optim.param_info import check_same_across, check_unique
-from modelpar.parallel import comm
+from modelpar.parallel import collectives
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -59,7 +59,7 @@ class _Bucket:
             else:
                 grad.copy_(p.grad.reshape(-1))
         flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype))
-        self.work = comm.all_reduce_async(self.flat, group)
+        self.work = collectives.all_reduce_async(self.flat, group)
 
     def unpack_average(self, dp_size: int) -> None:
         """Wait for the sum and write ``sum / dp`` back into each ``param.grad``."""

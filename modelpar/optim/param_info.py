@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelpar.parallel import comm
+from modelpar.parallel import collectives
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def check_same_across(params: Sequence[torch.Tensor], group: dist.ProcessGroup) 
     layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
     mine = [len(params), sum(p.numel() for p in params), zlib.crc32(layout.encode())]
     device = params[0].device if params else torch.device("cpu")
-    everyone = comm.all_gather(torch.tensor(mine, dtype=torch.int64, device=device), group).view(-1, 3).tolist()
+    everyone = collectives.all_gather(torch.tensor(mine, dtype=torch.int64, device=device), group).view(-1, 3).tolist()
     differing = [rank for rank, theirs in enumerate(everyone) if theirs != mine]
     if differing:
         raise ValueError(

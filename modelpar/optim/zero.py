@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from modelpar.optim.adamw import make_adamw
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_same_across, check_unique
-from modelpar.parallel import comm
+from modelpar.parallel import collectives
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,8 @@ class ZeroOneAdamW:
                 flat[self.offsets[i] : self.offsets[i + 1]].copy_(p.grad.reshape(-1))
         has_grad = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32, device=device)
         if self.dp_size > 1:
-            shard = comm.reduce_scatter(flat, self.dp_group).div_(self.dp_size)  # [S]
-            comm.all_reduce(has_grad, self.dp_group)
+            shard = collectives.reduce_scatter(flat, self.dp_group).div_(self.dp_size)  # [S]
+            collectives.all_reduce(has_grad, self.dp_group)
         else:
             shard = flat
         any_grad = has_grad.tolist()
@@ -141,7 +141,7 @@ class ZeroOneAdamW:
         """AdamW on the shard, then all-gather the shards into every rank's model parameters."""
         self._ensure_master()
         self.shard_optimizer.step()
-        full = comm.all_gather(self.master, self.dp_group) if self.dp_size > 1 else self.master  # [dp*S]
+        full = collectives.all_gather(self.master, self.dp_group) if self.dp_size > 1 else self.master  # [dp*S]
         for i, p in enumerate(self.params):
             p.copy_(full[self.offsets[i] : self.offsets[i + 1]].view_as(p))
 
@@ -170,8 +170,8 @@ class ZeroOneAdamW:
         stepped = torch.tensor([float(any(states))], device=self.master.device)
         step = torch.tensor([max((float(st["step"]) for st in states if st), default=0.0)], device=self.master.device)
         if self.dp_size > 1:
-            comm.all_reduce(stepped, self.dp_group, op=dist.ReduceOp.MAX)
-            comm.all_reduce(step, self.dp_group, op=dist.ReduceOp.MAX)
+            collectives.all_reduce(stepped, self.dp_group, op=dist.ReduceOp.MAX)
+            collectives.all_reduce(step, self.dp_group, op=dist.ReduceOp.MAX)
         if not stepped.item():
             return None
         out: list[dict] = [{} for _ in self.params]
@@ -180,7 +180,7 @@ class ZeroOneAdamW:
             for seg, state in zip(self.segments, states, strict=True):
                 if state:
                     flat[self._local(seg)] = state[kind]
-            full = comm.all_gather(flat, self.dp_group) if self.dp_size > 1 else flat  # [dp*S]
+            full = collectives.all_gather(flat, self.dp_group) if self.dp_size > 1 else flat  # [dp*S]
             for i, p in enumerate(self.params):
                 out[i][kind] = full[self.offsets[i] : self.offsets[i + 1]].view_as(p)
         return out, step.item()

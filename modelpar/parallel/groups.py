@@ -1,113 +1,33 @@
-"""Process-group set-up: where a rank comes from (torchrun, SLURM or arguments) and its parallel groups.
-
-torch.distributed is the only transport: gloo on CPU, NCCL on CUDA.
-"""
+"""A layout's process groups on the initialised world, and this rank's coordinates in them."""
 
 from __future__ import annotations
 
-import datetime
-import os
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-import torch
 import torch.distributed as dist
 
-from modelpar.backends.gloo_cpu import gloo_socket_threads
 from modelpar.parallel.layout import ParallelLayout
+from modelpar.parallel.world import on_destroy, world_timeout
 
-DEFAULT_TIMEOUT_S = 300.0
-LOCAL_ADDR = "127.0.0.1"
-_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)  # of the world; every group we create inherits it
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, as read from the launcher's environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    source: str  # "torchrun" | "slurm" | "args"
+# observer(kind, ranks, create) -> group: wraps each dist.new_group of ParallelGroups.build (a backend that
+# tracks per-group resources, e.g. gloo's socket threads, registers one)
+GroupCreationObserver = Callable[[str, Sequence[int], Callable[[], dist.ProcessGroup]], dist.ProcessGroup]
+_creation_observers: list[GroupCreationObserver] = []
 
 
-def launch_env_from_environ(environ: dict[str, str] | None = None) -> LaunchEnv | None:
-    """Read rank and rendezvous from torchrun (RANK/WORLD_SIZE/...) or SLURM (SLURM_PROCID/...); None if neither."""
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            master_addr=env.get("MASTER_ADDR", LOCAL_ADDR),
-            master_port=int(env.get("MASTER_PORT", 29500)),
-            source="torchrun",
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        if "MASTER_ADDR" not in env:
-            raise RuntimeError(
-                "SLURM job without MASTER_ADDR: export MASTER_ADDR=<first node's address> (and MASTER_PORT) "
-                "in the batch script; modelpar never guesses a multi-node address"
-            )
-        return LaunchEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env["MASTER_ADDR"],
-            master_port=int(env.get("MASTER_PORT", 29500)),
-            source="slurm",
-        )
-    return None
+def observe_group_creation(observer: GroupCreationObserver) -> None:
+    """Route every later group creation of ``ParallelGroups.build`` through ``observer`` (once per observer)."""
+    if observer not in _creation_observers:
+        _creation_observers.append(observer)
 
 
-def choose_backend() -> str:
-    """NCCL when CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
-def init_distributed(
-    rank: int | None = None,
-    world_size: int | None = None,
-    *,
-    master_addr: str = LOCAL_ADDR,
-    master_port: int = 29500,
-    backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    init_method: str | None = None,
-) -> LaunchEnv:
-    """Initialise the default process group from the launcher environment, or from the arguments.
-
-    Local runs bind 127.0.0.1. Every collective inherits ``timeout_s``. ``init_method`` (for instance a
-    ``file://`` store) replaces the TCP rendezvous; emulated ranks use it to avoid port races.
-    """
-    env = launch_env_from_environ()
-    if env is None:
-        if rank is None or world_size is None:
-            raise RuntimeError("no torchrun/SLURM environment: pass rank= and world_size= to init_distributed")
-        env = LaunchEnv(rank, world_size, rank, master_addr, master_port, "args")
-    backend = backend or choose_backend()
-    if backend == "gloo" and env.master_addr in (LOCAL_ADDR, "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-    global _timeout
-    _timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method or f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=_timeout,
-    )
-    return env
-
-
-def destroy_distributed() -> None:
-    """Tear down the default group and forget every cached layout's groups."""
-    ParallelGroups._cache.clear()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _new_group(kind: str, ranks: Sequence[int]) -> dist.ProcessGroup:
+    create = functools.partial(dist.new_group, list(ranks), timeout=world_timeout())
+    for observer in _creation_observers:
+        create = functools.partial(observer, kind, ranks, create)
+    return create()
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,8 +48,6 @@ class ParallelGroups:
     pp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     embedding_ranks: tuple[int, ...]
-    # gloo socket threads (modelpar.backends.gloo_cpu) this rank's group of each kind brought along; empty on NCCL
-    socket_threads: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     _cache = {}  # layout -> ParallelGroups of this process
 
@@ -166,8 +84,6 @@ class ParallelGroups:
         layout.check_world_size(dist.get_world_size())
         rank = dist.get_rank()
         mine = {}
-        threads = {}
-        gloo = dist.get_backend() == "gloo"  # each gloo group brings its own socket thread
         # new_group is collective over the whole world: every rank creates every group, in the same order.
         for kind, groups in (
             ("tp", layout.all_tp_groups()),
@@ -176,11 +92,9 @@ class ParallelGroups:
             ("embedding", layout.all_embedding_groups()),
         ):
             for ranks in groups:
-                before = set(gloo_socket_threads()) if gloo else set()
-                group = dist.new_group(ranks, timeout=_timeout)
+                group = _new_group(kind, ranks)
                 if rank in ranks:
                     mine[kind] = (group, tuple(ranks))
-                    threads[kind] = tuple(sorted(set(gloo_socket_threads()) - before)) if gloo else ()
         built = cls(
             layout=layout,
             rank=rank,
@@ -192,7 +106,6 @@ class ParallelGroups:
             pp_ranks=mine["pp"][1],
             dp_ranks=mine["dp"][1],
             embedding_ranks=mine["embedding"][1] if "embedding" in mine else (),
-            socket_threads=threads,
         )
         cls._cache[key] = built
         return built
@@ -200,6 +113,7 @@ class ParallelGroups:
 
 def _with_layout(groups: ParallelGroups, layout: ParallelLayout) -> ParallelGroups:
     """Same groups under a layout differing only in vpp (vpp changes no process group)."""
-    from dataclasses import replace
-
     return replace(groups, layout=layout)
+
+
+on_destroy(ParallelGroups._cache.clear)

@@ -16,8 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from modelpar.backends.gloo_cpu import pin_cpu_rank
-from modelpar.parallel.groups import LOCAL_ADDR, destroy_distributed, init_distributed, launch_env_from_environ
+from modelpar.parallel.world import LOCAL_ADDR, destroy_distributed, init_distributed, launch_env_from_environ
 
 _STOP_GRACE_S = 5.0
 
@@ -36,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, timeout_s, threads, pin, fn, args, errors) -> None:
+def _rank_main(rank, world_size, port, timeout_s, threads, rank_setup, fn, args, errors) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -44,8 +43,8 @@ def _rank_main(rank, world_size, port, timeout_s, threads, pin, fn, args, errors
         MASTER_ADDR=LOCAL_ADDR,
         MASTER_PORT=str(port),
     )
-    if pin:
-        pin_cpu_rank(rank, threads)
+    if rank_setup is not None:
+        rank_setup(rank)
     import torch
 
     torch.set_num_threads(threads)
@@ -66,13 +65,14 @@ def launch(
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,
     flight_dir: str | None = None,
-    pin_cpu: bool = False,
+    rank_setup: Callable[[int], None] | None = None,
 ) -> None:
     """Run ``fn(*args)`` on every rank of a ``world_size`` job.
 
     Under torchrun or SLURM this process is one rank: it joins the job described by the environment.
     Otherwise ``world_size`` local processes are spawned (gloo on CPU, one per GPU with NCCL).
-    ``pin_cpu``: bind each rank to its own cores by local rank (``modelpar.backends.gloo_cpu``), when more than one.
+    ``rank_setup(local_rank)`` runs first in every rank process, before torch starts its threads (a backend's
+    core binding, ``modelpar.backends.rank_setup``).
     Raises ``LaunchError`` naming the first rank that failed; with ``flight_dir`` (where the ranks' flight
     recorders write), the message also names the rank that stopped making progress and its action.
     """
@@ -84,8 +84,8 @@ def launch(
                 f"the recipe's layout needs {world_size} ranks but {env.source} started {env.world_size}; "
                 f"launch {world_size} processes or change parallel.dp",
             )
-        if pin_cpu and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
-            pin_cpu_rank(env.local_rank, threads_per_rank)
+        if rank_setup is not None and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
+            rank_setup(env.local_rank)
         init_distributed(timeout_s=timeout_s)
         try:
             fn(*args)
@@ -99,7 +99,17 @@ def launch(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, port, timeout_s, threads_per_rank, pin_cpu and world_size > 1, fn, args, errors),
+            args=(
+                r,
+                world_size,
+                port,
+                timeout_s,
+                threads_per_rank,
+                rank_setup if world_size > 1 else None,
+                fn,
+                args,
+                errors,
+            ),
         )
         for r in range(world_size)
     ]

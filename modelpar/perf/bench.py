@@ -26,7 +26,7 @@ pool (load from other jobs drifts over minutes). From the timed steps it reports
   ``single`` too;
 - peak activation memory per pipeline stage: the CUDA allocator's peak over the step on GPU, on CPU the
   most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``);
-- communication bytes per step by kind (``modelpar.parallel.comm.record_comm``, summed over ranks) plus the
+- communication bytes per step by kind (``modelpar.parallel.collectives.record_comm``, summed over ranks) plus the
   pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``);
 - the peer's tokens/s, our ratio to it, and whether the first step's losses agree (relative 1e-5). The peer
   runs our layer split (``bench.peer_partition=same``), or with ``uniform`` the even split a user of
@@ -59,7 +59,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from modelpar.model.flops import model_shape, training_flops_per_token
-from modelpar.parallel.comm import record_comm
+from modelpar.parallel.collectives import record_comm
 from modelpar.parallel.layout import SCHEDULES
 from modelpar.pipeline import Costs, Timeline, build_schedule, simulate
 from modelpar.pipeline.actions import SEND_B, SEND_F
@@ -285,9 +285,10 @@ def bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
 def peer_socket_threads(trainer) -> set[int]:
     """The gloo socket threads the peer may use: all but those of our own non-tensor-parallel groups (the
     peer's device mesh makes its own groups, or reuses the world group when a mesh dimension spans it)."""
-    from modelpar.backends.gloo_cpu import gloo_socket_threads
+    from modelpar.backends.gloo_cpu import gloo_socket_threads, socket_threads
 
-    ours = {tid for kind, tids in trainer.groups.socket_threads.items() if kind != "tp" for tid in tids}
+    g = trainer.groups
+    ours = {tid for group in (g.pp_group, g.dp_group, g.embedding_group) for tid in socket_threads(group)}
     return set(gloo_socket_threads()) - ours
 
 

@@ -11,9 +11,8 @@ import importlib.resources
 import math
 from dataclasses import dataclass, field
 
-from modelpar.backends.gloo_cpu import AFFINITY_MODES, GLOO_THREAD_MODES
+from modelpar.backends.gloo_cpu import AFFINITY_MODES, COLLECTIVE_ALGORITHMS, GLOO_THREAD_MODES
 from modelpar.model.transformer import RECOMPUTE
-from modelpar.parallel.comm import COLLECTIVE_ALGORITHMS
 from modelpar.parallel.layout import SCHEDULES, LayoutError, ParallelLayout
 
 # the shipped recipes: recipes/ in a checkout, the package data `modelpar_recipes` in an installed wheel
@@ -57,7 +56,7 @@ class ParallelConfig:
     # uniform: even layer counts; params: balance parameters; explicit: stage_layers
     partition: str = "flops"
     stage_layers: list[float] = field(default_factory=list)  # layers per chunk (4 or 4.5) when partition=explicit
-    collectives: str = "auto"  # auto | native | exchange (modelpar.parallel.comm.set_collective_algorithm)
+    collectives: str = "auto"  # auto | native | exchange (modelpar.backends.gloo_cpu)
     recompute: str = "none"  # none | full: keep only each block's input and rerun its forward in backward
 
     def layout(self) -> ParallelLayout:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from modelpar.backends.gloo_cpu import set_gloo_threads
+from modelpar import backends
 from modelpar.checkpoint.store import (
     Piece,
     latest_checkpoint,
@@ -49,7 +49,7 @@ from modelpar.optim import (
     set_lr,
 )
 from modelpar.optim.state import MOMENTS
-from modelpar.parallel import comm
+from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
@@ -284,7 +284,6 @@ class Trainer:
         self.cfg = cfg
         self.layout = cfg.parallel.layout()
         self.groups = ParallelGroups.build(self.layout)
-        comm.set_collective_algorithm(cfg.parallel.collectives)
         self.rank = dist.get_rank()
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
@@ -332,13 +331,17 @@ class Trainer:
             self.out_dir / "flight", self.rank, f"pp {g.pp_rank} tp {g.tp_rank} dp {g.dp_rank}"
         )
         self.runtime.observer = self.flight
-        comm.set_collective_observer(self.flight)
+        collectives.set_collective_observer(self.flight)
         self._compute_s = 0.0
         self.last_result = None  # the runtime's StepResult of the latest step (per-action times, peak in flight)
         if self.faults:
             for chunk in self.model.chunks:
                 chunk.register_forward_pre_hook(self._forward_faults)
-        self.idle_threads = idle_tp_socket_threads(cfg, self.groups, self.device)
+        # the transport's own tuning (gloo on CPU: exchange collectives, the tp socket thread at idle priority)
+        self.tuning = backends.install(
+            self.groups, self.device, collectives=cfg.parallel.collectives, gloo_threads=cfg.trainer.gloo_threads
+        )
+        self.idle_threads = self.tuning.idle_threads
         if resume_from:
             self.resume(Path(resume_from))
 
@@ -452,8 +455,8 @@ class Trainer:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.tied]
         flat = torch.cat([g.flatten() for g in grads])
-        with comm.comm_tag("tied_embedding"):
-            comm.all_reduce(flat, self.groups.embedding_group)
+        with collectives.comm_tag("tied_embedding"):
+            collectives.all_reduce(flat, self.groups.embedding_group)
         for p, piece in zip(self.model.tied, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = piece.view_as(p).clone()
 
@@ -576,24 +579,9 @@ class Trainer:
             progress.close()
         if board is not None:
             board.close()
-        comm.set_collective_observer(None)
+        collectives.set_collective_observer(None)
         self.flight.close()
-        set_gloo_threads("normal", self.idle_threads)
-
-
-def idle_tp_socket_threads(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> tuple[int, ...]:
-    """With ``trainer.gloo_threads=idle`` on a gloo rank with tp > 1, put the tensor-parallel group's socket
-    thread at idle priority (``modelpar.backends.gloo_cpu``) and return it. Its collectives are posted and waited for
-    by the compute thread, so they need no background progress; the pipeline's p2p does, so its group stays."""
-    idle = uses_gloo(device) and cfg.trainer.gloo_threads == "idle" and groups.layout.tp > 1
-    threads = groups.socket_threads.get("tp", ()) if idle else ()
-    set_gloo_threads("idle", threads)
-    return threads
-
-
-def uses_gloo(device: torch.device) -> bool:
-    """Whether this rank talks to others over gloo (CPU ranks of a multi-rank job)."""
-    return device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
+        self.tuning.close()
 
 
 def _crash_midway(state: dict, faults, rank: int, step: int):

@@ -6,7 +6,7 @@ from modelpar_kernels import vocab_parallel_cross_entropy
 from modelpar_kernels.launch import interpreting
 
 from modelpar import ParallelLayout
-from modelpar.parallel.comm import record_comm
+from modelpar.parallel.collectives import record_comm
 from modelpar.testing import current_groups, run_on_ranks
 from tests.kernels import BF16_TOL, DEVICE, FP32_TOL, assert_close, requires_cuda
 

@@ -7,9 +7,11 @@ from collections import Counter
 import pytest
 import torch
 
+from modelpar.backends import gloo_cpu
 from modelpar.model.transformer import build_model
-from modelpar.parallel import comm
-from modelpar.parallel.comm import TensorParallelGroup, record_comm
+from modelpar.parallel import collectives, regions
+from modelpar.parallel.collectives import record_comm
+from modelpar.parallel.regions import TensorParallelGroup
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import BATCH, CONFIGS, SEED, SEQ, batch, layout_for
 
@@ -55,7 +57,7 @@ def _run_region(op_name):
     spec = REGIONS[op_name]
     x = spec["x"](_full(0), tp.rank, tp.size).clone().requires_grad_()
     with record_comm() as fwd:
-        out = getattr(comm, op_name)(x, tp)
+        out = getattr(regions, op_name)(x, tp)
     with record_comm() as bwd:
         out.backward(spec["g"](_full(1), tp.rank, tp.size))
     return out.detach(), x.grad, [e.kind for e in fwd.events], [e.kind for e in bwd.events]
@@ -76,7 +78,7 @@ def test_region_ops_are_free_identities_on_a_single_device():
     x = torch.randn(SHAPE, requires_grad=True)
     with record_comm() as log:
         for op_name in REGIONS:
-            assert getattr(comm, op_name)(x, TensorParallelGroup()) is x
+            assert getattr(regions, op_name)(x, TensorParallelGroup()) is x
     assert log.events == []
 
 
@@ -154,31 +156,31 @@ def test_single_device_model_records_no_communication():
 
 def _collectives(algorithm: str, layout_tp: int):
     """Every comm collective over this rank's tp group under ``algorithm``; values chosen so sums are exact."""
-    previous = comm.collective_algorithm()
-    comm.set_collective_algorithm(algorithm)
+    previous = gloo_cpu.collective_algorithm()
+    gloo_cpu.set_collective_algorithm(algorithm)
     try:
         tp = TensorParallelGroup.of(current_groups())
         r, t = tp.rank, tp.size
         base = torch.arange(24, dtype=torch.float32).view(4, 6)
-        used = comm._uses_exchange(tp.group, base.numel() * 4)
+        used = gloo_cpu.uses_exchange(tp.group, base.numel() * 4)
         out = {"exchange": used}
-        out["sum"] = comm.all_reduce(base * (r + 1), tp.group)
-        out["max"] = comm.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MAX)
-        out["min"] = comm.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MIN)
-        out["gather"] = comm.all_gather(base[:1] + 100 * r, tp.group, dim=0)
-        out["scatter"] = comm.reduce_scatter(base[:, :t] * (r + 1) + 10 * r, tp.group, dim=1)  # distinct blocks
+        out["sum"] = collectives.all_reduce(base * (r + 1), tp.group)
+        out["max"] = collectives.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MAX)
+        out["min"] = collectives.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MIN)
+        out["gather"] = collectives.all_gather(base[:1] + 100 * r, tp.group, dim=0)
+        out["scatter"] = collectives.reduce_scatter(base[:, :t] * (r + 1) + 10 * r, tp.group, dim=1)  # distinct blocks
         # handles in flight together, waited in order: the pattern of gradient buckets
         tensors = [base * (r + 1) + k for k in range(3)]
-        works = [comm.all_reduce_async(x, tp.group) for x in tensors]
+        works = [collectives.all_reduce_async(x, tp.group) for x in tensors]
         for w in works:
             w.wait()
         out["async"] = tensors
         # random values: every rank must hold the same bits after an all-reduce
         noise = torch.randn(1000, generator=torch.Generator().manual_seed(r))
-        out["noise"] = comm.all_reduce(noise, tp.group)
+        out["noise"] = collectives.all_reduce(noise, tp.group)
         return out
     finally:
-        comm.set_collective_algorithm(previous)
+        gloo_cpu.set_collective_algorithm(previous)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -204,7 +206,7 @@ def test_collective_algorithms_compute_the_same_collectives(algorithm, tp):
 
 def test_unknown_collective_algorithm_is_refused():
     with pytest.raises(ValueError, match="not one of"):
-        comm.set_collective_algorithm("tree")
+        gloo_cpu.set_collective_algorithm("tree")
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from modelpar.model.layers import ColumnParallelLinear, ColumnPart, RowParallelLinear, VocabParallelEmbedding
-from modelpar.parallel.comm import TensorParallelGroup
+from modelpar.parallel.regions import TensorParallelGroup
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import layout_for, rel_err
 

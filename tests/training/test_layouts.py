@@ -135,7 +135,7 @@ def logits_after_loading(cfg: TrainConfig, data_path: str, ckpt: str):
     """Every rank loads ``ckpt`` into its layout; the last stage returns the full-vocab logits of one batch."""
     import torch.distributed as dist
 
-    from modelpar.parallel.comm import all_gather
+    from modelpar.parallel.collectives import all_gather
     from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, ckpt)

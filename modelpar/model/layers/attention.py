@@ -9,7 +9,7 @@ from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
-from modelpar.parallel.comm import TensorParallelGroup
+from modelpar.parallel.regions import TensorParallelGroup
 
 
 class ParallelAttention(nn.Module):

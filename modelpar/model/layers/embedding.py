@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelpar.model.layers.shard import ShardInfo
-from modelpar.parallel.comm import TensorParallelGroup, reduce_from_tp_region, reduce_scatter_to_sequence_region
+from modelpar.parallel.regions import TensorParallelGroup, reduce_from_tp_region, reduce_scatter_to_sequence_region
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:

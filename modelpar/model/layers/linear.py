@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
-from modelpar.parallel.comm import (
+from modelpar.parallel.regions import (
     TensorParallelGroup,
     column_parallel_matmul,
     gather_from_sequence_region,

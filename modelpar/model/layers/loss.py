@@ -7,7 +7,8 @@ from einops import rearrange
 from modelpar_kernels import vocab_parallel_cross_entropy
 
 from modelpar.model.layers.embedding import vocab_range
-from modelpar.parallel.comm import TensorParallelGroup, comm_tag
+from modelpar.parallel.collectives import comm_tag
+from modelpar.parallel.regions import TensorParallelGroup
 
 IGNORE_INDEX = -100
 

@@ -7,7 +7,7 @@ from modelpar_kernels import rms_norm
 from torch import nn
 
 from modelpar.model.layers.shard import ShardInfo
-from modelpar.parallel.comm import TensorParallelGroup
+from modelpar.parallel.regions import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,219 @@
+"""Collectives that the engine runs: torch.distributed's own, observable from outside.
+
+Everything that crosses ranks in the model goes through these functions, so communication can be counted
+exactly (kind, group size, elements, bytes) while a ``record_comm()`` block is active, and a blocking
+collective is reported to an observer (the flight recorder) when one is set. A transport backend may install
+a ``CollectiveAlgorithm`` that runs some collectives its own way (``modelpar.backends.gloo_cpu``); without one,
+every call goes straight to torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective: ``kind`` (all_reduce, all_gather, reduce_scatter, ...), its group size and payload."""
+
+    kind: str
+    group_size: int
+    elements: int
+    bytes: int
+    tag: str = ""
+
+
+@dataclass
+class CommLog:
+    """Events recorded inside one ``record_comm()`` block, in call order."""
+
+    events: list[CommEvent] = field(default_factory=list)
+
+    def count(self, kind: str | None = None, tag: str | None = None) -> int:
+        return sum(1 for e in self._select(kind, tag))
+
+    def total_bytes(self, kind: str | None = None, tag: str | None = None) -> int:
+        return sum(e.bytes for e in self._select(kind, tag))
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes per collective kind."""
+        out: Counter[str] = Counter()
+        for e in self.events:
+            out[e.kind] += e.bytes
+        return dict(out)
+
+    def _select(self, kind: str | None, tag: str | None) -> Iterator[CommEvent]:
+        return (e for e in self.events if (kind is None or e.kind == kind) and (tag is None or e.tag == tag))
+
+
+_active: list[CommLog] = []
+_tags: list[str] = []
+
+
+@contextlib.contextmanager
+def record_comm() -> Iterator[CommLog]:
+    """Record every collective issued through this module (forward and backward) while the block runs."""
+    log = CommLog()
+    _active.append(log)
+    try:
+        yield log
+    finally:
+        _active.remove(log)
+
+
+@contextlib.contextmanager
+def comm_tag(tag: str) -> Iterator[None]:
+    """Label the collectives issued inside the block (e.g. "embedding", "loss", "layer")."""
+    _tags.append(tag)
+    try:
+        yield
+    finally:
+        _tags.pop()
+
+
+def current_tag() -> str:
+    """The innermost ``comm_tag`` label ("" outside any)."""
+    return _tags[-1] if _tags else ""
+
+
+_sizes: dict = {}  # process group -> its size, asked of torch.distributed once
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The size of ``group`` (None: the world), cached so the hot path never asks torch.distributed."""
+    size = _sizes.get(group)
+    if size is None:
+        size = _sizes[group] = dist.get_world_size(group)
+    return size
+
+
+def _record(kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    if _active:
+        event = CommEvent(
+            kind=kind,
+            group_size=group_size(group),
+            elements=tensor.numel(),
+            bytes=tensor.numel() * tensor.element_size(),
+            tag=_tags[-1] if _tags else "",
+        )
+        for log in _active:
+            log.events.append(event)
+
+
+class CollectiveObserver(Protocol):
+    """Told when this rank blocks in a collective and when it returns (a flight recorder, for hang reports)."""
+
+    def wait(self, label: str) -> None: ...
+
+    def done_waiting(self) -> None: ...
+
+
+_observer: CollectiveObserver | None = None
+
+
+def set_collective_observer(observer: CollectiveObserver | None) -> None:
+    """Report every blocking collective of this process to ``observer`` (None: stop)."""
+    global _observer
+    _observer = observer
+
+
+@contextlib.contextmanager
+def blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Tell the observer (if any) that this rank waits in collective ``kind`` over ``group`` until the block ends."""
+    observer = _observer
+    if observer is None:
+        yield
+        return
+    observer.wait(f"{kind} over {group_size(group)} ranks")
+    try:
+        yield
+    finally:
+        observer.done_waiting()
+
+
+# torch renamed all_gather_into_tensor; keep working on releases before the rename
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveAlgorithm(Protocol):
+    """Another way to run some collectives, installed by a transport backend (``install_algorithm``).
+
+    Each method either runs the collective and returns a handle / True, or returns None / False to leave it to
+    torch.distributed. Every rank of a group must make the same choice for the same call.
+    """
+
+    def all_reduce_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op): ...
+
+    def all_gather_into(self, out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None) -> bool: ...
+
+    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> bool: ...
+
+
+_algorithm: CollectiveAlgorithm | None = None
+
+
+def install_algorithm(algorithm: CollectiveAlgorithm | None) -> CollectiveAlgorithm | None:
+    """Run collectives through ``algorithm`` from now on (None: torch.distributed only); returns the previous one."""
+    global _algorithm
+    previous, _algorithm = _algorithm, algorithm
+    return previous
+
+
+def installed_algorithm() -> CollectiveAlgorithm | None:
+    return _algorithm
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` (contiguous) over ``group``; returns it."""
+    _record("all_reduce", tensor, group)
+    with blocking("all_reduce", group):
+        work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
+        if work is not None:
+            work.wait()
+        else:
+            dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (records the gathered output size)."""
+    world = group_size(group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _record("all_gather", out, group)
+    with blocking("all_gather", group):
+        if _algorithm is None or not _algorithm.all_gather_into(out, moved, group):
+            _all_gather_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Sum ``tensor`` over ranks and keep this rank's slice along ``dim`` (records the input size)."""
+    world = group_size(group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} is not divisible by {world} ranks")
+    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _record("reduce_scatter", moved, group)
+    with blocking("reduce_scatter", group):
+        if _algorithm is None or not _algorithm.reduce_scatter_into(out, moved, group):
+            dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM):
+    """Start an in-place all-reduce of ``tensor`` over ``group`` and return its handle (``.wait()`` before reading).
+
+    The caller must not touch ``tensor`` until the handle is waited on; it lets gradient buckets reduce while
+    backward is still computing the rest. Handles of one group must be waited on in the order they were made.
+    """
+    _record("all_reduce", tensor, group)
+    work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
+    return work if work is not None else dist.all_reduce(tensor, op=op, group=group, async_op=True)
