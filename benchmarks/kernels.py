@@ -10,8 +10,7 @@ Needs a CUDA device: without one (and without --smoke) it prints one line and ex
 For each op it times forward and forward+backward with ``triton.testing.do_bench`` (median), and reports
 - memory-bound ops (RMSNorm, RoPE, SwiGLU, cross-entropy): GB/s of the bytes the op must move at least, and
   that as a fraction of the device-to-device copy bandwidth measured at start-up;
-- attention and the fused head + loss: TFLOP/s (causal attention forward = 2 * 2 * b * hq * s^2 * d / 2,
-  backward = 2.5x forward; head + loss = 3 matmuls of 2 * n * h * V);
+- attention: TFLOP/s (causal forward = 2 * 2 * b * hq * s^2 * d / 2, backward = 2.5x forward);
 - peak memory of one forward+backward beyond the inputs, and the largest relative difference from eager.
 Results: a table on stdout, ``benchmarks/results/kernels.json`` and ``kernels.md`` (``--out`` to change).
 """
@@ -103,13 +102,14 @@ class Setting:
     compile_baselines: bool
     liger: object | None
     flash_attn: object | None
+    compile_backend: str = "inductor"
 
     def randn(self, *shape, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
         x = scale * torch.randn(*shape, device=self.device, dtype=self.dtype) + offset
         return x.requires_grad_()
 
     def compiled(self, fn: Callable) -> Callable | None:
-        return torch.compile(fn, dynamic=False) if self.compile_baselines else None
+        return torch.compile(fn, dynamic=False, backend=self.compile_backend) if self.compile_baselines else None
 
     @property
     def element_size(self) -> int:
@@ -120,17 +120,14 @@ def rms_norm_ops(c: Setting) -> list[Op]:
     n, h = (37, 96) if c.smoke else (16384, 4096)
     el = c.element_size
 
-    def plain():
+    def inputs():
         return c.randn(n, h), c.randn(h, scale=0.1, offset=1.0)
-
-    def with_residual():
-        return (*plain(), c.randn(n, h))
 
     return [
         Op(
             "rms_norm",
             f"[{n}, {h}]",
-            plain,
+            inputs,
             {
                 "triton": lambda x, w: mk.rms_norm(x, w, 1e-5, backend="triton"),
                 "eager": lambda x, w: mk.rms_norm(x, w, 1e-5, backend="torch"),
@@ -140,20 +137,7 @@ def rms_norm_ops(c: Setting) -> list[Op]:
             bytes_fwd=2 * n * h * el,  # read x, write y
             bytes_fwd_bwd=5 * n * h * el,  # + read x, dy, write dx
             differentiable=(0, 1),
-        ),
-        Op(
-            "rms_norm+residual",
-            f"[{n}, {h}]",
-            with_residual,
-            {
-                "triton": lambda x, w, r: mk.rms_norm(x, w, 1e-5, r, backend="triton"),
-                "eager": lambda x, w, r: mk.rms_norm(x, w, 1e-5, r, backend="torch"),
-                "compile": c.compiled(lambda x, w, r: mk.rms_norm(x, w, 1e-5, r, backend="torch")),
-            },
-            bytes_fwd=4 * n * h * el,  # read x, r, write y, x + r
-            bytes_fwd_bwd=8 * n * h * el,  # + read x + r, dy, d(x + r), write dx
-            differentiable=(0, 1, 2),
-        ),
+        )
     ]
 
 
@@ -230,7 +214,6 @@ def attention_ops(c: Setting) -> list[Op]:
 def cross_entropy_ops(c: Setting) -> list[Op]:
     """tp=1. The Triton path (like Liger's) consumes its logits; every implementation gets fresh inputs."""
     n, v = (37, 100) if c.smoke else (8192, 128256)
-    n2, h = (37, 24) if c.smoke else (8192, 4096)
     liger = c.liger
     return [
         Op(
@@ -246,21 +229,7 @@ def cross_entropy_ops(c: Setting) -> list[Op]:
             bytes_fwd=n * v * c.element_size,  # read the logits once (ours reads twice and writes the gradient)
             bytes_fwd_bwd=2 * n * v * c.element_size,  # + write the gradient
             differentiable=(0,),
-        ),
-        Op(
-            "linear+cross_entropy",
-            f"h [{n2}, {h}] W [{v}, {h}]",
-            lambda: (c.randn(n2, h), c.randn(v, h, scale=h**-0.5), torch.randint(0, v, (n2,), device=c.device)),
-            {
-                "triton (chunked)": lambda x, w, t: mk.fused_linear_cross_entropy(x, w, t, backend="triton"),
-                "eager": lambda x, w, t: mk.fused_linear_cross_entropy(x, w, t, backend="torch"),
-                "compile": c.compiled(lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t)),
-                "liger": (lambda x, w, t: liger.LigerFusedLinearCrossEntropyLoss()(w, x, t)) if liger else None,
-            },
-            flops_fwd=2 * n2 * h * v,
-            flops_fwd_bwd=3 * 2 * n2 * h * v,
-            differentiable=(0, 1),
-        ),
+        )
     ]
 
 

@@ -55,7 +55,8 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
     from modelpar.data import WindowSampler
     from modelpar.perf.bench import peer_socket_threads
     from modelpar.perf.peers import Peer, peer_name
-    from modelpar.training.trainer import Trainer, build_partition, transformer_config
+    from modelpar.training.build import build_partition, transformer_config
+    from modelpar.training.trainer import Trainer
 
     try:
         with pinned(dist.get_rank(), 1, enabled=cfg.trainer.cpu_affinity == "auto"):

@@ -13,10 +13,6 @@ import torch
 from modelpar_kernels import launch  # noqa: F401
 from modelpar_kernels.attention import attention_reference, attention_triton
 from modelpar_kernels.cross_entropy import vocab_parallel_cross_entropy_reference, vocab_parallel_cross_entropy_triton
-from modelpar_kernels.fused_linear_cross_entropy import (
-    fused_linear_cross_entropy_reference,
-    fused_linear_cross_entropy_triton,
-)
 from modelpar_kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from modelpar_kernels.rope import apply_rope_reference, apply_rope_triton, rope_tables
 from modelpar_kernels.swiglu import swiglu_reference, swiglu_triton
@@ -33,11 +29,11 @@ def resolve_backend(kernels: str, device: torch.device | str) -> str:
     return kernels
 
 
-def rms_norm(x, weight, eps, residual=None, *, backend: str = "torch"):
+def rms_norm(x, weight, eps, *, backend: str = "torch"):
     """See ``rmsnorm.rms_norm_reference`` for shapes."""
     if resolve_backend(backend, x.device) == "triton":
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 def apply_rope(x, cos, sin, *, backend: str = "torch"):
@@ -62,7 +58,8 @@ def attention(q, k, v, causal: bool = True, *, backend: str = "torch"):
 
 
 def vocab_parallel_cross_entropy(logits, targets, *, backend: str = "torch", **kwargs):
-    """See ``cross_entropy.vocab_parallel_cross_entropy_reference``.
+    """See ``cross_entropy.vocab_parallel_cross_entropy_reference`` (``group``, and the optional ``all_reduce``
+    run over it, come from the caller: this package never imports an engine).
 
     With backend "triton" the gradient is written over ``logits`` during forward: the caller's logits buffer is
     consumed and must not be read afterwards.
@@ -72,19 +69,10 @@ def vocab_parallel_cross_entropy(logits, targets, *, backend: str = "torch", **k
     return vocab_parallel_cross_entropy_reference(logits, targets, **kwargs)
 
 
-def fused_linear_cross_entropy(hidden, weight, targets, *, backend: str = "torch", **kwargs):
-    """Head projection + vocab-parallel cross-entropy; see ``fused_linear_cross_entropy``'s module for shapes."""
-    if resolve_backend(backend, hidden.device) == "triton":
-        return fused_linear_cross_entropy_triton(hidden, weight, targets, **kwargs)
-    kwargs.pop("chunk_size", None)
-    return fused_linear_cross_entropy_reference(hidden, weight, targets, **kwargs)
-
-
 __all__ = [
     "BACKENDS",
     "apply_rope",
     "attention",
-    "fused_linear_cross_entropy",
     "resolve_backend",
     "rms_norm",
     "rope_tables",

@@ -8,20 +8,32 @@ blocks with an online softmax (local max, local sum of exponentials, target logi
 second writes the gradient ``(softmax - onehot) / n_valid`` over the logits *in place*, during forward, so
 backward only scales it by the incoming gradient. No second logits-sized tensor is ever allocated, and the
 caller's logits buffer is consumed: it holds the gradient after the call.
+
+The tp group comes in as an argument, and so may the all-reduce run over it (``all_reduce``, called as
+``all_reduce(tensor, group, op=...)``, in place): an engine passes its own to count or reroute the collectives;
+the default is ``torch.distributed.all_reduce``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from modelpar_kernels.launch import check_device, row_block, tl, triton
 
-from modelpar.parallel import collectives
+AllReduce = Callable[..., torch.Tensor]
+
+
+def torch_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place ``torch.distributed.all_reduce`` of ``tensor`` over ``group``; returns it."""
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index):
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index, all_reduce):
         n, local = logits.shape
         x = logits.float()
         col = torch.arange(vocab_start, vocab_start + local, device=logits.device)
@@ -30,7 +42,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             x = x.masked_fill(padded, float("-inf"))
         row_max = x.max(dim=-1).values
         if group is not None:
-            collectives.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+            all_reduce(row_max, group, op=dist.ReduceOp.MAX)
         shifted = x - row_max[:, None]
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -40,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = torch.where(mine, shifted.gather(1, index[:, None]).squeeze(1), torch.zeros_like(sum_exp))
         if group is not None:
             both = torch.stack((sum_exp, target_logit))
-            collectives.all_reduce(both, group)
+            all_reduce(both, group)
             sum_exp, target_logit = both[0], both[1]
         valid = targets != ignore_index
         n_valid = valid.sum().clamp(min=1)
@@ -55,7 +67,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = exp / sum_exp[:, None]
         grad.scatter_add_(1, index[:, None], -mine.to(grad.dtype)[:, None])
         grad *= (valid.to(grad.dtype) * grad_loss / n_valid)[:, None]
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy_reference(
@@ -66,14 +78,17 @@ def vocab_parallel_cross_entropy_reference(
     vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     ignore_index: int = -100,
+    all_reduce: AllReduce = torch_all_reduce,
 ) -> torch.Tensor:
     """Mean cross-entropy over tokens whose target is not ``ignore_index``.
 
     logits: [n, V_local], this rank's columns ``vocab_start .. vocab_start + V_local`` of the (padded) vocab;
     targets: [n] global token ids; ``vocab_size``: the true vocab (columns at or past it are padding).
+    ``group``: the tp group holding the other columns (None: this rank holds the whole vocab); ``all_reduce``
+    runs the two small all-reduces over it (see the module docstring).
     """
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group, ignore_index, all_reduce)
 
 
 @triton.jit
@@ -147,12 +162,11 @@ def cross_entropy_forward_in_place(
     vocab_size: int,
     group: dist.ProcessGroup | None,
     ignore_index: int,
-    n_valid: torch.Tensor,
+    all_reduce: AllReduce,
 ) -> torch.Tensor:
-    """Sum over valid tokens of the per-token loss, divided by ``n_valid``; leaves d(that)/d(logits) in ``logits``.
+    """Mean loss over the valid tokens; leaves d(loss)/d(logits) in ``logits``.
 
-    logits: [n, V_local] with unit column stride (overwritten); targets: [n]; n_valid: a 0-d tensor (the
-    token count of the whole loss, so chunks of one sequence can share it).
+    logits: [n, V_local] with unit column stride (overwritten); targets: [n].
     """
     n, n_local = logits.shape
     n_real = max(0, min(n_local, vocab_size - vocab_start))  # columns past the true vocab are padding
@@ -167,15 +181,16 @@ def cross_entropy_forward_in_place(
     )
     row_max = local_max.clone()
     if group is not None:
-        collectives.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+        all_reduce(row_max, group, op=dist.ReduceOp.MAX)
     # Rescale each rank's sum to the global max (a rank whose columns are all padding contributes 0).
     sum_exp = torch.where(sum_exp > 0, sum_exp * torch.exp(local_max - row_max), 0.0)
     if group is not None:
         both = torch.stack((sum_exp, target_logit))
-        collectives.all_reduce(both, group)
+        all_reduce(both, group)
         sum_exp, target_logit = both[0], both[1]
     lse = row_max + sum_exp.log()
     valid = targets != ignore_index
+    n_valid = valid.sum().clamp(min=1)
     loss = torch.where(valid, lse - target_logit, 0.0).sum() / n_valid
     scale = (1.0 / n_valid.float()).reshape(1)  # a tensor, so no host sync
     _cross_entropy_grad_kernel[(n,)](logits, targets, lse, *common, scale, BLOCK_SIZE=block, num_warps=num_warps)
@@ -189,18 +204,17 @@ class CrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index):
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index, all_reduce):
         check_device(logits, targets)
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()  # then the copy is what is consumed
-        n_valid = (targets != ignore_index).sum().clamp(min=1)
-        loss = cross_entropy_forward_in_place(logits, targets, vocab_start, vocab_size, group, ignore_index, n_valid)
+        loss = cross_entropy_forward_in_place(logits, targets, vocab_start, vocab_size, group, ignore_index, all_reduce)
         ctx.save_for_backward(logits.detach())
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None, None
+        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy_triton(
@@ -211,7 +225,8 @@ def vocab_parallel_cross_entropy_triton(
     vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     ignore_index: int = -100,
+    all_reduce: AllReduce = torch_all_reduce,
 ) -> torch.Tensor:
     """Same loss as ``vocab_parallel_cross_entropy_reference``; **consumes ``logits``** (they hold the gradient)."""
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
-    return CrossEntropyFunction.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)
+    return CrossEntropyFunction.apply(logits, targets, vocab_start, vocab_size, group, ignore_index, all_reduce)

@@ -1,8 +1,8 @@
-"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight``, optionally after a fused residual add.
+"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight``.
 
-Forward keeps one fp32 ``rstd`` per row; backward recomputes the normalised row from the (summed) input. The
-weight gradient is reduced over rows in fp32: each program sums its rows into one partial, then the partials
-are summed.
+Forward keeps one fp32 ``rstd`` per row; backward recomputes the normalised row from the input. The weight
+gradient is reduced over rows in fp32: each program sums its rows into one partial, then the partials are
+summed.
 """
 
 from __future__ import annotations
@@ -11,44 +11,28 @@ import torch
 from modelpar_kernels.launch import check_device, program_count, row_block, tl, triton
 
 
-def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x: [..., h], weight: [h]. With ``residual``: returns ``(norm(x + residual), x + residual)``."""
-    if residual is not None:
-        x = x + residual
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., h], weight: [h] -> [..., h]."""
     xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-    return (y, x) if residual is not None else y
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 @triton.jit
 def _rms_norm_forward_kernel(
     Y,
     X,
-    RESIDUAL,
-    SUM,
     W,
     RSTD,
     stride_y,
     stride_x,
-    stride_residual,
-    stride_sum,
     n_cols,
     eps,
-    HAS_RESIDUAL: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x += tl.load(RESIDUAL + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
-        # The sum is rounded to the activation dtype before it is normalised, as in the unfused model.
-        x_sum = x.to(SUM.dtype.element_ty)
-        tl.store(SUM + row * stride_sum + cols, x_sum, mask=mask)
-        x = x_sum.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     tl.store(RSTD + row, rstd)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -60,19 +44,16 @@ def _rms_norm_forward_kernel(
 def _rms_norm_backward_kernel(
     DX,
     DY,
-    DSUM,
     X,
     W,
     RSTD,
     DW_PARTIAL,
     stride_dx,
     stride_dy,
-    stride_dsum,
     stride_x,
     n_rows,
     n_cols,
     rows_per_program,
-    HAS_DSUM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -85,7 +66,6 @@ def _rms_norm_backward_kernel(
     first = row_start.to(tl.int64)
     DX += first * stride_dx
     DY += first * stride_dy
-    DSUM += first * stride_dsum
     X += first * stride_x
     RSTD += first
     for _ in range(row_start, row_end):
@@ -96,12 +76,9 @@ def _rms_norm_backward_kernel(
         dw += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
         dx_hat = dy * w
         dx = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=0) / n_cols))
-        if HAS_DSUM:
-            dx += tl.load(DSUM + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
         DX += stride_dx
         DY += stride_dy
-        DSUM += stride_dsum
         X += stride_x
         RSTD += 1
     tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
@@ -113,8 +90,8 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rms_norm_forward(x, weight, eps, residual=None):
-    """Returns (y, x_sum or None, x_normed_input [n, h], rstd [n]); ``x_normed_input`` is what backward reads."""
+def rms_norm_forward(x, weight, eps):
+    """Returns (y [..., h], x2 [n, h], rstd [n]); ``x2`` (x as rows) is what backward reads."""
     shape, h = x.shape, x.shape[-1]
     x2 = _rows(x, h)
     n = x2.shape[0]
@@ -123,39 +100,16 @@ def rms_norm_forward(x, weight, eps, residual=None):
         raise ValueError(f"rms_norm: hidden size {h} is wider than one block ({block}); not supported")
     y = torch.empty((n, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(n, dtype=torch.float32, device=x.device)
-    if residual is not None:
-        r2 = _rows(residual, h)
-        x_sum = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    else:
-        r2, x_sum = x2, y  # placeholders, never touched (HAS_RESIDUAL is False)
     _rms_norm_forward_kernel[(n,)](
-        y,
-        x2,
-        r2,
-        x_sum,
-        weight,
-        rstd,
-        y.stride(0),
-        x2.stride(0),
-        r2.stride(0),
-        x_sum.stride(0),
-        h,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK_SIZE=block,
-        num_warps=num_warps,
+        y, x2, weight, rstd, y.stride(0), x2.stride(0), h, eps, BLOCK_SIZE=block, num_warps=num_warps
     )
-    y = y.view(shape)
-    if residual is None:
-        return y, None, x2, rstd
-    return y, x_sum.view(shape), x_sum, rstd
+    return y.view(shape), x2, rstd
 
 
-def rms_norm_backward(dy, dx_sum, x2, weight, rstd):
-    """dy: [..., h] (and the gradient of the returned sum, or None). Returns (dx [n, h], dweight [h])."""
+def rms_norm_backward(dy, x2, weight, rstd):
+    """dy: [..., h]. Returns (dx [n, h], dweight [h])."""
     n, h = x2.shape
     dy2 = _rows(dy, h)
-    dsum2 = _rows(dx_sum, h) if dx_sum is not None else dy2
     dx = torch.empty((n, h), dtype=x2.dtype, device=x2.device)
     block, num_warps = row_block(h)
     programs = program_count(x2.device, n)
@@ -165,19 +119,16 @@ def rms_norm_backward(dy, dx_sum, x2, weight, rstd):
     _rms_norm_backward_kernel[(programs,)](
         dx,
         dy2,
-        dsum2,
         x2,
         weight,
         rstd,
         dw_partial,
         dx.stride(0),
         dy2.stride(0),
-        dsum2.stride(0),
         x2.stride(0),
         n,
         h,
         rows_per_program,
-        HAS_DSUM=dx_sum is not None,
         BLOCK_SIZE=block,
         num_warps=num_warps,
     )
@@ -185,30 +136,23 @@ def rms_norm_backward(dy, dx_sum, x2, weight, rstd):
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Triton RMSNorm with an optional fused residual add; see ``rms_norm_reference`` for the contract."""
+    """Triton RMSNorm; see ``rms_norm_reference`` for the contract."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, residual):
-        check_device(x, weight, *(() if residual is None else (residual,)))
-        y, x_sum, x2, rstd = rms_norm_forward(x, weight, eps, residual)
+    def forward(ctx, x, weight, eps):
+        check_device(x, weight)
+        y, x2, rstd = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
-        ctx.residual_dtype = None if residual is None else residual.dtype
-        if residual is None:
-            return y
-        return y, x_sum
+        return y
 
     @staticmethod
-    def backward(ctx, dy, dx_sum=None):
+    def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
-        dx, dweight = rms_norm_backward(dy, dx_sum, x2, weight, rstd)
-        dx = dx.view(ctx.shape)
-        dresidual = None if ctx.residual_dtype is None else dx.to(ctx.residual_dtype)
-        return dx, dweight, None, dresidual
+        dx, dweight = rms_norm_backward(dy, x2, weight, rstd)
+        return dx.view(ctx.shape), dweight, None
 
 
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton RMSNorm, same contract as ``rms_norm_reference``."""
-    return RMSNormFunction.apply(x, weight, eps, residual)
+    return RMSNormFunction.apply(x, weight, eps)

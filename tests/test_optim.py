@@ -14,11 +14,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from modelpar.optim import (
-    DataParallelOptimizer,
     GradientSynchronizer,
     ParamInfo,
     ZeroOneAdamW,
     build_adamw,
+    build_optimizer,
     clip_grad_norm,
     default_decay,
     load_optimizer_state_tensors,
@@ -98,7 +98,7 @@ class _DataParallelStep:
 
     def __init__(self, params: dict[str, torch.nn.Parameter], zero: bool):
         self.params, self.groups = params, current_groups()
-        self.opt = DataParallelOptimizer(_with_info(params), self.groups, zero=zero, bucket_bytes=BUCKET_BYTES, **HYPER)
+        self.opt = build_optimizer(_with_info(params), self.groups, zero=int(zero), bucket_bytes=BUCKET_BYTES, **HYPER)
 
     def backward(self, step: int) -> None:
         dp, rank = self.groups.layout.dp, self.groups.dp_rank
@@ -113,7 +113,7 @@ class _DataParallelStep:
     def train_step(self, step: int) -> float:
         self.backward(step)
         self.opt.reduce_gradients()
-        norm = self.opt.clip_grad_norm(MAX_NORM)
+        norm = float(self.opt.clip_grad_norm(MAX_NORM))
         self.update(step)
         return norm
 
@@ -127,7 +127,7 @@ def _train_data_parallel(zero: bool, steps: int) -> dict:
         trainer.opt.reduce_gradients()
         if first_grads is None and not zero:
             first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
-        norms.append(trainer.opt.clip_grad_norm(MAX_NORM))
+        norms.append(float(trainer.opt.clip_grad_norm(MAX_NORM)))
         trainer.update(step)
     return {"params": {n: p.detach().clone() for n, p in params.items()}, "grads": first_grads, "norms": norms}
 
@@ -302,7 +302,7 @@ def _clip_on_tp_pp(max_norm: float, poison: float | None = None) -> tuple[float,
         with_info.append((p, ParamInfo(name, decay=False, norm_share=share)))
     if poison is not None and groups.rank == 3:
         with_info[0][0].grad[0] = poison
-    norm = clip_grad_norm(with_info, max_norm, groups)
+    norm = float(clip_grad_norm(with_info, max_norm, groups))
     return norm, {info.name: p.grad for p, info in with_info}
 
 

@@ -46,13 +46,9 @@ def cmd_verify(args) -> int:
 def _reshard_worker(src: str, dst_root: str, cfg: TrainConfig, step: int, meta: dict) -> None:
     import torch
 
+    from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
     from modelpar.parallel.groups import ParallelGroups
-    from modelpar.training.trainer import (
-        build_rank_model,
-        load_model_from_checkpoint,
-        load_optimizer_pieces,
-        model_pieces,
-    )
+    from modelpar.training.build import build_rank_model
 
     groups = ParallelGroups.build(cfg.parallel.layout())
     model = build_rank_model(cfg, groups, torch.device("cpu"))
@@ -94,9 +90,9 @@ def cmd_reshard(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
+    from modelpar.checkpoint.reshard import model_pieces
     from modelpar.model.hf import config_from_hf, import_hf
     from modelpar.model.transformer import build_model
-    from modelpar.training.trainer import model_pieces
 
     dst = Path(args.dst)
     refuse_existing(dst)

@@ -40,9 +40,10 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:
+    from modelpar.checkpoint.reshard import load_model_from_checkpoint
     from modelpar.parallel.groups import ParallelGroups
     from modelpar.pipeline import PipelineRuntime, forward_only
-    from modelpar.training.trainer import build_rank_model, load_model_from_checkpoint, resolve_device
+    from modelpar.training.build import build_rank_model, resolve_device
 
     layout = cfg.parallel.layout()
     groups = ParallelGroups.build(layout)

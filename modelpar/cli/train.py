@@ -92,7 +92,7 @@ def runs_on_cpu(cfg: TrainConfig) -> bool:
 
 def check_recipe(cfg: TrainConfig) -> None:
     """The recipe alone: fields, layout against the model, schedule against the micro-batches, partition."""
-    from modelpar.training.trainer import build_partition
+    from modelpar.training.build import build_partition
 
     validate(cfg)
     build_schedule(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, cfg.parallel.vpp)
@@ -135,6 +135,7 @@ def run(cfg: TrainConfig) -> None:
             cfg,
             train_path,
             resume_from,
+            True,  # preflight verified the checkpoint: the ranks load it without hashing it again
             timeout_s=cfg.trainer.timeout_s,
             threads_per_rank=cfg.trainer.threads_per_rank,
             flight_dir=str(out_dir / "flight"),

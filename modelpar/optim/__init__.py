@@ -1,6 +1,7 @@
 """The optimizer side of a training step: data-parallel gradient averaging, ZeRO-1, clipping, AdamW, LR.
 
-``DataParallelOptimizer`` puts the pieces behind one API (see its docstring for a step). Used directly, one
+``DataParallelOptimizer`` is the one API a step talks to (``build_optimizer``: ``ReplicatedAdamW`` or
+``ZeroOneOptimizer``; see ``modelpar.optim.data_parallel`` for a step). Used directly, one
 step with plain AdamW (``optim.zero=0``) reads::
 
     sync = GradientSynchronizer([p for p, _ in params_with_info], groups.dp_group, bucket_bytes)
@@ -18,7 +19,13 @@ launches, and ``wait()`` writes the averages of those copies back over ``param.g
 
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
-from modelpar.optim.data_parallel import DataParallelOptimizer
+from modelpar.optim.data_parallel import (
+    ZERO_STAGES,
+    DataParallelOptimizer,
+    ReplicatedAdamW,
+    ZeroOneOptimizer,
+    build_optimizer,
+)
 from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from modelpar.optim.lr_schedule import lr_at, set_lr
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, default_decay
@@ -27,7 +34,11 @@ from modelpar.optim.zero import ZeroOneAdamW
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "ZERO_STAGES",
     "DataParallelOptimizer",
+    "ReplicatedAdamW",
+    "ZeroOneOptimizer",
+    "build_optimizer",
     "GradientSynchronizer",
     "ParamInfo",
     "ParamsWithInfo",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -35,8 +33,9 @@ def _local_sum_of_squares(params_with_info: ParamsWithInfo, group: dist.ProcessG
 
 def clip_grad_norm(
     params_with_info: ParamsWithInfo, max_norm: float, groups: ParallelGroups, zero_sharded: bool = False
-) -> float:
-    """Scale every gradient by ``max_norm / norm`` when the global norm exceeds it; return the norm before clipping.
+) -> torch.Tensor:
+    """Scale every gradient by ``max_norm / norm`` when the global norm exceeds it; return the norm before
+    clipping as a 0-d fp32 tensor on the gradients' device. Nothing is read back to the host.
 
     The squared norm is summed over the tp and pp groups of ``groups`` (a ``ParallelGroups``), each rank
     weighting a parameter by its ``norm_share``. Data-parallel replicas hold the same averaged gradients and are
@@ -52,11 +51,11 @@ def clip_grad_norm(
         for group, ranks in reduce_over:
             if len(ranks) > 1:
                 collectives.all_reduce(total, group)
-    squared = total.item()
-    norm = math.sqrt(squared) if squared >= 0 else math.nan  # nan fails every comparison
-    coef = max_norm / (norm + _EPS)
-    if max_norm > 0 and math.isfinite(norm) and coef < 1.0:
-        for p, _ in params_with_info:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    norm = total.sqrt().reshape(())  # a negative (impossible) or nan sum gives nan, which fails every comparison
+    grads = [p.grad for p, _ in params_with_info if p.grad is not None]
+    if max_norm > 0 and grads:
+        # on device, as torch.nn.utils.clip_grad_norm_: a coefficient of exactly 1 leaves the gradients' bits alone
+        coef = (max_norm / (norm + _EPS)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm

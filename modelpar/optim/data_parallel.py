@@ -1,8 +1,23 @@
-"""One optimizer API for the trainer, whichever way data parallelism is configured (``optim.zero``)."""
+"""One optimizer interface for the trainer, whichever way data parallelism is configured (``optim.zero``).
+
+``DataParallelOptimizer`` is what a training step talks to; ``ReplicatedAdamW`` (``zero=0``: every dp replica
+holds the whole AdamW state, gradients averaged by a bucketed all-reduce overlapped with the last backward)
+and ``ZeroOneOptimizer`` (``zero=1``: AdamW state sharded over dp, gradients reduce-scattered) implement it;
+``build_optimizer`` picks one. Per step::
+
+    opt.expect_micro_batches(m)                   # before the pipeline runs the backwards
+    ... pipeline step ...
+    opt.reduce_gradients()                        # gradients: mean over the global batch
+    norm = opt.clip_grad_norm(max_norm)           # 0-d tensor on device, each value counted once
+    set_lr(opt, lr_at(step, ...)); opt.step()     # unless the step is skipped
+    opt.zero_grad()
+"""
 
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -10,49 +25,25 @@ from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from modelpar.optim.param_info import ParamsWithInfo
-from modelpar.optim.state import load_optimizer_state_tensors, optimizer_state_tensors
+from modelpar.optim.state import MOMENTS, load_optimizer_state_tensors, optimizer_state_tensors
 from modelpar.optim.zero import ZeroOneAdamW
 from modelpar.parallel.groups import ParallelGroups
 
+ZERO_STAGES = (0, 1)
 
-class DataParallelOptimizer:
-    """AdamW over the dp replicas: bucketed all-reduce overlapped with backward (``zero=False``) or ZeRO-1.
 
-    Per step::
+def _nothing() -> None:
+    return None  # optim.zero: 0 replicated, 1 optimizer state sharded over dp
 
-        for i, micro_batch in enumerate(micro_batches):
-            with opt.final_backward() if i == m - 1 else contextlib.nullcontext():
-                (loss(micro_batch) / m).backward()
-        opt.reduce_gradients()                        # gradients: mean over the global batch
-        norm = opt.clip_grad_norm(max_norm)           # counted once across tp/pp/dp
-        if math.isfinite(norm):
-            set_lr(opt, lr_at(step, ...)); opt.step()
-        opt.zero_grad()
-    """
 
-    def __init__(
-        self,
-        params_with_info: ParamsWithInfo,
-        groups: ParallelGroups,
-        *,
-        zero: bool,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.1,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ):
+class DataParallelOptimizer(ABC):
+    """AdamW over the dp replicas of this rank's parameters; see the module docstring for a step."""
+
+    optimizer: torch.optim.Optimizer | ZeroOneAdamW
+
+    def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups):
         self.params_with_info = list(params_with_info)
         self.groups = groups
-        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.sync: GradientSynchronizer | None = None
-        self.optimizer: torch.optim.Optimizer | ZeroOneAdamW
-        if zero:
-            self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_group, **hyper)
-        else:
-            params = [p for p, _ in self.params_with_info]
-            self.sync = GradientSynchronizer(params, groups.dp_group, bucket_bytes=bucket_bytes)
-            self.optimizer = build_adamw(self.params_with_info, **hyper)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -60,39 +51,35 @@ class DataParallelOptimizer:
         return self.optimizer.param_groups
 
     def final_backward(self) -> contextlib.AbstractContextManager:
-        """Wrap the last micro-batch's backward: its gradients start reducing while backward runs.
-
-        ZeRO-1 reduce-scatters once, after backward, so the block is then a plain one.
-        """
-        return self.sync.final_backward() if self.sync else contextlib.nullcontext()
+        """Wrap the last micro-batch's backward when not running a pipeline (its gradients may start reducing)."""
+        return contextlib.nullcontext()
 
     def expect_micro_batches(self, micro_batches: int) -> None:
         """Instead of ``final_backward()``, when a pipeline runtime runs the backwards: call at the step's start."""
-        if self.sync:
-            self.sync.expect_micro_batches(micro_batches)
+        return None  # only an overlapped all-reduce needs to know
 
-    def reduce_gradients(self) -> None:
-        """Finish the data-parallel average of this step's gradients."""
-        if self.sync:
-            self.sync.wait()
-        else:
-            self.optimizer.reduce_gradients()
+    @abstractmethod
+    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
+        """Finish the data-parallel average of this step's gradients. ``other_reductions`` (the sums over tp
+        and the embedding group) commute with the dp average; each implementation runs them where its own
+        reduction allows: after an overlapped all-reduce has written its averages back, before a reduce-scatter
+        reads the gradients."""
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip to ``max_norm`` and return the global norm before clipping (inf/nan when non-finite)."""
-        if self.sync:
-            return clip_grad_norm(self.params_with_info, max_norm, self.groups)
-        return clip_grad_norm(self.optimizer.shard_params_with_info(), max_norm, self.groups, zero_sharded=True)
+    @abstractmethod
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` on device; the global norm before clipping (0-d, inf/nan when non-finite)."""
 
     def step(self) -> None:
         self.optimizer.step()
 
+    @abstractmethod
     def zero_grad(self) -> None:
-        """Drop every gradient (``None``), so the next step's first backward starts fresh."""
-        if self.sync:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.zero_grad()
+        """Drop every gradient, so the next step's first backward starts fresh."""
+
+    @abstractmethod
+    def full_moments(self) -> tuple[dict[int, dict[str, torch.Tensor]], float] | None:
+        """Every local parameter's whole Adam moments keyed by ``id(param)``, and AdamW's step count; None
+        before the first step or when parameters disagree on it. Collective over dp under ZeRO."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for a safetensors checkpoint (see ``modelpar.optim.state``)."""
@@ -100,3 +87,87 @@ class DataParallelOptimizer:
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         load_optimizer_state_tensors(self.optimizer, tensors)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class ReplicatedAdamW(DataParallelOptimizer):
+    """``optim.zero=0``: torch's AdamW on every replica; gradients averaged by ``GradientSynchronizer``."""
+
+    def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, *, bucket_bytes: int, **adam):
+        super().__init__(params_with_info, groups)
+        params = [p for p, _ in self.params_with_info]
+        self.sync = GradientSynchronizer(params, groups.dp_group, bucket_bytes=bucket_bytes)
+        self.optimizer = build_adamw(self.params_with_info, **adam)
+
+    def final_backward(self) -> contextlib.AbstractContextManager:
+        return self.sync.final_backward()
+
+    def expect_micro_batches(self, micro_batches: int) -> None:
+        self.sync.expect_micro_batches(micro_batches)
+
+    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
+        self.sync.wait()  # the buckets copied the gradients when they launched: reduce over tp etc. after
+        other_reductions()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.params_with_info, max_norm, self.groups)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_moments(self) -> tuple[dict[int, dict[str, torch.Tensor]], float] | None:
+        state_of = {id(p): st for p, st in self.optimizer.state.items()}
+        steps = {float(st["step"]) for st in state_of.values()}
+        if len(steps) != 1:
+            return None
+        return {k: {kind: st[kind] for kind in MOMENTS} for k, st in state_of.items()}, steps.pop()
+
+
+class ZeroOneOptimizer(DataParallelOptimizer):
+    """``optim.zero=1``: AdamW state and fp32 masters sharded over dp (``ZeroOneAdamW``)."""
+
+    def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
+        super().__init__(params_with_info, groups)
+        self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_group, **adam)
+
+    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
+        other_reductions()
+        self.optimizer.reduce_gradients()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.optimizer.shard_params_with_info(), max_norm, self.groups, zero_sharded=True)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def full_moments(self) -> tuple[dict[int, dict[str, torch.Tensor]], float] | None:
+        gathered = self.optimizer.full_moments(MOMENTS)
+        if gathered is None:
+            return None
+        per_param, step = gathered
+        return {id(p): state for p, state in zip(self.optimizer.params, per_param, strict=True)}, step
+
+
+def build_optimizer(
+    params_with_info: ParamsWithInfo,
+    groups: ParallelGroups,
+    *,
+    zero: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> DataParallelOptimizer:
+    """The optimizer of ZeRO stage ``zero`` (0 or 1) over ``groups``' dp group."""
+    adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if zero == 0:
+        return ReplicatedAdamW(params_with_info, groups, bucket_bytes=bucket_bytes, **adam)
+    if zero == 1:
+        return ZeroOneOptimizer(params_with_info, groups, **adam)
+    raise ValueError(f"optim.zero={zero} is not a supported ZeRO stage; choose one of {ZERO_STAGES}")

@@ -297,11 +297,13 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     from modelpar.data import WindowSampler
     from modelpar.perf.peers import Peer, peer_name
     from modelpar.pipeline import partition_uniform
-    from modelpar.training.trainer import Trainer, build_partition, transformer_config
+    from modelpar.training.build import build_partition, transformer_config
+    from modelpar.training.trainer import Trainer
 
     opts = cfg.bench
     torch.manual_seed(cfg.trainer.seed)
     trainer = Trainer(cfg, data_path, None)
+    trainer.runtime.timing = True  # per-action records for every measured step
     recorder = _StepRecorder(trainer.runtime)
     device = trainer.device
     peer = None

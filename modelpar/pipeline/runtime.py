@@ -70,14 +70,48 @@ class _NoObserver:
 class StepResult:
     """What one pipeline step returns on every rank of the pipeline group.
 
-    ``records`` are this rank's actions with start/end in seconds since the step began (after a barrier over
-    the pipeline group, so ranks share an origin). A SEND/RECV runs from its batch's posting until the
-    runtime waited for that batch.
+    ``records`` (only when the runtime's ``timing`` is on) are this rank's actions with start/end in seconds
+    since the step began (after a barrier over the pipeline group, so ranks share an origin); on a GPU they
+    come from CUDA events. A SEND/RECV runs from its batch's posting until the runtime waited for that batch.
     """
 
-    loss: float  # mean over micro-batches, computed on the last stage and broadcast
+    loss_tensor: torch.Tensor  # 0-d fp32 on the device: mean over micro-batches, from the last stage
     records: tuple[TimedAction, ...]
     peak_in_flight: int  # most (micro-batch, chunk) activations held at once on this rank
+
+    @property
+    def loss(self) -> float:
+        """The loss as a Python float (a host sync on a GPU: the trainer keeps ``loss_tensor`` instead)."""
+        return float(self.loss_tensor)
+
+
+class _HostClock:
+    """Seconds since the step began, from the host clock (CPU: the work is done when the call returns)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def mark(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def seconds(self, mark: float) -> float:
+        return mark
+
+
+class _CudaClock:
+    """Seconds since the step began, from CUDA events on the current stream (resolved once, after the step)."""
+
+    def __init__(self) -> None:
+        self.start = self.mark()
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: torch.cuda.Event) -> float:
+        mark.synchronize()
+        return self.start.elapsed_time(mark) / 1e3
 
 
 @dataclass(eq=False)
@@ -88,8 +122,8 @@ class _PostedBatch:
     actions: list[Action]
     works: list[dist.Work]
     tensors: list[torch.Tensor]
-    posted_at: float
-    done_at: float | None = None
+    posted_at: object  # a clock mark (``_HostClock`` / ``_CudaClock``)
+    done_at: object = None
 
 
 @dataclass
@@ -178,6 +212,9 @@ class PipelineRuntime:
             device = first_param.device if first_param is not None else "cpu"
         self.device = torch.device(device)
         self.observer: ActionObserver = _NoObserver()  # e.g. a FlightRecorder: told each action as it starts
+        # per-action records (a barrier to share a time origin, CUDA events on GPU): off in plain training; the
+        # trainer turns them on for the steps it checks for stragglers, benchmarks for every step
+        self.timing = False
 
     # -- one step -----------------------------------------------------------------------------------------
 
@@ -200,34 +237,42 @@ class PipelineRuntime:
                 count = "None" if given is None else len(given)
                 raise ValueError(f"{name} has {count} micro-batches; the schedule runs {self.micro_batches}")
         state = _StepState()
-        dist.barrier(group=self.groups.pp_group)  # a shared time origin, so records line up across ranks
-        t0 = time.perf_counter()
-        records: dict[Action, TimedAction] = {}
+        timing = self.timing
+        if timing:
+            dist.barrier(group=self.groups.pp_group)  # a shared time origin, so records line up across ranks
+        clock = _CudaClock() if timing and self.device.type == "cuda" else _HostClock()
+        marks: dict[Action, tuple] = {}
         observer = self.observer
         for batch in comm_batches(self.actions):
             if batch[0].kind.is_compute:
                 recv = input_recv(batch[0], self.pp, self.last_stage)
                 if recv is not None:
                     observer.begin(f"wait {recv}", waiting=True)
-                    self._wait_through(state.batch_of[recv], state, t0)
+                    self._wait_through(state.batch_of[recv], state, clock)
                     observer.end()
                 observer.begin(str(batch[0]))
-                start = time.perf_counter() - t0
+                start = clock.mark() if timing else None
                 self._compute(batch[0], state, micro_batches, targets)
-                records[batch[0]] = TimedAction(batch[0], start, time.perf_counter() - t0)
+                if timing:
+                    marks[batch[0]] = (start, clock.mark())
                 observer.end()
             else:
-                self._post(batch, state, t0)
+                self._post(batch, state, clock)
         if state.batches:
             observer.begin(f"wait {' '.join(map(str, state.batches[-1].actions))}", waiting=True)
-            self._wait_through(state.batches[-1], state, t0)
+            self._wait_through(state.batches[-1], state, clock)
             observer.end()
-        for posted in state.batches:
-            records |= {a: TimedAction(a, posted.posted_at, posted.done_at) for a in posted.actions}
         observer.begin("loss broadcast", waiting=True)
         loss = self._broadcast_loss(state)
         observer.end()
-        return StepResult(loss, tuple(records[a] for a in self.actions), state.peak)
+        records: tuple[TimedAction, ...] = ()
+        if timing:
+            for posted in state.batches:
+                marks |= dict.fromkeys(posted.actions, (posted.posted_at, posted.done_at))
+            records = tuple(
+                TimedAction(a, clock.seconds(marks[a][0]), clock.seconds(marks[a][1])) for a in self.actions
+            )
+        return StepResult(loss, records, state.peak)
 
     def _compute(
         self,
@@ -275,14 +320,15 @@ class PipelineRuntime:
         has_input_grad = action.stage(self.pp) > 0
         if self.split_backward:
             if has_input_grad:
+                grad = grad if grad is None else grad.to(y.dtype)  # p2p runs in the compute dtype
                 dx, state.pending_weight[key] = backward_input(y, grad, x, self._trainable(action.chunk))
-                state.to_send[Action(self.rank, SEND_B, *key)] = dx.contiguous()
+                state.to_send[Action(self.rank, SEND_B, *key)] = dx.to(self.dtype).contiguous()
             else:
                 state.output_grads[key] = grad
             return
-        torch.autograd.backward(y, grad)
+        torch.autograd.backward(y, grad if grad is None else grad.to(y.dtype))
         if has_input_grad:
-            state.to_send[Action(self.rank, SEND_B, *key)] = x.grad.contiguous()
+            state.to_send[Action(self.rank, SEND_B, *key)] = x.grad.to(self.dtype).contiguous()
         state.release(key)
 
     def _weight_backward(self, action: Action, state: _StepState) -> None:
@@ -297,7 +343,7 @@ class PipelineRuntime:
     def _trainable(self, chunk: int) -> list[torch.nn.Parameter]:
         return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
 
-    def _post(self, batch: list[Action], state: _StepState, t0: float) -> None:
+    def _post(self, batch: list[Action], state: _StepState, clock) -> None:
         """Post the batch as one ``batch_isend_irecv`` (one NCCL group), without waiting."""
         ops, tensors = [], []
         for action in batch:
@@ -310,11 +356,12 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.groups.pp_group))
                 state.received[action] = tensor
             tensors.append(tensor)
-        posted = _PostedBatch(len(state.batches), batch, dist.batch_isend_irecv(ops), tensors, time.perf_counter() - t0)
+        works = dist.batch_isend_irecv(ops)
+        posted = _PostedBatch(len(state.batches), batch, works, tensors, clock.mark() if self.timing else None)
         state.batches.append(posted)
         state.batch_of |= dict.fromkeys(batch, posted)
 
-    def _wait_through(self, last: _PostedBatch, state: _StepState, t0: float) -> None:
+    def _wait_through(self, last: _PostedBatch, state: _StepState, clock) -> None:
         """Wait, in posting order, for every batch up to ``last``; name the stuck actions if the backend gives up."""
         while state.waited <= last.index:
             posted = state.batches[state.waited]
@@ -324,16 +371,18 @@ class PipelineRuntime:
             except RuntimeError as exc:
                 names = " ".join(map(str, posted.actions))
                 raise RuntimeError(f"pipeline rank {self.rank} stuck in {names}: {exc}") from exc
-            posted.done_at = time.perf_counter() - t0
+            posted.done_at = clock.mark() if self.timing else None
             posted.tensors.clear()  # sent payloads may go now; received ones live on in state.received
             state.waited += 1
 
-    def _broadcast_loss(self, state: _StepState) -> float:
+    def _broadcast_loss(self, state: _StepState) -> torch.Tensor:
+        """The step's loss on every pipeline rank, left on the device (no host sync)."""
         holder = self.last_stage % self.pp
         loss = state.loss_sum if self.rank == holder else torch.zeros((), dtype=torch.float32, device=self.device)
         loss = loss.detach().to(torch.float32).reshape(())
-        dist.broadcast(loss, src=self.groups.pp_ranks[holder], group=self.groups.pp_group)
-        return float(loss)
+        if self.pp > 1:
+            dist.broadcast(loss, src=self.groups.pp_ranks[holder], group=self.groups.pp_group)
+        return loss
 
 
 def measured_timeline(results: Sequence[StepResult]) -> Timeline:

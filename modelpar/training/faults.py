@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 ENV = "MODELPAR_FAULTS"
 KINDS = ("sleep", "kill", "delay", "nan", "perturb", "save_crash")
@@ -65,3 +68,59 @@ def fire(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
                 time.sleep(fault.arg)
             return fault
     return None
+
+
+class FaultHooks:
+    """The faults of ``MODELPAR_FAULTS`` due on this rank, hooked into a trainer from outside: a forward
+    pre-hook on each chunk (sleep, kill, delay), the step's ``StepHook`` points (nan, perturb) and the
+    checkpoint's rank state (save_crash). ``install`` registers them only when the variable is set."""
+
+    def __init__(self, faults: tuple[Fault, ...], rank: int, params: list):
+        self.faults, self.rank, self.params = faults, rank, params
+        self.step = 0
+
+    def forward(self, module, args) -> None:
+        for kind in ("sleep", "kill", "delay"):
+            fire(self.faults, kind, self.rank, self.step)
+
+    def loss(self, step: int, loss):
+        self.step = step
+        if fire(self.faults, "nan", self.rank, step):
+            return loss * float("nan")  # as if this rank's batch were poisoned
+        return loss
+
+    def after_update(self, step: int) -> None:
+        if fire(self.faults, "perturb", self.rank, step):
+            with torch.no_grad():
+                self.params[0].add_(1e-3)
+        self.step = step + 1
+
+    def rank_state(self, step: int, state: Mapping) -> Mapping:
+        """``state``, wrapped so that a due save crash kills the rank after its model file is written."""
+        if not any(f.kind == "save_crash" and f.rank == self.rank and f.step == step for f in self.faults):
+            return state
+        faults, rank = self.faults, self.rank
+
+        class Crashing(Mapping):
+            def __getitem__(self, key):
+                return state[key]
+
+            def __iter__(self):
+                fire(faults, "save_crash", rank, step)
+                return iter(state)
+
+            def __len__(self):
+                return len(state)
+
+        return Crashing()
+
+
+def install(chunks, rank: int, params: list) -> FaultHooks | None:
+    """Hook the faults of ``MODELPAR_FAULTS`` due on this rank into its chunks; None when none is set."""
+    faults = parse_faults()
+    if not faults:
+        return None
+    hooks = FaultHooks(faults, rank, params)
+    for chunk in chunks:
+        chunk.register_forward_pre_hook(hooks.forward)
+    return hooks

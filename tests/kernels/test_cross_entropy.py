@@ -6,7 +6,7 @@ from modelpar_kernels import vocab_parallel_cross_entropy
 from modelpar_kernels.launch import interpreting
 
 from modelpar import ParallelLayout
-from modelpar.parallel.collectives import record_comm
+from modelpar.parallel.collectives import all_reduce, record_comm
 from modelpar.testing import current_groups, run_on_ranks
 from tests.kernels import BF16_TOL, DEVICE, FP32_TOL, assert_close, requires_cuda
 
@@ -62,15 +62,18 @@ def test_all_tokens_ignored_gives_zero_loss_and_gradient():
     assert loss.item() == 0 and grad.abs().max().item() == 0
 
 
-def _tp_shard_loss_and_grad(logits, targets, vocab_size, backend):
+def _tp_shard_loss_and_grad(logits, targets, vocab_size, backend, engine_all_reduce=True):
+    """This rank's loss, logits gradient and the collectives ``record_comm`` saw; the engine's ``all_reduce``
+    is passed in (as ``vocab_parallel_loss`` does), or left to the kernel's torch.distributed default."""
     groups = current_groups()
     tp, rank = groups.layout.tp, groups.tp_rank
     n_local = logits.shape[1] // tp
     shard = logits[:, rank * n_local : (rank + 1) * n_local].clone().requires_grad_()
+    engine = {"all_reduce": all_reduce} if engine_all_reduce else {}
     with record_comm() as log:
         loss = vocab_parallel_cross_entropy(
             shard.clone(), targets, backend=backend, vocab_start=rank * n_local, vocab_size=vocab_size,
-            group=groups.tp_group, ignore_index=IGNORE,
+            group=groups.tp_group, ignore_index=IGNORE, **engine,
         )  # fmt: skip
         (1.7 * loss).backward()
     return loss.detach(), shard.grad, [(e.kind, e.elements) for e in log.events]
@@ -90,6 +93,21 @@ def test_tp2_matches_single_device_reference(vocab_size):
     for loss, _, events in results:
         assert_close(loss, ref_loss, FP32_TOL, "loss")
         assert events == [("all_reduce", n), ("all_reduce", 2 * n)]  # max, then (sum_exp, target logit)
+    assert_close(torch.cat([grad for _, grad, _ in results], dim=1), ref_grad, FP32_TOL, "dlogits")
+
+
+@pytest.mark.skipif(not interpreting(), reason="emulated ranks run on CPU: needs Triton's interpreter")
+def test_tp2_without_an_engine_all_reduce_runs_torch_distributed_directly():
+    """Given only a process group, the kernel reduces with torch.distributed: same loss, nothing recorded."""
+    torch.manual_seed(3)
+    logits, targets = 3 * torch.randn(37, 100), _targets(37, 90)
+    ref_loss, ref_grad = _loss_and_grad("torch", logits, targets, vocab_size=90, ignore_index=IGNORE)
+    results = run_on_ranks(
+        2, _tp_shard_loss_and_grad, logits, targets, 90, "triton", False, layout=ParallelLayout(tp=2), timeout_s=300
+    )
+    for loss, _, events in results:
+        assert_close(loss, ref_loss, FP32_TOL, "loss")
+        assert events == []
     assert_close(torch.cat([grad for _, grad, _ in results], dim=1), ref_grad, FP32_TOL, "dlogits")
 
 

@@ -1,4 +1,4 @@
-"""RMSNorm: Triton forward and backward (with and without the fused residual add) equal the torch reference."""
+"""RMSNorm: Triton forward and backward equal the torch reference."""
 
 import pytest
 import torch
@@ -9,29 +9,23 @@ from tests.kernels import BF16_TOL, DEVICE, FP32_TOL, assert_close, requires_cud
 EPS = 1e-5
 
 
-def _run(backend, x, weight, residual, grads):
-    """Forward, then input and weight gradients for the given output gradients."""
-    inputs = [x, weight] + ([residual] if residual is not None else [])
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    out = rms_norm(inputs[0], inputs[1], EPS, inputs[2] if residual is not None else None, backend=backend)
-    outs = out if isinstance(out, tuple) else (out,)
-    torch.autograd.backward(outs, grads[: len(outs)])
-    return [o.detach() for o in outs], [t.grad for t in inputs]
+def _run(backend, x, weight, grad):
+    """Forward, then input and weight gradients for the given output gradient."""
+    x, weight = (t.detach().clone().requires_grad_() for t in (x, weight))
+    y = rms_norm(x, weight, EPS, backend=backend)
+    y.backward(grad)
+    return y.detach(), x.grad, weight.grad
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 96), (3, 7, 80), (2, 1, 130)], ids=str)
-@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-def test_outputs_and_gradients_match_reference_fp32(shape, with_residual):
+def test_outputs_and_gradients_match_reference_fp32(shape):
     torch.manual_seed(0)
     x = torch.randn(shape, device=DEVICE)
     weight = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
-    residual = torch.randn(shape, device=DEVICE) if with_residual else None
-    grads = [torch.randn(shape, device=DEVICE) for _ in range(2)]
-    outs, input_grads = _run("triton", x, weight, residual, grads)
-    ref_outs, ref_grads = _run("torch", x, weight, residual, grads)
-    names = ["y", "x + residual"][: len(outs)] + ["dx", "dweight", "dresidual"][: len(input_grads)]
-    for name, got, want in zip(names, outs + input_grads, ref_outs + ref_grads, strict=True):
-        assert_close(got, want, FP32_TOL, name)
+    grad = torch.randn(shape, device=DEVICE)
+    got, want = _run("triton", x, weight, grad), _run("torch", x, weight, grad)
+    for name, a, b in zip(["y", "dx", "dweight"], got, want, strict=True):
+        assert_close(a, b, FP32_TOL, name)
 
 
 def test_weight_gradient_sums_rows_across_programs():
@@ -39,9 +33,9 @@ def test_weight_gradient_sums_rows_across_programs():
     torch.manual_seed(1)
     x = torch.randn(41, 48, device=DEVICE)
     weight = torch.randn(48, device=DEVICE)
-    grads = [torch.randn(41, 48, device=DEVICE)]
-    _, (_, dweight) = _run("triton", x, weight, None, grads)
-    _, (_, ref_dweight) = _run("torch", x, weight, None, grads)
+    grad = torch.randn(41, 48, device=DEVICE)
+    _, _, dweight = _run("triton", x, weight, grad)
+    _, _, ref_dweight = _run("torch", x, weight, grad)
     assert_close(dweight, ref_dweight, FP32_TOL, "dweight")
 
 
@@ -54,15 +48,11 @@ def test_non_contiguous_input_matches_reference():
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-def test_bf16_matches_reference_on_gpu(with_residual):
+def test_bf16_matches_reference_on_gpu():
     torch.manual_seed(0)
     shape = (4, 257, 4096)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn_like(x) if with_residual else None
-    grads = [torch.randn_like(x) for _ in range(2)]
-    outs, input_grads = _run("triton", x, weight, residual, grads)
-    ref_outs, ref_grads = _run("torch", x, weight, residual, grads)
-    for got, want in zip(outs + input_grads, ref_outs + ref_grads, strict=True):
+    grad = torch.randn_like(x)
+    for got, want in zip(_run("triton", x, weight, grad), _run("torch", x, weight, grad), strict=True):
         assert_close(got, want, BF16_TOL)

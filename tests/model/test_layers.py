@@ -29,12 +29,8 @@ def _dense():
 def _column_row(sp):
     tp = TensorParallelGroup.of(current_groups())
     d = _dense()
-    column = ColumnParallelLinear(H, [ColumnPart.even("w1", F_OUT, tp.rank, tp.size)], tp, sequence_parallel=sp)
-    row = RowParallelLinear(F_OUT, H, tp, sequence_parallel=sp)
-    with torch.no_grad():
-        for layer, full in ((column, d["w1"]), (row, d["w2"])):
-            (shard,) = layer.logical_shards().values()
-            shard.tensor.copy_(full[shard.index])
+    column = ColumnParallelLinear(H, F_OUT, tp, sequence_parallel=sp).load_full(d["w1"])
+    row = RowParallelLinear(F_OUT, H, tp, sequence_parallel=sp).load_full(d["w2"])
     x = (d["x"].chunk(tp.size, dim=1)[tp.rank] if sp else d["x"]).clone().requires_grad_()
     y = row(F.gelu(column(x)))
     (y * y).sum().backward()
@@ -64,10 +60,8 @@ def test_column_then_row_parallel_linear_equals_two_dense_layers(tp, sp):
 def _embedding(sp):
     tp = TensorParallelGroup.of(current_groups())
     d = _dense()
-    embedding = VocabParallelEmbedding(VOCAB, H, tp, sequence_parallel=sp)
+    embedding = VocabParallelEmbedding(VOCAB, H, tp, sequence_parallel=sp).load_full(d["emb"])
     (shard,) = embedding.logical_shards().values()
-    with torch.no_grad():
-        shard.tensor.copy_(d["emb"][shard.index])
     out = embedding(d["ids"])
     out.sum().backward()
     return out.detach(), shard.index, shard.grad, embedding.weight.grad[shard.local_shape[0] :]
@@ -87,3 +81,24 @@ def test_vocab_parallel_embedding_equals_a_dense_lookup_and_padding_stays_inert(
         torch.testing.assert_close(grad, emb.grad[index], rtol=0, atol=0)
         assert padding_grad.numel() == 0 or not padding_grad.any()
     assert sum(r[3].shape[0] for r in results) == 1  # 11 ids padded to 12: one padded row on the last rank
+
+
+def test_column_parallel_linear_of_an_int_refuses_a_split_that_does_not_divide():
+    tp3 = TensorParallelGroup(group=object(), rank=0, size=3)  # the constructor never talks over the group
+    with pytest.raises(ValueError, match="w1: 16 output features do not split over tp=3"):
+        ColumnParallelLinear(H, F_OUT, tp3, name="w1")
+
+
+def test_load_full_of_fused_parts_takes_each_full_weight_by_name():
+    parts = [ColumnPart.even(name, rows, 0, 1) for name, rows in (("gate", 5), ("up", 7))]
+    layer = ColumnParallelLinear(H, parts, TensorParallelGroup())
+    gate, up = torch.randn(5, H), torch.randn(7, H)
+    layer.load_full({"gate": gate, "up": up})
+    assert torch.equal(layer.weight.detach(), torch.cat([gate, up]))
+    with pytest.raises(ValueError, match=r"fuses \['gate', 'up'\]: pass \{name: full weight\}"):
+        layer.load_full(torch.cat([gate, up]))
+
+
+def test_load_full_refuses_a_weight_that_is_not_the_full_shape():
+    with pytest.raises(ValueError, match=r"weight: got shape \(16, 12\), expected the full \(12, 16\)"):
+        RowParallelLinear(F_OUT, H, TensorParallelGroup()).load_full(torch.zeros(F_OUT, H))  # [out, in] swapped

@@ -68,8 +68,8 @@ def test_impossible_splits_are_rejected_in_one_line(call, fragment):
 
 
 def test_flops_partition_moves_a_block_off_the_head_stage_of_bench_tiny():
+    from modelpar.training.build import build_partition
     from modelpar.training.config import ModelConfig, ParallelConfig, TrainConfig
-    from modelpar.training.trainer import build_partition
 
     bench_tiny = ModelConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
     counts = {}

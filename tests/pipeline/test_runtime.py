@@ -43,6 +43,7 @@ def _run_cases(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
         runtime = PipelineRuntime(
             chunks, groups, schedule, activation_shape=(cfg.batch, cfg.seq, cfg.hidden), loss_fn=toy_model.loss_fn
         )
+        runtime.timing = True  # per-action records are opt-in
         accumulations = toy_model.count_accumulations(chunks)
         result = runtime.step(*toy_model.batch(cfg, m))
         out[(name, m)] = {
@@ -190,6 +191,7 @@ def _forward_only(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
             activation_shape=(cfg.batch, cfg.seq, cfg.hidden),
             loss_fn=toy_model.loss_fn,
         )
+        runtime.timing = True  # per-action records are opt-in
         result = runtime.step(*toy_model.batch(cfg, m))
         grads = [p.grad for c in chunks for p in c.parameters()]
         out[(name, m)] = (result.loss, result.peak_in_flight, all(g is None for g in grads), len(result.records))

@@ -31,7 +31,8 @@ def token_path(tmp_path_factory):
 
 def train_and_collect(cfg: TrainConfig, data_path: str, resume_from=None, save_at=()):
     """On every rank: train to ``cfg.trainer.steps``; return (loss, grad norm) per step and this rank's pieces."""
-    from modelpar.training.trainer import Trainer, model_pieces
+    from modelpar.checkpoint.reshard import model_pieces
+    from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, resume_from)
     losses = []

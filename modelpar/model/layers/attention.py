@@ -11,6 +11,30 @@ from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
 from modelpar.parallel.regions import TensorParallelGroup
 
+# A plain dict, not functools.lru_cache: torch.compile traces through an lru_cache wrapper (so every compiled
+# block would rebuild the tables) but takes a tensor found in a dict as a graph input.
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_ROPE_TABLES_KEPT = 8  # a run meets a few sequence lengths (train, eval); generation's growing context cycles
+
+
+def cached_rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables(seq_len, head_dim, theta)`` on ``device``, built once and shared by every attention layer.
+
+    cos, sin: [seq_len, head_dim / 2], fp32 whatever the activations' dtype (the rotation runs in fp32), so the
+    dtype is not part of the key. Read-only: every layer and every step gets the same tensors.
+    """
+    key = (seq_len, head_dim, theta, str(device))
+    tables = _ROPE_TABLES.get(key)
+    if tables is None:
+        if len(_ROPE_TABLES) >= _ROPE_TABLES_KEPT:
+            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))  # the oldest
+        # normal tensors even when first asked for under inference_mode, so a later training step can save them
+        with torch.inference_mode(False):
+            tables = _ROPE_TABLES[key] = rope_tables(seq_len, head_dim, theta, device=device)
+    return tables
+
 
 class ParallelAttention(nn.Module):
     """Heads split over the tp ranks: q, k, v fused in one column-parallel weight, output row-parallel::
@@ -62,7 +86,7 @@ class ParallelAttention(nn.Module):
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = (rearrange(t, "b s (n d) -> b s n d", d=d) for t in (q, k, v))
-        cos, sin = rope_tables(q.shape[1], d, self.rope_theta, device=q.device)
+        cos, sin = cached_rope_tables(q.shape[1], d, self.rope_theta, q.device)
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
         out = attention(q, k, v, causal=True, backend=self.backend)
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))

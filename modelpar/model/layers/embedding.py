@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelpar.model.layers.shard import ShardInfo
+from modelpar.model.layers.shard import ShardInfo, load_full_weights
 from modelpar.parallel.regions import TensorParallelGroup, reduce_from_tp_region, reduce_scatter_to_sequence_region
 
 
@@ -73,3 +73,8 @@ class VocabParallelEmbedding(nn.Module):
                 offset=self.vocab_start,
             )
         }
+
+    def load_full(self, weight: torch.Tensor) -> VocabParallelEmbedding:
+        """Set this rank's rows from the full single-device table [V, h] (padded rows stay zero). Returns the layer."""
+        load_full_weights(self.logical_shards(), weight)
+        return self

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.model.layers.shard import ColumnPart, ShardInfo, load_full_weights
 from modelpar.parallel.regions import (
     TensorParallelGroup,
     column_parallel_matmul,
@@ -29,23 +29,40 @@ class ColumnParallelLinear(nn.Module):
         r1  |      W_1       |      each rank: y_r = x @ W_r.T  [b, s, out/t], no communication
             +----------------+
 
-    Several logical tensors may be fused into one local weight (``parts``: q/k/v, gate/up); each part is split
-    on its own, so rank r holds ``[q_r; k_r; v_r]``. Output ``y_r``: [b, s, sum of local part sizes].
+    ``out_features`` an int: one logical tensor ``name`` split evenly, rank r holding rows r*out/t .. (r+1)*out/t.
+    Or a sequence of ``ColumnPart``: several logical tensors fused into one local weight (q/k/v, gate/up), each
+    split on its own, or one split unevenly (the vocabulary padded to a multiple of t)::
+
+          q_proj [q, in]   k_proj [k, in]   v_proj [k, in]          local weight of rank r [(q + 2k)/t, in]
+          +----------+     +----------+     +----------+            +----------+
+      r0  |   q_0    |     |   k_0    |     |   v_0    |            |   q_r    |
+          +----------+     +----------+     +----------+     ->     +----------+
+      r1  |   q_1    |     |   k_1    |     |   v_1    |            |   k_r    |
+          +----------+     +----------+     +----------+            +----------+
+                                                                    |   v_r    |     y_r: [b, s, (q + 2k)/t]
+                                                                    +----------+
     """
 
     def __init__(
         self,
         in_features: int,
-        parts: Sequence[ColumnPart],
+        out_features: int | Sequence[ColumnPart],
         tp: TensorParallelGroup,
         *,
+        name: str = "weight",
         sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if isinstance(out_features, int):
+            if out_features % tp.size:
+                raise ValueError(f"{name}: {out_features} output features do not split over tp={tp.size}")
+            self.parts = (ColumnPart.even(name, out_features, tp.rank, tp.size),)
+        else:
+            self.parts = tuple(out_features)
         self.in_features = in_features
-        self.parts = tuple(parts)
+        self.out_features = sum(p.rows for p in self.parts)  # of the single-device layer, every part whole
         self.tp = tp
         self.sequence_parallel = sequence_parallel
         rows = sum(p.size for p in self.parts)
@@ -74,6 +91,12 @@ class ColumnParallelLinear(nn.Module):
             )
             start += part.size
         return shards
+
+    def load_full(self, weight: torch.Tensor | Mapping[str, torch.Tensor]) -> ColumnParallelLinear:
+        """Set this rank's rows from the full single-device weight [out, in] (fused: ``{part name: weight}``),
+        sliced as ``ModelChunk.load_logical`` slices it. Returns the layer."""
+        load_full_weights(self.logical_shards(), weight)
+        return self
 
 
 class RowParallelLinear(nn.Module):
@@ -125,3 +148,8 @@ class RowParallelLinear(nn.Module):
                 offset=self.tp.rank * local,
             )
         }
+
+    def load_full(self, weight: torch.Tensor) -> RowParallelLinear:
+        """Set this rank's columns from the full single-device weight [out, in]. Returns the layer."""
+        load_full_weights(self.logical_shards(), weight)
+        return self

@@ -7,7 +7,7 @@ from einops import rearrange
 from modelpar_kernels import vocab_parallel_cross_entropy
 
 from modelpar.model.layers.embedding import vocab_range
-from modelpar.parallel.collectives import comm_tag
+from modelpar.parallel.collectives import all_reduce, comm_tag
 from modelpar.parallel.regions import TensorParallelGroup
 
 IGNORE_INDEX = -100
@@ -25,7 +25,8 @@ def vocab_parallel_loss(
 
     logits: [b, s, V_pad/t], this rank's slice of the padded vocabulary (columns >= ``vocab_size`` are padding
     and never take part); targets: [b, s] global token ids. Communication (torch reference): an all-reduce of
-    the row max (b*s elements) and one of sum-exp and target logit together (2*b*s), tagged "loss".
+    the row max (b*s elements) and one of sum-exp and target logit together (2*b*s), tagged "loss"; the kernels
+    run them through the engine's ``all_reduce``, so ``record_comm`` counts them.
     """
     start, _ = vocab_range(vocab_size, tp)
     with comm_tag("loss"):
@@ -36,5 +37,6 @@ def vocab_parallel_loss(
             vocab_size=vocab_size,
             group=tp.group if tp.size > 1 else None,
             ignore_index=IGNORE_INDEX,
+            all_reduce=all_reduce,
             backend=backend,
         )

@@ -13,11 +13,13 @@ tensor, which rows of which local parameter hold it and which block of the globa
                                             +---------+
 
 Checkpoints save ``shard.tensor`` with ``shard.index``; loading copies ``global[shard.index]`` into it, so any
-tp can read weights written by any other.
+tp can read weights written by any other. ``load_full_weights`` does the same for one layer, from full weights in
+memory (``layer.load_full(weight)``), so a shard can be compared with its single-device twin.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +81,8 @@ class ColumnPart:
     """One logical tensor fused into a column-parallel weight: rows ``offset .. offset + size`` of its ``rows``.
 
     ``replicas``: how many tp ranks hold the same rows (> 1 for kv heads replicated when kv_heads < tp);
-    ``primary``: this rank is the lowest of them. Local rows past ``rows - offset`` are padding.
+    ``primary``: this rank is the lowest of them. Local rows past ``rows - offset`` are padding. Only fused or
+    unevenly split layers need these: ``ColumnParallelLinear(in, out, tp)`` with an int ``out`` makes its own.
     """
 
     name: str
@@ -96,3 +99,23 @@ class ColumnPart:
             raise ValueError(f"{name}: {rows} rows do not split over tp={tp_size}")
         size = rows // tp_size
         return cls(name, rows, tp_rank * size, size)
+
+
+@torch.no_grad()
+def load_full_weights(shards: Mapping[str, ShardInfo], weights: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
+    """Copy ``full[shard.index]`` into each shard, from the full (single-device) value of each logical tensor.
+
+    ``weights``: one tensor when ``shards`` holds one logical tensor, else ``{name: full tensor}`` for each.
+    Padded local rows (vocabulary rounded up to a multiple of tp) are left as they are.
+    """
+    if isinstance(weights, torch.Tensor):
+        if len(shards) != 1:
+            raise ValueError(f"this layer fuses {sorted(shards)}: pass {{name: full weight}} for each")
+        weights = {next(iter(shards)): weights}
+    if set(weights) != set(shards):
+        raise ValueError(f"got full weights for {sorted(weights)}, the layer holds {sorted(shards)}")
+    for name, shard in shards.items():
+        full = weights[name]
+        if tuple(full.shape) != shard.global_shape:
+            raise ValueError(f"{name}: got shape {tuple(full.shape)}, expected the full {shard.global_shape}")
+        shard.tensor.copy_(full[shard.index])

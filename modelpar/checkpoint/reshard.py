@@ -1,0 +1,95 @@
+"""Logical pieces of a rank's model and optimizer: what a checkpoint saves, and how any layout loads it back.
+
+A rank holds regions of logical (HF-named, layout-free) tensors; ``model_pieces`` names them as ``Piece``s
+for ``save_checkpoint``, and loading asks the checkpoint for exactly the regions the new layout holds, which
+is all resharding is. The Adam moments are saved the same way, as ``<moment>/<tensor name>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from modelpar.checkpoint.store import Piece, load_pieces
+from modelpar.model.layers import ShardInfo
+from modelpar.model.transformer import ModelChunk
+from modelpar.optim.param_info import ParamsWithInfo
+from modelpar.optim.state import MOMENTS
+
+
+def model_pieces(chunks: list[ModelChunk]) -> dict[Piece, torch.Tensor]:
+    """This rank's regions of every logical tensor, for ``save_checkpoint``."""
+    return {piece: shard.tensor for piece, shard in _pieces_and_shards(chunks)}
+
+
+def optimizer_pieces(chunks: list[ModelChunk], optimizer) -> tuple[dict[Piece, torch.Tensor], float | None]:
+    """This rank's regions of the Adam moments of every logical tensor, named ``<moment>/<tensor name>`` (the
+    layout-free form of the optimizer state), and torch's AdamW step count; ``({}, None)`` before the first
+    step or when parameters disagree on it. ``optimizer`` is a ``modelpar.optim.DataParallelOptimizer``;
+    collective over dp under ZeRO-1 (the moments are gathered)."""
+    gathered = optimizer.full_moments()
+    if gathered is None:
+        return {}, None
+    state_of, step = gathered
+    pieces = {}
+    for piece, shard in _pieces_and_shards(chunks):
+        state = state_of.get(id(shard.param))
+        if not state:
+            continue
+        for kind in MOMENTS:
+            moment = state[kind].detach()[shard.local_rows]
+            pieces[Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region)] = moment
+    return pieces, step
+
+
+def _pieces_and_shards(chunks: list[ModelChunk]):
+    for chunk in chunks:
+        for name, shard in chunk.logical_shards().items():
+            region = tuple(
+                (sl.start or 0, n if sl.stop is None else sl.stop)
+                for sl, n in zip(shard.index, shard.global_shape, strict=True)
+            )
+            yield Piece(name, tuple(shard.global_shape), region), shard
+
+
+def _moment_regions(chunks: list[ModelChunk]) -> dict[Piece, tuple[str, ShardInfo]]:
+    return {
+        Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region): (kind, shard)
+        for piece, shard in _pieces_and_shards(chunks)
+        for kind in MOMENTS
+    }
+
+
+def load_optimizer_pieces(chunks: list[ModelChunk], ckpt: Path, index: dict) -> dict[Piece, torch.Tensor]:
+    """The regions of the saved logical Adam moments that ``chunks`` (this rank, any layout) hold."""
+    return load_pieces(ckpt, index, list(_moment_regions(chunks)), table="optimizer_tensors")
+
+
+def resharded_optimizer_state(
+    chunks: list[ModelChunk], params: ParamsWithInfo, ckpt: Path, index: dict, step: float
+) -> dict[str, torch.Tensor]:
+    """This rank's optimizer state rebuilt from a checkpoint's logical moments (any layout that saved them),
+    keyed as ``load_optimizer_state_tensors`` takes it: whole local parameters, which ZeRO-1 slices itself."""
+    wanted = _moment_regions(chunks)
+    loaded = load_pieces(ckpt, index, list(wanted), table="optimizer_tensors")
+    moments: dict[tuple[str, int], torch.Tensor] = {}
+    for key, (kind, shard) in wanted.items():
+        full = moments.setdefault((kind, id(shard.param)), torch.zeros_like(shard.param, device="cpu"))
+        full[shard.local_rows] = loaded[key].to(full.dtype)
+    out = {}
+    for param, info in params:
+        if ("exp_avg", id(param)) in moments:
+            for kind in MOMENTS:
+                out[f"{kind}/{info.name}"] = moments[kind, id(param)]
+            out[f"step/{info.name}"] = torch.tensor(step, dtype=torch.float32)
+    return out
+
+
+def load_model_from_checkpoint(chunks: list[ModelChunk], ckpt: Path, index: dict) -> None:
+    """Load every logical tensor region this rank holds, whatever layout wrote the checkpoint."""
+    wanted = model_pieces(chunks)
+    loaded = load_pieces(ckpt, index, list(wanted))
+    with torch.no_grad():
+        for piece, target in wanted.items():
+            target.copy_(loaded[piece])

@@ -1,0 +1,180 @@
+"""Build one rank of a training job from its recipe: device, model chunks, pipeline runtime, optimizer, data.
+
+Every layout runs this same code; ``tp = pp = dp = 1`` is the single-device run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from modelpar.data import TokenFile, WindowSampler
+from modelpar.model.flops import half_block_training_flops, head_training_flops, model_shape
+from modelpar.model.transformer import ModelChunk, TransformerConfig, build_chunk
+from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, default_decay
+from modelpar.parallel.groups import ParallelGroups
+from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
+from modelpar.pipeline.partition import partition_by_cost
+from modelpar.training.config import TrainConfig
+
+
+def transformer_config(cfg: TrainConfig) -> TransformerConfig:
+    """The model's shape from the recipe (the recipe's ``model`` group adds only its ``name``)."""
+    return TransformerConfig(**{f.name: getattr(cfg.model, f.name) for f in fields(TransformerConfig)})
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """The device this rank computes on (``trainer.device``; auto: the local GPU if there is one)."""
+    want = cfg.trainer.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype of activations; parameters and optimizer state stay fp32 (master weights)."""
+    if cfg.trainer.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.trainer.dtype]
+
+
+def build_partition(cfg: TrainConfig) -> Partition:
+    p, layers = cfg.parallel, cfg.model.layers
+    if p.partition == "explicit":
+        return partition_explicit(list(p.stage_layers), layers, p.pp, p.vpp)
+    if p.partition == "params":
+        shape = model_shape(cfg.model)
+        embed = cfg.model.vocab_size * cfg.model.hidden
+        return partition_by_cost([shape.block_params()] * layers, p.pp, p.vpp, embedding_cost=embed, head_cost=embed)
+    if p.partition in ("flops", "blocks"):
+        # training FLOPs per token of each half block (attention, MLP) against the last chunk's head and loss;
+        # the embedding lookup is free. Balancing the head against blocks follows Narayanan et al. 2021 sec. 3.2;
+        # cutting between a block's halves (flops) lets the stages even out where whole blocks (blocks) cannot.
+        shape = model_shape(cfg.model)
+        attention, mlp = half_block_training_flops(shape, cfg.data.seq_len)
+        head = head_training_flops(shape)
+        if p.partition == "blocks":
+            return partition_by_cost([attention + mlp] * layers, p.pp, p.vpp, head_cost=head)
+        return partition_by_cost([attention, mlp] * layers, p.pp, p.vpp, head_cost=head, halves=True)
+    return partition_uniform(layers, p.pp, p.vpp)
+
+
+@dataclass
+class RankModel:
+    """This rank's chunks and everything derived from them that a step needs."""
+
+    chunks: list[ModelChunk]
+    params: list[tuple[torch.nn.Parameter, ParamInfo]]
+    tied: list[torch.nn.Parameter]  # this rank's copies of a tied embedding that lives on two stages
+
+
+def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> RankModel:
+    """Build this rank's chunks (layout-invariant init from ``trainer.seed``) and describe their parameters."""
+    tcfg = transformer_config(cfg)
+    partition = build_partition(cfg)
+    chunks = [
+        build_chunk(
+            tcfg,
+            groups,
+            partition.layers(c),
+            first=partition.has_embedding(c),
+            last=partition.has_head(c),
+            split_blocks=partition.split_blocks(c),
+            seed=cfg.trainer.seed,
+            sequence_parallel=cfg.parallel.sp,
+            recompute=cfg.parallel.recompute,
+            device=device,
+        )
+        for c in partition.chunks_of(groups.pp_rank)
+    ]
+    tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
+    params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
+    tied: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for chunk in chunks:
+        shards = chunk.logical_shards()
+        for name, param in chunk.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            logical = [(n, s) for n, s in shards.items() if s.param is param]
+            share = _norm_share(param, logical)
+            if tied_across_stages and any(n == "embed_tokens.weight" for n, _ in logical):
+                tied.append(param)
+                if not chunk.first:
+                    share = 0.0  # the first stage counts the tied weight; this is its copy
+            info = ParamInfo(name=f"{_chunk_name(chunk)}.{name}", decay=default_decay(name, param), norm_share=share)
+            params.append((param, info))
+    return RankModel(chunks, params, tied)
+
+
+def _norm_share(param: torch.nn.Parameter, logical) -> float | torch.Tensor:
+    """What this rank adds of ``param``'s squared gradient to the global norm: each value counted once.
+
+    Rows of a logical tensor replicated over tp (norm weights, kv heads when kv_heads < tp) count on the
+    primary rank only. A fused parameter mixing counted and uncounted rows gets a per-row weight vector.
+    """
+    rows = torch.ones(param.shape[0], dtype=torch.float32, device=param.device)
+    for _, shard in logical:
+        if not shard.primary:
+            rows[shard.local_rows] = 0.0
+    if bool((rows == rows[0]).all()):
+        return float(rows[0])
+    return rows
+
+
+def _chunk_name(chunk: ModelChunk) -> str:
+    if not chunk.layer_ids:
+        return "chunk"
+    first, last = chunk.layer_ids[0], chunk.layer_ids[-1]
+    return f"layers{first}{'.mlp' * (chunk.split_blocks.get(first) == 'mlp')}-{last}" + (
+        ".attention" if chunk.split_blocks.get(last) == "attention" else ""
+    )
+
+
+def build_runtime(
+    cfg: TrainConfig, model: RankModel, groups: ParallelGroups, device: torch.device, dtype: torch.dtype
+) -> PipelineRuntime:
+    """This rank's pipeline runtime over its chunks; activations cross stages in the compute dtype."""
+    layout = groups.layout
+    micro_batch_size = cfg.data.global_batch // layout.dp // cfg.parallel.microbatches
+    first, last = model.chunks[0], model.chunks[-1]
+    schedule = build_schedule(cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches, layout.vpp)
+    return PipelineRuntime(
+        model.chunks,
+        groups,
+        schedule,
+        activation_shape=first.activation_shape(micro_batch_size, cfg.data.seq_len),
+        loss_fn=last.loss if last.last else _no_loss,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def build_rank_optimizer(cfg: TrainConfig, model: RankModel, groups: ParallelGroups) -> DataParallelOptimizer:
+    """AdamW over this rank's parameters at ZeRO stage ``optim.zero``."""
+    o = cfg.optim
+    return build_optimizer(
+        model.params,
+        groups,
+        zero=o.zero,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        bucket_bytes=int(o.bucket_mb * 2**20),
+    )
+
+
+def build_data(cfg: TrainConfig, data_path: str, groups: ParallelGroups) -> tuple[TokenFile, WindowSampler]:
+    """The token file and this dp replica's resumable sampler over it."""
+    tokens = TokenFile.open(data_path, cfg.model.vocab_size, cfg.data.seq_len)
+    sampler = WindowSampler(tokens.num_windows, cfg.data.global_batch, groups.dp_rank, groups.layout.dp, cfg.data.seed)
+    return tokens, sampler
+
+
+def _no_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the loss runs on the last pipeline stage only")

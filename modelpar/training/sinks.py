@@ -1,0 +1,109 @@
+"""Where step metrics go: one ``MetricsSink`` interface, with jsonl, console, tqdm and TensorBoard sinks.
+
+The loop hands every step's ``StepMetrics`` to each sink on the logging rank; nothing in the step knows them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol
+
+from modelpar.training.config import TrainConfig
+from modelpar.training.step import StepMetrics
+
+
+class MetricsSink(Protocol):
+    def write(self, m: StepMetrics) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per step, appended (a resumed run continues the same file)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a")
+
+    def write(self, m: StepMetrics) -> None:
+        self.file.write(json.dumps(asdict(m)) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def postfix(m: StepMetrics) -> dict[str, str]:
+    """The few numbers shown per step: loss, learning rate, tokens/s, MFU."""
+    out = {"loss": f"{m.loss:.4f}", "lr": f"{m.lr:.2e}", "tok/s": f"{m.tokens_per_s:,.0f}"}
+    if m.mfu is not None:
+        out["mfu"] = f"{100 * m.mfu:.1f}%"
+    return out
+
+
+def line(m: StepMetrics) -> str:
+    return f"step {m.step:6d} " + " ".join(f"{k} {v}" for k, v in postfix(m).items())
+
+
+class ConsoleSink:
+    """A line every ``log_every`` steps and at the last step."""
+
+    def __init__(self, log_every: int, steps: int):
+        self.log_every, self.steps = log_every, steps
+
+    def write(self, m: StepMetrics) -> None:
+        if m.step % self.log_every == 0 or m.step == self.steps:
+            print(line(m), flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressSink:
+    """A tqdm progress bar with the step's numbers beside it."""
+
+    def __init__(self, total: int, initial: int):
+        from tqdm import tqdm  # tqdm starts a monitor thread on import; only the logging rank needs it
+
+        self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def write(self, m: StepMetrics) -> None:
+        self.bar.set_postfix(postfix(m), refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class TensorBoardSink:
+    """Scalars under ``train/`` in ``<out_dir>/tensorboard``."""
+
+    KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+
+    def __init__(self, out_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # an optional package
+        except ImportError as exc:
+            raise RuntimeError(
+                "trainer.tensorboard=true needs the tensorboard package: pip install tensorboard"
+            ) from exc
+        self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def write(self, m: StepMetrics) -> None:
+        for key in self.KEYS:
+            if getattr(m, key) is not None:
+                self.writer.add_scalar(f"train/{key}", getattr(m, key), m.step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_sinks(cfg: TrainConfig, out_dir: Path, start_step: int) -> list[MetricsSink]:
+    """The sinks a recipe asks for, on the logging rank."""
+    t = cfg.trainer
+    sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl")]
+    sinks.append(ProgressSink(t.steps, start_step) if t.progress else ConsoleSink(t.log_every, t.steps))
+    if t.tensorboard:
+        sinks.append(TensorBoardSink(out_dir))
+    return sinks

@@ -1,0 +1,150 @@
+"""One optimizer step of one rank, shaped for a GPU: the loss, the norm and the skip flags stay on the device
+until a single read-back at the end of the step.
+
+    batch (this dp replica's share of the global batch) -> m micro-batches -> pipeline runtime (F/B[/W])
+      -> dp average (bucketed all-reduce overlapped with the last backward) or ZeRO-1 reduce-scatter
+      -> reduce tp-partial grads (sequence-parallel norms, replicated kv heads)
+      -> sum tied-embedding grads over the embedding group (first + last stage)
+      -> global grad norm (each parameter counted once), clipped on device
+      -> one world all-reduce of the loss: its dp mean, and a non-finite value anywhere seen everywhere
+      -> the one host sync: [loss, norm] read back; the guard decides skip / halt identically on every rank
+      -> LR schedule, AdamW
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from modelpar.data import TokenFile, WindowSampler
+from modelpar.optim import DataParallelOptimizer, lr_at, set_lr
+from modelpar.parallel import collectives
+from modelpar.parallel.groups import ParallelGroups
+from modelpar.pipeline import PipelineRuntime, StepResult
+from modelpar.training.build import RankModel
+from modelpar.training.config import TrainConfig
+from modelpar.training.health import LossGuard
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float | None
+    skipped: str | None = None  # why the update was not applied (non-finite, spike), else None
+    skipped_total: int = 0
+    stragglers: list[int] | None = None  # ranks named slow at this step's check
+    drift: list[str] | None = None  # parameters found differing at this step's check
+
+
+class StepHook(Protocol):
+    """Called by ``TrainStep`` at fixed points (fault injection registers one; plain training has none)."""
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def after_update(self, step: int) -> None: ...
+
+
+@dataclass
+class TrainStep:
+    """Everything one step needs; ``step(i)`` runs optimizer step ``i`` (counted from 0)."""
+
+    cfg: TrainConfig
+    groups: ParallelGroups
+    model: RankModel
+    runtime: PipelineRuntime
+    optimizer: DataParallelOptimizer
+    tokens: TokenFile
+    sampler: WindowSampler
+    device: torch.device
+    dtype: torch.dtype
+    guard: LossGuard
+    flops_per_step: float
+    hooks: tuple[StepHook, ...] = ()
+
+    def __call__(self, step: int) -> tuple[StepMetrics, StepResult]:
+        cfg = self.cfg
+        start = time.perf_counter()
+        inputs, targets = self.tokens.batch(self.sampler.next_batch())
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        m = cfg.parallel.microbatches
+        for p, _ in self.model.params:
+            p.grad = None
+        self.optimizer.expect_micro_batches(m)  # buckets all-reduce during the last backward
+        with self._autocast():
+            result = self.runtime.step(list(inputs.chunk(m)), list(targets.chunk(m)))
+        self.optimizer.reduce_gradients(self._reduce_over_tp_and_embedding)
+        norm = self.optimizer.clip_grad_norm(cfg.optim.grad_clip)
+        loss = result.loss_tensor
+        for hook in self.hooks:
+            loss = hook.loss(step, loss)
+        loss = self._global_mean(loss.to(torch.float64))
+        loss_value, norm_value = torch.stack([loss, norm.to(loss)]).tolist()  # the step's one host sync
+        skipped = self.guard.check(step, loss_value, norm_value)  # same inputs on every rank: the same decision
+        lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
+        if skipped is None:
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        for hook in self.hooks:
+            hook.after_update(step)
+        elapsed = time.perf_counter() - start
+        tokens = cfg.data.global_batch * cfg.data.seq_len
+        peak = cfg.trainer.peak_tflops * 1e12 * self.groups.layout.world_size
+        metrics = StepMetrics(
+            step=step + 1,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=norm_value,
+            tokens_per_s=tokens / elapsed,
+            step_time_s=elapsed,
+            mfu=(self.flops_per_step / elapsed / peak) if peak > 0 else None,
+            skipped=skipped,
+            skipped_total=self.guard.skipped,
+        )
+        return metrics, result
+
+    def _global_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The dp mean of the loss, from one all-reduce over the world (tp and pp ranks of a replica hold the
+        same loss; only one of them contributes it, the others a zero multiple, so a NaN anywhere still
+        reaches every rank and all skip together)."""
+        g = self.groups
+        if g.layout.world_size == 1:
+            return loss
+        primary = g.tp_rank == 0 and g.pp_rank == 0
+        contribution = (loss if primary else loss * 0.0).reshape(1).to(torch.float64)
+        collectives.all_reduce(contribution, None)
+        return (contribution / g.layout.dp).reshape(())
+
+    def _reduce_over_tp_and_embedding(self) -> None:
+        """Sums that commute with the dp average: tp-partial gradients, then the tied embedding's two copies."""
+        for chunk in self.model.chunks:
+            chunk.reduce_tensor_parallel_grads()
+        self._sync_tied_embedding()
+
+    def _sync_tied_embedding(self) -> None:
+        """The embedding on the first stage and its copy on the last stage get the sum of both gradients."""
+        tied = self.model.tied
+        if not tied:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
+        flat = torch.cat([g.flatten() for g in grads])
+        with collectives.comm_tag("tied_embedding"):
+            collectives.all_reduce(flat, self.groups.embedding_group)
+        for p, piece in zip(tied, flat.split([g.numel() for g in grads]), strict=True):
+            p.grad = piece.view_as(p).clone()
+
+    def _autocast(self):
+        """bf16 compute over fp32 master weights: parameters, gradients and optimizer state stay fp32."""
+        if self.dtype == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()

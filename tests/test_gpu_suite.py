@@ -1,0 +1,62 @@
+"""benchmarks/gpu_suite.py: one command, one JSON and one markdown; --smoke runs every section on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+SECTIONS = {"tests", "kernels", "mfu", "host_syncs"}
+
+
+def load_suite(monkeypatch):
+    """The script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_without_cuda_it_exits_2_with_one_line():
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "benchmarks/gpu_suite.py needs a CUDA device (none found); run it on a GPU machine, or pass --smoke"
+    ]
+
+
+@pytest.mark.slow
+def test_smoke_run_records_every_section_in_one_json_and_one_markdown(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gpu_suite_smoke.json").read_text())
+    sections = report["sections"]
+    assert set(sections) == SECTIONS
+    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(SECTIONS, "ok")
+    assert sections["tests"]["result"]["runs"][0]["skipped"] >= 1  # the CUDA-only tests, skipped on CPU
+    kernels = {(r["op"], r["impl"]) for r in sections["kernels"]["result"]["rows"]}
+    for op in ("rms_norm", "rope", "swiglu", "attention", "cross_entropy"):
+        assert {(op, "triton"), (op, "eager"), (op, "compile")} <= kernels, op
+    mfu = sections["mfu"]["result"]
+    assert mfu["eager"]["mfu_vs_measured_peak"] > 0 and mfu["compiled"]["compiled_blocks"]
+    assert sections["host_syncs"]["result"]["host_syncs"] >= 0
+    markdown = (tmp_path / "gpu_suite_smoke.md").read_text()
+    assert all(f"## {name}" in markdown for name in SECTIONS)
+
+
+def test_a_section_past_its_box_is_killed_and_recorded_as_timed_out(tmp_path, monkeypatch):
+    suite = load_suite(monkeypatch)
+    record = suite.run_section("mfu", suite.SECTIONS["mfu"], smoke=True, box_s=0.5, workdir=tmp_path)
+    assert record["status"] == "timeout"
+    assert record["error"] == "timed out after 0 s; the result holds what it had measured"
+    assert "log_tail" in record and record["result"] == {}
