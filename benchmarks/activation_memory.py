@@ -4,7 +4,7 @@
     python benchmarks/activation_memory.py --batch 1 --seq 256
 
 One block of ``modelpar.model.transformer`` (a ``ModelChunk`` holding one layer, nothing else) runs forward on emulated
-ranks (gloo, one thread each) with ``modelpar.perf.bench.SavedTensorMeter`` on: the bytes of every tensor autograd
+ranks (gloo, one thread each) with ``modelpar.perf.memory.SavedTensorMeter`` on: the bytes of every tensor autograd
 keeps for backward, once per storage, parameters excluded, which is exactly what stays alive per layer and
 micro-batch until its backward. Beside it, the paper's per-layer formula for 16-bit activations (table 2)::
 
@@ -46,12 +46,13 @@ import torch
 
 from modelpar import ParallelLayout
 from modelpar.cli.args import positive_int
-from modelpar.model.transformer import TransformerConfig, build_chunk
-from modelpar.perf.bench import SavedTensorMeter
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import build_chunk
+from modelpar.perf.memory import SavedTensorMeter
 from modelpar.testing import current_groups, run_on_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BENCH_TINY = TransformerConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
+BENCH_TINY = ModelConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool) -> float:
@@ -61,7 +62,7 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool) -> float
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def measure_layer(config: TransformerConfig, batch: int, seq: int, sp: bool) -> dict:
+def measure_layer(config: ModelConfig, batch: int, seq: int, sp: bool) -> dict:
     """On one rank: saved bytes of one block's forward on input [b, s, h] ([b, s/t, h] with SP)."""
     groups = current_groups()
     t = groups.layout.tp
@@ -84,7 +85,7 @@ def measure_layer(config: TransformerConfig, batch: int, seq: int, sp: bool) -> 
     return {"bytes": measured, "peak_bytes": meter.peak, "breakdown": breakdown}
 
 
-def run(config: TransformerConfig, batch: int, seq: int) -> list[dict]:
+def run(config: ModelConfig, batch: int, seq: int) -> list[dict]:
     s, b, h, a = seq, batch, config.hidden, config.heads
     rows = []
     for t, sp in ((1, False), (2, False), (2, True)):

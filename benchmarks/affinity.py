@@ -29,7 +29,7 @@ def bench(layouts: list[str], affinity: str, out: Path) -> dict[str, float]:
         [
             sys.executable,
             "-m",
-            "modelpar.perf.bench",
+            "modelpar.cli.bench",
             f"bench.sweep=[{','.join(layouts)}]",
             "bench.peer=false",
             f"trainer.cpu_affinity={affinity}",

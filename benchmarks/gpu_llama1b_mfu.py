@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_llama1b_mfu.py                  # one CUDA GPU (H100/H200): about 3-5 minutes
     python benchmarks/gpu_llama1b_mfu.py --micro-batch 8 --seq 2048 --accum 2
+    python benchmarks/gpu_llama1b_mfu.py --compile        # each block under torch.compile (compile_blocks)
     python benchmarks/gpu_llama1b_mfu.py --smoke          # a tiny model on CPU: every code path once (tests)
 
 1. Peak: the median TFLOP/s of a large square bf16 matmul (``--peak-n``, 8192 by default), timed with CUDA
@@ -13,11 +14,14 @@
    on this setup the script says so and reruns with ``kernels=torch`` (SDPA / flash attention).
 3. ``--warmup`` untimed steps (Triton compiles here), then ``--steps`` timed ones; each step is ``--accum``
    micro-batches of ``--micro-batch x --seq`` random tokens, forward + backward, grad clipping, fused AdamW.
+   With ``--compile`` every block is under ``torch.compile`` (``modelpar.model.compile.compile_blocks``); the
+   compile happens in the warm-up steps and its time is reported beside the result.
 
 MFU = model FLOPs per step (``modelpar.model.flops.training_flops_per_token``: 6 N + 12 L h s per token, no
 recompute) / median step time / measured peak. Prints a table and writes ``benchmarks/results/
-gpu_llama1b_mfu.json`` (``--out``). Budget: the whole run stays well under 8 minutes on an H200; the
-script stops timing early if ``--time-limit`` seconds pass.
+gpu_llama1b_mfu.json`` (``gpu_llama1b_mfu_compiled.json`` with ``--compile``; or ``--out``). Budget: the whole
+run stays well under 8 minutes on an H200; the script stops timing early if ``--time-limit`` seconds pass.
+``benchmarks/gpu_suite.py`` runs it eager and compiled, beside the kernel benchmarks and the GPU tests.
 """
 
 from __future__ import annotations
@@ -34,19 +38,21 @@ import torch
 import yaml
 
 from modelpar.cli.args import positive_float, positive_int
-from modelpar.model.flops import ModelShape, training_flops_per_token
-from modelpar.model.transformer import TransformerConfig, build_model
+from modelpar.model.compile import compile_blocks
+from modelpar.model.config import ModelConfig
+from modelpar.model.flops import training_flops_per_token
+from modelpar.model.transformer import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NOMINAL_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-SMOKE_MODEL = TransformerConfig(vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=176)
+SMOKE_MODEL = ModelConfig(vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=176)
 
 
-def llama_1b() -> TransformerConfig:
+def llama_1b() -> ModelConfig:
     cfg = yaml.safe_load((ROOT / "recipes" / "model" / "llama-1b.yaml").read_text())
-    fields = {k: v for k, v in cfg.items() if k in TransformerConfig.__dataclass_fields__}
-    return TransformerConfig(**fields)
+    fields = {k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__}
+    return ModelConfig(**fields)
 
 
 def _sync(device: torch.device) -> None:
@@ -77,32 +83,52 @@ def matmul_peak_tflops(device: torch.device, n: int, reps: int = 20) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def train_steps(config: TransformerConfig, args, device: torch.device) -> dict:
-    """Build the model, run warm-up and timed steps; per-step seconds and losses."""
-    built = time.perf_counter()
+def make_step(model, optimizer, tokens: torch.Tensor, device: torch.device):
+    """One optimizer step over ``tokens`` [accum, b, s + 1]: returns ``step() -> loss`` (0-d, on the device).
+
+    Per micro-batch a forward under bf16 autocast, the loss and backward; then grad clipping and the optimizer.
+    The loss stays on the device: the step itself reads nothing back to the host.
+    """
+    accum = tokens.shape[0]
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device)
+        for j in range(accum):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(tokens[j, :, :-1])
+            loss = model.loss(logits, tokens[j, :, 1:]) / accum
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return total
+
+    return step
+
+
+def build_training(config: ModelConfig, args, device: torch.device):
+    """The single-device model, fused AdamW (on CUDA) and random tokens [accum, micro_batch, seq + 1]."""
     model = build_model(config, seed=0, device=device)
-    build_s = time.perf_counter() - built
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (args.accum, args.micro_batch, args.seq + 1)
     tokens = torch.randint(0, config.vocab_size, shape, device=device, generator=gen)
+    return model, optimizer, tokens
+
+
+def train_steps(config: ModelConfig, args, device: torch.device) -> dict:
+    """Build the model (blocks compiled with ``--compile``), run warm-up and timed steps; per-step seconds and
+    losses."""
+    built = time.perf_counter()
+    model, optimizer, tokens = build_training(config, args, device)
+    build_s = time.perf_counter() - built
+    compilation = compile_blocks(model, report=print, backend=args.compile_backend) if args.compile else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for j in range(args.accum):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(tokens[j, :, :-1])
-            loss = model.loss(logits, tokens[j, :, 1:]) / args.accum
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return total
+    step = make_step(model, optimizer, tokens, device)
 
     for _ in range(args.warmup):
         step()
@@ -118,12 +144,20 @@ def train_steps(config: TransformerConfig, args, device: torch.device) -> dict:
         if time.perf_counter() - started > args.time_limit:
             break
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"build_s": build_s, "step_s": times, "losses": losses, "peak_memory_bytes": peak_mem}
+    return {
+        "build_s": build_s,
+        "compile_s": compilation.compile_s if compilation else None,
+        "step_s": times,
+        "losses": losses,
+        "peak_memory_bytes": peak_mem,
+    }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps: exercise every path")
+    parser.add_argument("--compile", action="store_true", help="each block under torch.compile (compile_blocks)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     parser.add_argument("--micro-batch", type=positive_int, default=4)
     parser.add_argument("--seq", type=positive_int, default=2048)
     parser.add_argument("--accum", type=positive_int, default=2, help="micro-batches per optimizer step")
@@ -132,20 +166,31 @@ def main() -> None:
     parser.add_argument("--peak-n", type=positive_int, default=8192)
     parser.add_argument("--time-limit", type=positive_float, default=240.0, help="stop timing steps after this many s")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.micro_batch, args.seq, args.accum, args.warmup, args.steps, args.peak_n = 2, 32, 2, 1, 2, 256
+    return args
+
+
+def model_and_device(args) -> tuple[torch.device, ModelConfig, str]:
+    """The tiny model on CPU for ``--smoke``, else llama-1b on the first CUDA GPU; max_seq_len fits ``--seq``."""
+    if args.smoke:
         device, config, name = torch.device("cpu"), SMOKE_MODEL, "smoke"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_llama1b_mfu.py needs a CUDA GPU; use --smoke on CPU")
         device, config, name = torch.device("cuda", 0), llama_1b(), "llama-1b"
-    config = replace(config, max_seq_len=max(config.max_seq_len, args.seq))
-    out = args.out or RESULTS / ("gpu_llama1b_mfu_smoke.json" if args.smoke else "gpu_llama1b_mfu.json")
+    return device, replace(config, max_seq_len=max(config.max_seq_len, args.seq)), name
+
+
+def measure(args, peak: float | None = None) -> dict:
+    """Measure the matmul peak (unless given) and the training steps; the result as written to the JSON."""
+    device, config, name = model_and_device(args)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     nominal = next((v for k, v in NOMINAL_TFLOPS.items() if k in gpu), None)
-    peak = matmul_peak_tflops(device, args.peak_n)
-    print(f"{gpu}: bf16 matmul {args.peak_n}^3 measured {peak:.1f} TFLOP/s (nominal {nominal or '?'})", flush=True)
+    if peak is None:
+        peak = matmul_peak_tflops(device, args.peak_n)
+        print(f"{gpu}: bf16 matmul {args.peak_n}^3 measured {peak:.1f} TFLOP/s (nominal {nominal or '?'})", flush=True)
     kernels, fallback = config.kernels, None
     try:
         run = train_steps(config, args, device)
@@ -156,20 +201,22 @@ def main() -> None:
             torch.cuda.empty_cache()
         config, kernels = replace(config, kernels="torch"), "torch"
         run = train_steps(config, args, device)
-    shape = ModelShape(
-        config.vocab_size, config.hidden, config.layers, config.heads, config.kv_heads, config.ffn_hidden
-    )
+    shape = config
     tokens = args.accum * args.micro_batch * args.seq
     flops = training_flops_per_token(shape, args.seq) * tokens
     step_s = statistics.median(run["step_s"])
     achieved = flops / step_s / 1e12
-    result = {
+    return {
         "model": name,
         "config": asdict(config),
+        "matmul_params": shape.matmul_params(),
         "device": gpu,
         "torch": torch.__version__,
         "kernels": kernels,
         "kernels_fallback_reason": fallback,
+        "compiled_blocks": args.compile,
+        "compile_backend": args.compile_backend if args.compile else None,
+        "compile_s": run["compile_s"],
         "precision": "fp32 params + AdamW state, bf16 autocast forward/backward",
         "micro_batch": args.micro_batch,
         "seq_len": args.seq,
@@ -188,20 +235,38 @@ def main() -> None:
         "losses": run["losses"],
         "build_s": run["build_s"],
     }
-    rows = [
-        ("model", f"{name} ({shape.matmul_params() / 1e9:.2f} B matmul params)"),
-        ("kernels", kernels + (f" (fallback: {fallback})" if fallback else "")),
-        ("batch", f"{args.accum} x {args.micro_batch} x {args.seq} = {tokens} tokens"),
-        ("step (median)", f"{step_s * 1e3:.1f} ms over {len(run['step_s'])} steps"),
+
+
+def summary_rows(result: dict) -> list[tuple[str, str]]:
+    """(label, value) lines of one result, for the terminal and the GPU suite's markdown."""
+    peak, nominal, step_s = result["matmul_peak_tflops"], result["nominal_peak_tflops"], result["step_s_median"]
+    achieved, fallback = result["achieved_tflops"], result["kernels_fallback_reason"]
+    compiled = ""
+    if result["compiled_blocks"]:
+        compiled = f", blocks compiled ({result['compile_backend']}) in {result['compile_s']:.1f} s"
+    tokens = result["tokens_per_step"]
+    return [
+        ("model", f"{result['model']} ({result['matmul_params'] / 1e9:.2f} B matmul params)"),
+        ("kernels", result["kernels"] + (f" (fallback: {fallback})" if fallback else "") + compiled),
+        ("batch", f"{result['accum']} x {result['micro_batch']} x {result['seq_len']} = {tokens} tokens"),
+        ("step (median)", f"{step_s * 1e3:.1f} ms over {len(result['step_s'])} steps"),
         ("tokens/s", f"{tokens / step_s:,.0f}"),
         ("achieved", f"{achieved:.1f} TFLOP/s"),
         ("matmul peak", f"{peak:.1f} TFLOP/s measured" + (f", {nominal:.0f} nominal" if nominal else "")),
         ("MFU", f"{achieved / peak:.1%} of measured" + (f", {achieved / nominal:.1%} of nominal" if nominal else "")),
         ("peak memory", f"{result['peak_memory_gib']:.1f} GiB" if result["peak_memory_gib"] else "-"),
-        ("loss", f"{run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}"),
+        ("loss", f"{result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}"),
     ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = measure(args)
+    rows = summary_rows(result)
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    stem = "gpu_llama1b_mfu" + ("_compiled" if args.compile else "") + ("_smoke" if args.smoke else "")
+    out = args.out or RESULTS / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

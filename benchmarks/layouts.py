@@ -6,7 +6,7 @@
 See ``modelpar.perf.bench`` for what is measured; results land in ``benchmarks/results/bench.*``.
 """
 
-from modelpar.perf.bench import main
+from modelpar.cli.bench import main
 
 if __name__ == "__main__":
     main()

@@ -91,11 +91,12 @@ def layer_overhead(layers: int = 8, reps: int = 20) -> float:
     """Seconds of one layer's forward + backward that do not scale with its size: our ``Block`` at hidden 32
     (8 heads of 4, SwiGLU 32) on 2 sequences of 8 tokens, where matmuls, attention scores and element-wise
     work are all negligible and what remains is op dispatch and autograd bookkeeping."""
-    from modelpar.model.transformer import Block, TransformerConfig
+    from modelpar.model.config import ModelConfig
+    from modelpar.model.transformer import Block
     from modelpar.parallel.regions import TensorParallelGroup
 
     torch.set_num_threads(1)
-    config = TransformerConfig(vocab_size=64, hidden=32, layers=layers, heads=8, kv_heads=8, ffn_hidden=32)
+    config = ModelConfig(vocab_size=64, hidden=32, layers=layers, heads=8, kv_heads=8, ffn_hidden=32)
     blocks = torch.nn.Sequential(
         *(Block(config, TensorParallelGroup(), sequence_parallel=False, backend="torch") for _ in range(layers))
     )
@@ -112,11 +113,12 @@ def busy_slowdown(reps: int = 8) -> float:
     """On 2 ranks: how much slower one bench-tiny block's forward + backward (micro-batch 2 x 128, hidden 256)
     runs while the other rank runs the same loop on the other core than while it is idle (the fastest rep of
     each; shared caches and memory bandwidth)."""
-    from modelpar.model.transformer import Block, TransformerConfig
+    from modelpar.model.config import ModelConfig
+    from modelpar.model.transformer import Block
     from modelpar.parallel.regions import TensorParallelGroup
 
     torch.set_num_threads(1)
-    config = TransformerConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
+    config = ModelConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
     blocks = torch.nn.Sequential(
         *(Block(config, TensorParallelGroup(), sequence_parallel=False, backend="torch") for _ in range(2))
     )
@@ -224,8 +226,10 @@ def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path, 
     from omegaconf import OmegaConf
 
     from modelpar.perf.bench import run
+    from modelpar.perf.bench_config import register_bench_schema
     from modelpar.training.config import RECIPES
 
+    register_bench_schema()
     overrides = [
         f"bench.sweep=[{','.join(layouts)}]",
         "bench.peer=false",
@@ -242,16 +246,16 @@ def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path, 
 
 
 def model_spec(report: dict) -> ModelSpec:
-    from modelpar.model.flops import ModelShape
+    from modelpar.model.config import ModelConfig
 
     m = report["model"]
-    shape = ModelShape(m["vocab_size"], m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["ffn_hidden"])
-    return ModelSpec(m["name"], shape, m["tie_embeddings"], flash_attention=True)
+    fields = ("name", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "tie_embeddings")
+    return ModelSpec(ModelConfig(**{k: m[k] for k in fields}), flash_attention=True)
 
 
 def strategy_of(row: dict, global_batch: int) -> Strategy:
     from modelpar.parallel.layout import ParallelLayout
-    from modelpar.perf.bench import parse_layout
+    from modelpar.perf.layout_spec import parse_layout
     from modelpar.training.config import ParallelConfig
 
     layout = ParallelLayout(tp=row["tp"], pp=row["pp"], dp=row["dp"], vpp=row["vpp"])

@@ -55,7 +55,7 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
     from modelpar.data import WindowSampler
     from modelpar.perf.bench import peer_socket_threads
     from modelpar.perf.peers import Peer, peer_name
-    from modelpar.training.build import build_partition, transformer_config
+    from modelpar.training.build import build_partition
     from modelpar.training.trainer import Trainer
 
     try:
@@ -64,7 +64,7 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
             sides = {"ours": lambda: trainer.train_step().loss}
             policy = {"ours": set(trainer.idle_threads), "peer": set()}
             if peer_name(cfg) is not None:
-                peer = Peer(cfg, transformer_config(cfg), build_partition(cfg), trainer.device)
+                peer = Peer(cfg, cfg.model, build_partition(cfg), trainer.device)
                 if trainer.idle_threads:
                     policy["peer"] = peer_socket_threads(trainer)
                 sampler = WindowSampler(
@@ -102,7 +102,7 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
 
 
 def run_layout(base, layout: str, data_path: str, rounds: int) -> dict:
-    from modelpar.perf.bench import layout_name, parse_layout
+    from modelpar.perf.layout_spec import layout_name, parse_layout
     from modelpar.testing import run_on_ranks
     from modelpar.training.config import validate
 
@@ -195,8 +195,8 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.cli.train import resolve_data
-    from modelpar.perf.bench import register_bench_schema
+    from modelpar.perf.bench_config import register_bench_schema
+    from modelpar.training.preflight import resolve_data
 
     register_bench_schema()
     recipes = Path(__file__).resolve().parent.parent / "recipes"

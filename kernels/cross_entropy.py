@@ -37,9 +37,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n, local = logits.shape
         x = logits.float()
         col = torch.arange(vocab_start, vocab_start + local, device=logits.device)
-        padded = col >= vocab_size  # rows added to make the vocab divisible by tp never take part
-        if padded.any():
-            x = x.masked_fill(padded, float("-inf"))
+        if vocab_start + local > vocab_size:  # rows added to make the vocab divisible by tp never take part
+            x = x.masked_fill(col >= vocab_size, float("-inf"))
         row_max = x.max(dim=-1).values
         if group is not None:
             all_reduce(row_max, group, op=dist.ReduceOp.MAX)

@@ -1,4 +1,4 @@
-"""Emulated ranks: run a function on N local processes joined by gloo over loopback.
+"""Emulated ranks for tests: run a function on N local processes joined by gloo over loopback.
 
     from modelpar import ParallelLayout
     from modelpar.testing import run_on_ranks, current_groups
@@ -10,207 +10,23 @@
 
     results = run_on_ranks(4, shard_sum, 3, layout=ParallelLayout(tp=2, pp=2))   # rank order
 
-Workers are kept warm: one pool per world size, reused across calls, so a second call costs a queue round
-trip, not a process start. Any failure (an exception, a dead or a stuck rank) tears the pool down, so the
-next call starts from clean processes. Also a pytest plugin (registered through the ``pytest11`` entry
-point): ``@pytest.mark.ranks(4, layout=ParallelLayout(tp=2, pp=2))`` runs a test body on 4 ranks.
+The ranks are the warm worker pool of ``modelpar.parallel.pool`` (one pool per world size, reused across
+calls; any failure replaces it), each rank a CPU process on one thread that notes its gloo groups' socket
+threads as a launched CPU rank does. Also a pytest plugin (registered through the ``pytest11`` entry point):
+``@pytest.mark.ranks(4, layout=ParallelLayout(tp=2, pp=2))`` runs a test body on 4 ranks.
 """
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing as mp
-import os
-import pickle
-import queue
-import sys
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+from modelpar.backends.gloo_cpu import RankSetup
+from modelpar.parallel import pool
 from modelpar.parallel.layout import ParallelLayout
+from modelpar.parallel.pool import DEFAULT_TIMEOUT_S, RankError, RankTimeout, current_groups, shutdown_pools
 
-DEFAULT_TIMEOUT_S = 120.0
-_FAILURE_GRACE_S = 1.0  # after one rank fails, how long to wait for the others' own reports
-
-
-class RankError(RuntimeError):
-    """A function raised on an emulated rank; the message carries that rank's traceback."""
-
-    def __init__(self, rank: int, message: str):
-        super().__init__(message)
-        self.rank = rank
-
-
-class RankTimeout(TimeoutError):
-    """Emulated ranks did not finish within ``timeout_s``."""
-
-    def __init__(self, pending: list[int], message: str):
-        super().__init__(message)
-        self.pending = pending
-
-
-# -- inside a worker ---------------------------------------------------------------------------------------
-
-_current_layout: ParallelLayout | None = None
-
-
-def current_groups():
-    """The ``ParallelGroups`` of the layout passed to ``run_on_ranks`` (call inside the rank function)."""
-    from modelpar.parallel.groups import ParallelGroups
-
-    if _current_layout is None:
-        raise RuntimeError("current_groups() needs run_on_ranks(..., layout=ParallelLayout(...))")
-    return ParallelGroups.build(_current_layout)
-
-
-def _worker_main(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
-    global _current_layout
-    import torch
-
-    from modelpar.backends.gloo_cpu import watch_socket_threads
-    from modelpar.parallel.world import init_distributed
-
-    torch.set_num_threads(1)
-    watch_socket_threads()
-    parent = os.getppid()
-    init_distributed(rank, world_size, backend="gloo", init_method=f"file://{init_file}")
-    results.put(("ready", rank, True, b""))
-    while True:
-        try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # the caller died: do not linger as an orphan
-                return
-            continue
-        if task is None:
-            return
-        call_id, sys_path, payload = task
-        for entry in reversed(sys_path):
-            if entry not in sys.path:
-                sys.path.insert(0, entry)
-        try:
-            fn, args, kwargs, layout = pickle.loads(payload)
-            _current_layout = layout
-            torch.set_default_dtype(torch.float32)
-            torch.set_grad_enabled(True)
-            out = fn(*args, **kwargs)
-            results.put((call_id, rank, True, pickle.dumps(out)))
-        except BaseException:  # noqa: BLE001 - every failure travels back to the caller
-            results.put((call_id, rank, False, traceback.format_exc().encode()))
-        finally:
-            _current_layout = None
-
-
-# -- in the caller -----------------------------------------------------------------------------------------
-
-
-class _RankPool:
-    """``world_size`` warm worker processes sharing one gloo world."""
-
-    def __init__(self, world_size: int, start_timeout_s: float = 60.0):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "modelpar.parallel.world", "modelpar.backends.gloo_cpu"]
-        )
-        self.world_size = world_size
-        self._dir = tempfile.mkdtemp(prefix="modelpar-ranks-")
-        init_file = os.path.join(self._dir, "store")
-        self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [
-            ctx.Process(target=_worker_main, args=(r, world_size, init_file, self.tasks[r], self.results), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self.procs:
-            p.start()
-        self._calls = 0
-        try:
-            self._collect("ready", set(range(world_size)), start_timeout_s, "start-up")
-        except BaseException:
-            self.close()
-            raise
-
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
-
-    def run(self, fn: Callable, args: tuple, kwargs: dict, layout: ParallelLayout | None, timeout_s: float) -> list:
-        self._calls += 1
-        call_id = self._calls
-        payload = pickle.dumps((fn, args, kwargs, layout))
-        for q in self.tasks:
-            q.put((call_id, list(sys.path), payload))
-        name = getattr(fn, "__qualname__", repr(fn))
-        raw = self._collect(call_id, set(range(self.world_size)), timeout_s, name)
-        return [pickle.loads(raw[r]) for r in range(self.world_size)]
-
-    def _collect(self, call_id, pending: set[int], timeout_s: float, name: str) -> dict[int, bytes]:
-        deadline = time.monotonic() + timeout_s
-        done: dict[int, bytes] = {}
-        failures: dict[int, str] = {}
-        while pending:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            try:
-                got_id, rank, ok, data = self.results.get(timeout=min(0.05, deadline - now))
-            except queue.Empty:
-                dead = [r for r in sorted(pending) if not self.procs[r].is_alive()]
-                for r in dead:
-                    failures[r] = f"rank {r} died (exit code {self.procs[r].exitcode}) while running {name}"
-                    pending.discard(r)
-                if dead:
-                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-                continue
-            if got_id != call_id:
-                continue  # a late report from an earlier, abandoned call
-            pending.discard(rank)
-            if ok:
-                done[rank] = data
-            else:
-                failures[rank] = f"rank {rank} of {self.world_size} raised in {name}:\n{data.decode()}"
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-        if failures:
-            first = min(failures)
-            others = sorted(set(failures) - {first})
-            note = f"\n(also failed: ranks {others})" if others else ""
-            stuck = f"\n(still running when the pool was stopped: ranks {sorted(pending)})" if pending else ""
-            raise RankError(first, failures[first] + note + stuck)
-        if pending:
-            raise RankTimeout(
-                sorted(pending),
-                f"{name} timed out after {timeout_s:g}s on {self.world_size} ranks: "
-                f"ranks {sorted(pending)} had not finished (finished: {sorted(done)})",
-            )
-        return done
-
-    def close(self) -> None:
-        for q, p in zip(self.tasks, self.procs, strict=True):
-            if p.is_alive():
-                try:
-                    q.put_nowait(None)
-                except Exception:  # noqa: BLE001 - a broken queue only means the worker is already gone
-                    pass
-        deadline = time.monotonic() + 2.0
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        for q in [*self.tasks, self.results]:
-            q.close()
-            q.cancel_join_thread()
-        try:
-            os.remove(os.path.join(self._dir, "store"))
-        except OSError:
-            pass
-        os.rmdir(self._dir) if os.path.isdir(self._dir) and not os.listdir(self._dir) else None
-
-
-_pools: dict[int, _RankPool] = {}
+EMULATED_RANK = RankSetup()  # one thread, not bound to a core; watches its gloo groups' socket threads
 
 
 def run_on_ranks(
@@ -228,36 +44,9 @@ def run_on_ranks(
     Raises ``RankError`` (naming the rank, with its traceback) if any rank raises or dies, and ``RankTimeout``
     (naming the ranks that had not finished) after ``timeout_s``; either way the workers are replaced.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    if layout is not None:
-        layout.check_world_size(world_size)
-    try:
-        pickle.dumps((fn, args, kwargs, layout))
-    except Exception as exc:
-        raise TypeError(f"run_on_ranks needs picklable fn and arguments (a module-level function): {exc}") from exc
-    pool = _pools.get(world_size)
-    if pool is not None and not pool.alive():
-        pool.close()
-        pool = None
-    if pool is None:
-        pool = _pools[world_size] = _RankPool(world_size)
-    try:
-        return pool.run(fn, args, kwargs, layout, timeout_s)
-    except BaseException:
-        _pools.pop(world_size, None)
-        pool.close()
-        raise
-
-
-def shutdown_pools() -> None:
-    """Stop every warm worker (also registered at interpreter exit)."""
-    while _pools:
-        _, pool = _pools.popitem()
-        pool.close()
-
-
-atexit.register(shutdown_pools)
+    return pool.run_on_ranks(
+        world_size, fn, *args, layout=layout, timeout_s=timeout_s, rank_setup=EMULATED_RANK, **kwargs
+    )
 
 
 # -- pytest plugin -----------------------------------------------------------------------------------------
@@ -280,3 +69,6 @@ def pytest_pyfunc_call(pyfuncitem):
     funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     run_on_ranks(world_size, pyfuncitem.obj, layout=layout, timeout_s=timeout_s, **funcargs)
     return True
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankError", "RankTimeout", "current_groups", "run_on_ranks", "shutdown_pools"]

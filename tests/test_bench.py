@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.perf.bench import SavedTensorMeter, layout_name, parse_layout
+from modelpar.perf.bench_config import register_bench_schema
+from modelpar.perf.layout_spec import layout_name, parse_layout
+from modelpar.perf.memory import SavedTensorMeter
 from modelpar.perf.peers import regroup_rows
 from modelpar.training.config import RECIPES, ParallelConfig
 
@@ -107,6 +109,7 @@ def _tiny_bench_config(tmp, *extra):
         "trainer.out_dir=" + str(tmp / "run"),
         *extra,
     ]
+    register_bench_schema()
     with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
         return OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
 
@@ -224,14 +227,13 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
         f"bench.results_dir={tmp_path}",
         f"hydra.sweep.dir={tmp_path / 'hydra'}",
     ]
-    subprocess.run([sys.executable, "-m", "modelpar.perf.bench", *overrides], check=True, timeout=120, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "modelpar.cli.bench", *overrides], check=True, timeout=120, cwd=ROOT)
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert set(rows) == {"single-m4", "pp2-1f1b-m4"}
     assert rows["pp2-1f1b-m4"]["peer"] is None
 
 
 def _live_after_each_weight_backward(cfg, data_path):
-    from modelpar.perf.bench import SavedTensorMeter
     from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, None)
@@ -258,7 +260,9 @@ def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 97, size=20000, dtype=np.uint16))
     cfg = TrainConfig(
-        model=ModelConfig(vocab_size=97, hidden=32, layers=4, heads=4, kv_heads=4, ffn_hidden=64, max_seq_len=32),
+        model=ModelConfig(
+            vocab_size=97, hidden=32, layers=4, heads=4, kv_heads=4, ffn_hidden=64, max_seq_len=32, tie_embeddings=True
+        ),
         parallel=ParallelConfig(pp=2, schedule="zb-h1", microbatches=6),
         data=DataConfig(seq_len=32, global_batch=12),
         trainer=TrainerConfig(out_dir=str(tmp_path), progress=False),
@@ -270,7 +274,7 @@ def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
 
 
 def test_round_ratios_pair_each_round_of_ours_with_the_peers():
-    from modelpar.perf.bench import paired_round_ratios
+    from modelpar.perf.summary import paired_round_ratios
 
     ours = [1.0, 1.2, 2.0, 2.2]  # round 2 ran on a slower machine for both
     peer = [1.5, 1.7, 2.2, 2.4]
@@ -280,7 +284,7 @@ def test_round_ratios_pair_each_round_of_ours_with_the_peers():
 
 
 def test_ratio_cell_shows_the_spread_over_rounds(tiny_sweep):
-    from modelpar.perf.bench import _ratio_cell
+    from modelpar.perf.report import _ratio_cell
 
     assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.4, 1.62, 1.5]}) == "1.50x (1.40-1.62)"
     assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.5]}) == "1.50x"

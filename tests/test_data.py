@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -319,3 +320,13 @@ def test_cli_error_is_one_stderr_line_with_status_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "f.npy")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("modelpar-data: error:") and "float32" in err
+
+
+def test_consecutive_windows_share_one_token_as_the_docstrings_say(tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, np.arange(40, dtype=np.uint16))
+    data = TokenFile.open(path, vocab_size=256, seq_len=8)
+    (x0, y0), (x1, _) = (tuple(t[0] for t in data.batch([i])) for i in (0, 1))
+    assert int(y0[-1]) == int(x1[0]) == 8  # window 1 starts at token 8, the last target of window 0
+    for doc in (TokenFile.__doc__, sys.modules[TokenFile.__module__].__doc__):
+        assert "share one" in doc and "non-overlapping" not in doc

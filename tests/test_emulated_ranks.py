@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from modelpar.testing import RankError, RankTimeout, _pools, run_on_ranks
+from modelpar.parallel.pool import _pools
+from modelpar.testing import RankError, RankTimeout, run_on_ranks
 
 
 def _rank_and_args(a, b=0):

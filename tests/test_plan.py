@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from modelpar.cli.plan import main
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.perf.plan import (
     HARDWARE,
@@ -16,7 +17,6 @@ from modelpar.perf.plan import (
     activation_bytes_per_layer,
     chunks_in_flight,
     load_model,
-    main,
     model_presets,
     plan,
     predict,
@@ -312,6 +312,22 @@ def test_cli_rejects_bad_input_with_one_clear_line(args, needle, capsys):
     assert main(["--global-batch", "16", "--seq-len", "128", "--hardware", "a100-80gb", *args]) == 2
     err = capsys.readouterr().err
     assert needle in err
+    assert err.count("\n") == 1
+
+
+def test_cli_refuses_a_preset_with_a_mistyped_field_as_the_trainer_does(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import modelpar.perf.plan as planner
+
+    recipes = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes", recipes)
+    (recipes / "model" / "typo.yaml").write_text("name: typo\nvocab_size: 256\nhiden: 64\n")
+    monkeypatch.setattr(planner, "RECIPES", str(recipes))
+    monkeypatch.setattr(planner, "MODEL_PRESET_DIR", recipes / "model")
+    assert main(["--model", "typo", "--gpus", "2", "--global-batch", "8", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "model preset 'typo' (recipes/model/typo.yaml): Key 'hiden' not in 'ModelConfig'" in err
     assert err.count("\n") == 1
 
 

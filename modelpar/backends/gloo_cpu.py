@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -163,8 +164,6 @@ def priority_restorable() -> bool:
     thread that only waits; cached)."""
     global _RESTORABLE
     if _RESTORABLE is None:
-        import threading
-
         if not hasattr(os, "sched_setscheduler"):
             _RESTORABLE = False
             return _RESTORABLE

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from modelpar.perf.layout_spec import parse_layout
+from modelpar.training.config import ParallelConfig
+
 
 def positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
@@ -39,9 +42,6 @@ def non_negative_float(text: str) -> float:
 def check_layouts(parser: argparse.ArgumentParser, specs: list[str]) -> None:
     """Every ``--layouts`` entry reads as a ``modelpar-bench`` layout spec (e.g. ``tp2-pp2-1f1b``), or the
     parser exits with one line naming the entry and the accepted words."""
-    from modelpar.perf.bench import parse_layout
-    from modelpar.training.config import ParallelConfig
-
     for spec in specs:
         try:
             parse_layout(spec, ParallelConfig())

@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
+from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
 from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint, save_checkpoint
-from modelpar.parallel.launch import LaunchError
+from modelpar.cli.generate import load_single_device_model
+from modelpar.model.config import ModelConfig
+from modelpar.model.hf import config_from_hf, import_hf, save_hf
+from modelpar.model.transformer import build_model
+from modelpar.parallel.groups import ParallelGroups
+from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.layout import LayoutError, ParallelLayout
-from modelpar.training.config import ModelConfig, ParallelConfig, TrainConfig, TrainerConfig
+from modelpar.training.build import build_rank_model
+from modelpar.training.config import ParallelConfig, TrainConfig, TrainerConfig
 
 
 def refuse_existing(dst: Path) -> None:
@@ -44,12 +53,6 @@ def cmd_verify(args) -> int:
 
 
 def _reshard_worker(src: str, dst_root: str, cfg: TrainConfig, step: int, meta: dict) -> None:
-    import torch
-
-    from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
-    from modelpar.parallel.groups import ParallelGroups
-    from modelpar.training.build import build_rank_model
-
     groups = ParallelGroups.build(cfg.parallel.layout())
     model = build_rank_model(cfg, groups, torch.device("cpu"))
     index = read_index(src, verify=False)
@@ -60,8 +63,6 @@ def _reshard_worker(src: str, dst_root: str, cfg: TrainConfig, step: int, meta: 
 
 
 def cmd_reshard(args) -> int:
-    from modelpar.parallel.launch import launch
-
     src = resolve_checkpoint(args.src)
     index = read_index(src, verify=True)
     dst = Path(args.dst)
@@ -90,16 +91,12 @@ def cmd_reshard(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
-    from modelpar.checkpoint.reshard import model_pieces
-    from modelpar.model.hf import config_from_hf, import_hf
-    from modelpar.model.transformer import build_model
-
     dst = Path(args.dst)
     refuse_existing(dst)
     tcfg = config_from_hf(args.hf_dir)
     model = build_model(tcfg, seed=0)
     import_hf(args.hf_dir, model)
-    mcfg = ModelConfig(name=Path(args.hf_dir).name, **asdict(tcfg))
+    mcfg = replace(tcfg, name=Path(args.hf_dir).name)
     layout = ParallelLayout()
     meta = {
         "layout": asdict(layout),
@@ -110,17 +107,12 @@ def cmd_import_hf(args) -> int:
         "optimizer": False,
         "imported_from": str(args.hf_dir),
     }
-    import torch
-
     path = save_checkpoint(dst, 0, model_pieces([model]), {"rng/torch": torch.get_rng_state()}, meta)
     print(f"{path}: imported {args.hf_dir} ({tcfg.layers} layers, hidden {tcfg.hidden}, vocab {tcfg.vocab_size})")
     return 0
 
 
 def cmd_export_hf(args) -> int:
-    from modelpar.cli.generate import load_single_device_model
-    from modelpar.model.hf import save_hf
-
     src = resolve_checkpoint(args.src)
     out = Path(args.hf_dir)
     refuse_existing(out)

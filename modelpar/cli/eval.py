@@ -25,11 +25,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from modelpar import backends
 from modelpar.backends import rank_setup
+from modelpar.checkpoint.reshard import load_model_from_checkpoint
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
-from modelpar.cli.train import USER_ERRORS, runs_on_cpu
 from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
+from modelpar.pipeline import PipelineRuntime, forward_only
+from modelpar.training.build import build_rank_model, resolve_device
 from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register_schema, validate
+from modelpar.training.preflight import USER_ERRORS, runs_on_cpu
 
 
 def eval_config(cfg: TrainConfig) -> TrainConfig:
@@ -40,11 +44,6 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:
-    from modelpar.checkpoint.reshard import load_model_from_checkpoint
-    from modelpar.parallel.groups import ParallelGroups
-    from modelpar.pipeline import PipelineRuntime, forward_only
-    from modelpar.training.build import build_rank_model, resolve_device
-
     layout = cfg.parallel.layout()
     groups = ParallelGroups.build(layout)
     device = resolve_device(cfg)
@@ -115,15 +114,13 @@ def run(cfg: TrainConfig) -> dict:
     return result
 
 
-register_schema()
-
-
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="eval")
 def _app(dcfg: DictConfig) -> None:
     run(OmegaConf.to_object(dcfg))
 
 
 def main() -> None:
+    register_schema()
     _app()
 
 

@@ -16,15 +16,17 @@ import torch
 
 from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
 from modelpar.cli.args import non_negative_float, positive_int
-from modelpar.model.transformer import ModelChunk, TransformerConfig, build_model
+from modelpar.data import TokenFile, load_tokenizer, tokenizer_for
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import ModelChunk, build_model
 
 
 def load_single_device_model(ckpt: str | Path) -> ModelChunk:
     """The whole model on this process (tp = pp = 1), weights from ``ckpt`` (a step directory or its root)."""
     ckpt = resolve_checkpoint(ckpt)
     index = read_index(ckpt)
-    fields = {k: v for k, v in index["model"].items() if k in TransformerConfig.__dataclass_fields__}
-    model = build_model(TransformerConfig(**fields), seed=0)
+    fields = {k: v for k, v in index["model"].items() if k in ModelConfig.__dataclass_fields__}
+    model = build_model(ModelConfig(**fields), seed=0)
     shards = model.logical_shards()
     wanted = {name: Piece.whole(name, tuple(s.global_shape)) for name, s in shards.items()}
     loaded = load_pieces(ckpt, index, list(wanted.values()))
@@ -53,8 +55,6 @@ def sample_from_checkpoint(
     ckpt: str | Path, token_path: str, tokens: int, *, seq_len: int, prompt_len: int = 48, temperature: float = 0.7
 ) -> str:
     """A continuation of the start of ``token_path`` (sampled at ``temperature``), decoded with the file's tokenizer."""
-    from modelpar.data import TokenFile, tokenizer_for
-
     model = load_single_device_model(ckpt)
     data = TokenFile.open(token_path, model.config.vocab_size, seq_len)
     prompt, _ = data.window(0)
@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json written by modelpar-data")
     args = parser.parse_args(argv)
-    from modelpar.data import load_tokenizer
-
     try:
         model = load_single_device_model(args.checkpoint)
         tok = load_tokenizer(args.tokenizer)

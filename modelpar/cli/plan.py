@@ -1,6 +1,231 @@
-"""``modelpar-plan``: search layouts for a model on a cluster and print the best (``modelpar.perf.plan``)."""
+"""``modelpar-plan``: rank the ``tp x pp x dp`` layouts of a model on a cluster by predicted throughput, among
+those that fit in memory, and print the ``modelpar-train`` overrides that run the best (``modelpar.perf.plan``).
 
-from modelpar.perf.plan import main
+    modelpar-plan --model llama-8b --gpus 64 --global-batch 512 --seq-len 4096
+    modelpar-plan --model tiny --gpus 4 --global-batch 16 --seq-len 64 --hardware cpu --json plan.json
+
+A bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Iterator, Sequence
+
+from modelpar.model.transformer import RECOMPUTE
+from modelpar.perf.plan import (
+    GIB,
+    HARDWARE,
+    CostModel,
+    Hardware,
+    ModelSpec,
+    PlanError,
+    PlannedLayout,
+    SearchSpace,
+    Strategy,
+    load_hardware,
+    load_model,
+    model_presets,
+    plan,
+)
+
+# what modelpar-train runs (parallel.recompute); selective (Megatron's: recompute the attention core) is modelled
+# for comparison with published runs only: modelpar's attention keeps no s x s scores to drop
+TRAINER_RECOMPUTE = RECOMPUTE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="modelpar-plan",
+        description="Rank tp x pp x dp layouts of a model by predicted throughput among those that fit in memory.",
+    )
+    ap.add_argument("--model", default="llama-8b", help=f"preset in recipes/model ({', '.join(model_presets())})")
+    for flag in ("vocab-size", "hidden", "layers", "heads", "kv-heads", "ffn-hidden"):
+        ap.add_argument(f"--{flag}", type=int, help="override the preset's shape")
+    ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument(
+        "--flash-attention", action="store_true", help="attention stores no s x s scores (drops the 5as/h term)"
+    )
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--hardware", default="h100-80gb", help=f"preset ({', '.join(sorted(HARDWARE))})")
+    ap.add_argument("--memory-gib", type=float, help="memory per device")
+    ap.add_argument("--peak-tflops", type=float, help="dense peak per device in the training dtype")
+    ap.add_argument("--intra-node-gbs", type=float, help="GB/s per device inside a node")
+    ap.add_argument("--inter-node-gbs", type=float, help="GB/s per device between nodes")
+    ap.add_argument("--gpus-per-node", type=int)
+    ap.add_argument("--latency-us", type=float, help="per message")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"))
+    ap.add_argument("--efficiency", type=float, default=CostModel.efficiency, help="achievable fraction of peak")
+    ap.add_argument("--dp-overlap", type=float, default=CostModel.dp_overlap, help="hidden fraction of DP comm")
+    ap.add_argument("--tp", type=int, help="pin tensor parallelism")
+    ap.add_argument("--pp", type=int, help="pin pipeline parallelism")
+    ap.add_argument("--dp", type=int, help="pin data parallelism")
+    ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
+    ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
+    ap.add_argument(
+        "--recompute",
+        default=",".join(TRAINER_RECOMPUTE),
+        help="comma-separated modes to try: none, full (what modelpar-train runs), selective (Megatron's, modelled)",
+    )
+    ap.add_argument("--top", type=int, default=10, help="rows to print")
+    ap.add_argument("--json", type=pathlib.Path, help="write every fitting layout here")
+    return ap
+
+
+# flag -> (Hardware field, unit of the flag in the field's units)
+HARDWARE_FLAGS = {
+    "memory_gib": ("memory_bytes", GIB),
+    "peak_tflops": ("peak_flops", 1e12),
+    "intra_node_gbs": ("intra_node_bw", 1e9),
+    "inter_node_gbs": ("inter_node_bw", 1e9),
+    "gpus_per_node": ("gpus_per_node", 1),
+    "latency_us": ("latency_s", 1e-6),
+}
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    """The ``--hardware`` preset with any of ``HARDWARE_FLAGS`` and ``--dtype`` overriding it."""
+    overrides = {"dtype": args.dtype} if args.dtype else {}
+    for flag, (field, unit) in HARDWARE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if value <= 0 and not (flag == "latency_us" and value == 0):
+            raise PlanError(f"--{flag.replace('_', '-')}={value} must be positive")
+        overrides[field] = value * unit
+    return dataclasses.replace(load_hardware(args.hardware), **overrides)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    spec = load_model(args.model)
+    shape_overrides = {
+        "vocab_size": args.vocab_size,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "ffn_hidden": args.ffn_hidden,
+    }
+    for key, value in shape_overrides.items():
+        if value is not None and value < 1:
+            raise PlanError(f"--{key.replace('_', '-')}={value} must be >= 1")
+    shape = dataclasses.replace(spec.shape, **{k: v for k, v in shape_overrides.items() if v is not None})
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise PlanError(f"hidden={shape.hidden}, heads={shape.heads}, kv_heads={shape.kv_heads} must divide evenly")
+    if shape != spec.shape:
+        shape = dataclasses.replace(shape, name=f"{spec.name} (custom shape)")
+    if args.tie_embeddings is not None:
+        shape = dataclasses.replace(shape, tie_embeddings=args.tie_embeddings)
+    return ModelSpec(shape, args.flash_attention)
+
+
+def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
+    """The ``modelpar-train`` overrides that run ``strategy`` (model and hardware aside), or None where the trainer
+    cannot (selective recompute)."""
+    if strategy.recompute not in TRAINER_RECOMPUTE:
+        return None
+    layout = strategy.layout
+    out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.dp={layout.dp}"]
+    if layout.vpp > 1:
+        out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
+    out.append(f"parallel.microbatches={strategy.micro_batches}")
+    out += ["parallel.sp=true"] * strategy.sp
+    out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
+    out += ["optim.zero=1"] * strategy.zero1
+    return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """``model=<preset>`` and the shape flags given, as ``modelpar-train`` overrides."""
+    out = [f"model={args.model}"]
+    for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"):
+        if getattr(args, key) is not None:
+            out.append(f"model.{key}={getattr(args, key)}")
+    if args.tie_embeddings is not None:
+        out.append(f"model.tie_embeddings={str(args.tie_embeddings).lower()}")
+    return out
+
+
+def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
+    header = (
+        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero1':<5} {'sp':<3} "
+        f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
+    )
+    yield header
+    yield "-" * len(header)
+    for i, entry in enumerate(planned[:top], 1):
+        s, p = entry.strategy, entry.prediction
+        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s
+        yield (
+            f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
+            f"{'yes' if s.zero1 else 'no':<5} {'yes' if s.sp else 'no':<3} {p.memory.total / GIB:>7.1f} "
+            f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
+            f"{comm / p.total_s:>5.1%}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model = model_from_args(args)
+        hardware = hardware_from_args(args)
+        space = SearchSpace(
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            max_vpp=args.max_vpp,
+            max_micro_batch_size=args.max_micro_batch_size,
+            recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
+        )
+        costs = CostModel(efficiency=args.efficiency, dp_overlap=args.dp_overlap)
+        if not 0 < costs.efficiency <= 1 or not 0 <= costs.dp_overlap <= 1:
+            raise PlanError("--efficiency must be in (0, 1] and --dp-overlap in [0, 1]")
+        planned = plan(
+            model,
+            hardware,
+            gpus=args.gpus,
+            global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            costs=costs,
+            space=space,
+        )
+    except PlanError as exc:
+        print(f"modelpar-plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{model.name} on {args.gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.0f} GiB, "
+        f"{hardware.peak_flops / 1e12:.4g} TFLOP/s {hardware.dtype}), batch {args.global_batch} x {args.seq_len}, "
+        f"efficiency {costs.efficiency}: {len(planned)} layouts fit"
+    )
+    for line in format_table(planned, args.top):
+        print(line)
+    best = trainer_overrides(planned[0].strategy, args.seq_len)
+    if best is None:
+        print("#1 uses selective recompute, which modelpar-train does not run (it has parallel.recompute=none|full)")
+    else:
+        print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
+    if args.json:
+        record = {
+            "model": {**dataclasses.asdict(model.shape), "flash_attention": model.flash_attention},
+            "hardware": dataclasses.asdict(hardware),
+            "costs": dataclasses.asdict(costs),
+            "gpus": args.gpus,
+            "global_batch": args.global_batch,
+            "seq_len": args.seq_len,
+            "layouts": [
+                entry.as_dict() | {"trainer_overrides": trainer_overrides(entry.strategy, args.seq_len)}
+                for entry in planned
+            ],
+        }
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -86,7 +86,8 @@ def _positive_int(name: str, value: int) -> None:
 
 @dataclass(frozen=True, eq=False)
 class TokenFile:
-    """A validated token file, read as non-overlapping windows of ``seq_len + 1`` tokens.
+    """A validated token file, read as windows of ``seq_len + 1`` tokens; window ``i`` starts at ``i * seq_len``,
+    so consecutive windows share one token (the last target of one is the first input of the next).
 
     Build with :meth:`open`. ``tokens: [n_tokens]`` is the read-only memory map.
     """

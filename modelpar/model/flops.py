@@ -13,60 +13,19 @@ MFU = achieved model FLOP/s / peak FLOP/s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from modelpar.model.config import ModelConfig
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    vocab_size: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def attention_params(self) -> int:
-        """Matmul weights of a block's attention half: the q, k, v and o projections."""
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-
-    def mlp_params(self) -> int:
-        """Matmul weights of a block's MLP half: gate, up and down of the SwiGLU."""
-        return 3 * self.hidden * self.ffn_hidden
-
-    def block_params(self) -> int:
-        """Matmul weights of one block: q, k, v, o projections and the gate/up/down SwiGLU."""
-        return self.attention_params() + self.mlp_params()
-
-    def matmul_params(self) -> int:
-        return self.layers * self.block_params() + self.vocab_size * self.hidden
-
-
-def training_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+def training_flops_per_token(shape: ModelConfig, seq_len: int) -> float:
     return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.hidden * seq_len
 
 
-def half_block_training_flops(shape: ModelShape, seq_len: int) -> tuple[float, float]:
+def half_block_training_flops(shape: ModelConfig, seq_len: int) -> tuple[float, float]:
     """Training FLOPs per token of a block's attention half (projections and scores) and of its MLP half."""
     return 6.0 * shape.attention_params() + 12.0 * shape.hidden * seq_len, 6.0 * shape.mlp_params()
 
 
-def head_training_flops(shape: ModelShape) -> float:
+def head_training_flops(shape: ModelConfig) -> float:
     """Training FLOPs per token of the output head's matmul plus the loss's softmax over the vocabulary (about
     10 element-wise passes forward and backward, costed like matmul FLOPs)."""
     return 6.0 * shape.vocab_size * shape.hidden + 10.0 * shape.vocab_size
-
-
-def model_shape(model_cfg) -> ModelShape:
-    """From any object with the ModelConfig fields."""
-    return ModelShape(
-        model_cfg.vocab_size,
-        model_cfg.hidden,
-        model_cfg.layers,
-        model_cfg.heads,
-        model_cfg.kv_heads,
-        model_cfg.ffn_hidden,
-    )

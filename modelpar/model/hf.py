@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from modelpar.model.transformer import ModelChunk, TransformerConfig
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import ModelChunk
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -28,7 +29,7 @@ def hf_name(logical: str) -> str:
     return logical if logical == "lm_head.weight" else f"model.{logical}"
 
 
-def config_from_hf(path: str | os.PathLike) -> TransformerConfig:
+def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a Llama checkpoint; refuse features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     if hf.get("model_type") != "llama":
@@ -45,7 +46,7 @@ def config_from_hf(path: str | os.PathLike) -> TransformerConfig:
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
         raise ValueError(f"{path}: unsupported Llama variant ({', '.join(bad)}); modelpar implements plain Llama")
-    return TransformerConfig(
+    return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],
         layers=hf["num_hidden_layers"],
@@ -60,7 +61,7 @@ def config_from_hf(path: str | os.PathLike) -> TransformerConfig:
     )
 
 
-def config_to_hf(config: TransformerConfig, dtype: torch.dtype = torch.float32) -> dict:
+def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """``config.json`` contents for ``LlamaForCausalLM``."""
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -98,7 +99,7 @@ def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
         chunk.load_logical(fetch)
 
 
-def save_hf(path: str | os.PathLike, config: TransformerConfig, state: Mapping[str, torch.Tensor]) -> None:
+def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
     """Write ``config.json`` and ``model.safetensors`` from full logical tensors (all of the model's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,13 @@ stages) is sharded along the sequence: [b, s/t, h].
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
-from modelpar_kernels import BACKENDS, resolve_backend
+from modelpar_kernels import resolve_backend
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from modelpar.model.config import ModelConfig
 from modelpar.model.init import init_logical
 from modelpar.model.layers import (
     ColumnParallelLinear,
@@ -31,49 +31,9 @@ from modelpar.model.layers import (
     vocab_parallel_loss,
     vocab_range,
 )
-from modelpar.parallel.collectives import all_reduce, comm_tag
+from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.parallel.regions import TensorParallelGroup
-
-
-@dataclass(frozen=True)
-class TransformerConfig:
-    """Shape of the model; parallelism lives in the layout, not here."""
-
-    vocab_size: int = 256
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 4
-    ffn_hidden: int = 176
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    kernels: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
-        if self.hidden % self.heads:
-            raise ValueError(f"model.hidden={self.hidden} is not a multiple of heads={self.heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head dim hidden/heads={self.head_dim} must be even for RoPE")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"model.kv_heads={self.kv_heads} must divide heads={self.heads}")
-        if self.kernels not in BACKENDS:
-            raise ValueError(f"model.kernels={self.kernels!r} is not one of {BACKENDS}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def check_layout(self, layout: ParallelLayout) -> None:
-        """Raise ``LayoutError`` (one line, with a fix) if ``layout`` cannot shard this model."""
-        layout.check_model(layers=self.layers, heads=self.heads, kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden)
-
 
 BLOCK_HALVES = ("attention", "mlp")
 # none: keep what every op saves for backward; full: keep each block's input only and rerun the block in backward
@@ -89,7 +49,7 @@ class Block(nn.Module):
 
     def __init__(
         self,
-        config: TransformerConfig,
+        config: ModelConfig,
         tp: TensorParallelGroup,
         *,
         sequence_parallel: bool,
@@ -133,13 +93,6 @@ class Block(nn.Module):
 Fetch = Callable[[str, ShardInfo], torch.Tensor]
 
 
-def _run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A block under the "layer" communication tag, so that its collectives count as the layer's when a
-    recompute reruns it inside backward too."""
-    with comm_tag("layer"):
-        return block(x)
-
-
 class ModelChunk(nn.Module):
     """Blocks ``layer_ids`` of the model, plus the embedding if ``first`` and the final norm and head if ``last``.
 
@@ -157,7 +110,7 @@ class ModelChunk(nn.Module):
 
     def __init__(
         self,
-        config: TransformerConfig,
+        config: ModelConfig,
         tp: TensorParallelGroup,
         layer_ids: Iterable[int],
         *,
@@ -184,9 +137,8 @@ class ModelChunk(nn.Module):
                     f"split_blocks={self.split_blocks}: only the first block may be an 'mlp' half and only the last "
                     f"an 'attention' half of layer_ids={ids}"
                 )
-        ParallelLayout(tp=tp.size).check_model(
-            layers=config.layers, heads=config.heads, kv_heads=config.kv_heads, ffn_hidden=config.ffn_hidden
-        )
+        config.check()
+        config.check_layout(ParallelLayout(tp=tp.size))
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.backend = resolve_backend(config.kernels, device or "cpu")
         kw = dict(sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
@@ -203,24 +155,27 @@ class ModelChunk(nn.Module):
             self.lm_head = ColumnParallelLinear(h, [ColumnPart(head_name, config.vocab_size, start, size)], tp, **kw)
             if config.tie_embeddings and first:
                 self.lm_head.weight = self.embed_tokens.weight
+        # what ``record_comm`` reports each collective under (a recompute's rerun of a block counts as "layer")
+        for module, tag in ((self.embed_tokens, "embedding"), (self.norm, "head"), (self.lm_head, "head")):
+            if module is not None:
+                label_module(module, tag)
+        for block in self.layers.values():
+            label_module(block, "layer")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids [b, s] (first chunk) or [b, s, h] / [b, s/t, h] -> [b, s, h] / [b, s/t, h] or logits."""
         if self.embed_tokens is not None:
             self._check_sequence(x.shape[1])
-            with comm_tag("embedding"):
-                x = self.embed_tokens(x)
-        with comm_tag("layer"):
-            for block in self.layers.values():
-                if self.recompute == "full" and torch.is_grad_enabled():
-                    # keep the block's input only; backward reruns its forward (collectives included, in the
-                    # same order on every tp rank) to get what its own backward needs
-                    x = checkpoint(_run_block, block, x, use_reentrant=False)
-                else:
-                    x = block(x)
+            x = self.embed_tokens(x)
+        for block in self.layers.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                # keep the block's input only; backward reruns its forward (collectives included, in the
+                # same order on every tp rank) to get what its own backward needs
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.lm_head is not None:
-            with comm_tag("head"):
-                x = self.lm_head(self.norm(x))
+            x = self.lm_head(self.norm(x))
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -328,7 +283,7 @@ def tensor_parallel_group(groups=None) -> TensorParallelGroup:
 
 
 def build_chunk(
-    config: TransformerConfig,
+    config: ModelConfig,
     groups,
     layer_ids: Iterable[int],
     *,
@@ -363,7 +318,7 @@ def build_chunk(
 
 
 def build_model(
-    config: TransformerConfig,
+    config: ModelConfig,
     groups=None,
     *,
     seed: int,

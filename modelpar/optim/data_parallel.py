@@ -69,6 +69,14 @@ class DataParallelOptimizer(ABC):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` on device; the global norm before clipping (0-d, inf/nan when non-finite)."""
 
+    def device_flags(self) -> torch.Tensor | None:
+        """Values on the device the step must read back before ``step()`` (see ``apply_flags``), or None."""
+        return None
+
+    def apply_flags(self, values: list[float]) -> None:
+        """Take the values of ``device_flags()``, read back with the step's loss and norm in one host sync."""
+        return None
+
     def step(self) -> None:
         self.optimizer.step()
 
@@ -134,10 +142,24 @@ class ZeroOneOptimizer(DataParallelOptimizer):
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
         super().__init__(params_with_info, groups)
         self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_group, **adam)
+        self._flags_pending = False
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
         other_reductions()
-        self.optimizer.reduce_gradients()
+        self.optimizer.reduce_gradients(read_back=False)
+        self._flags_pending = True
+
+    def device_flags(self) -> torch.Tensor:
+        return self.optimizer.has_grad  # which parameters some dp rank gave a gradient
+
+    def apply_flags(self, values: list[float]) -> None:
+        self.optimizer.apply_has_grad(values)
+        self._flags_pending = False
+
+    def step(self) -> None:
+        if self._flags_pending:  # the caller did not fold the flags into its own read-back
+            self.apply_flags(self.optimizer.has_grad.tolist())
+        self.optimizer.step()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.optimizer.shard_params_with_info(), max_norm, self.groups, zero_sharded=True)

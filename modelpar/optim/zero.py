@@ -99,11 +99,13 @@ class ZeroOneAdamW:
         """The shard optimizer's groups (decay, no decay): ``set_lr`` writes ``lr`` here."""
         return self.shard_optimizer.param_groups
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, read_back: bool = True) -> None:
         """Average ``param.grad`` over dp into this rank's shard (one reduce-scatter, one tiny all-reduce).
 
         A parameter that no rank gave a gradient keeps ``grad = None`` on its shard segments, so AdamW skips it
-        exactly as it would unsharded.
+        exactly as it would unsharded. Knowing which reads a flag per parameter back to the host: with
+        ``read_back=False`` every segment gets its (zero, where none) gradient now and the caller passes the
+        flags of ``has_grad`` to ``apply_has_grad`` before ``step`` (folded into the step's one host sync).
         """
         device = self.master.device
         flat = torch.zeros(self.shard_numel * self.dp_size, dtype=torch.float32, device=device)  # [dp*S]
@@ -116,9 +118,17 @@ class ZeroOneAdamW:
             collectives.all_reduce(has_grad, self.dp_group)
         else:
             shard = flat
-        any_grad = has_grad.tolist()
+        self._shard, self.has_grad = shard, has_grad
+        if read_back:
+            self.apply_has_grad(has_grad.tolist())
+        else:
+            for seg, view in zip(self.segments, self._views, strict=True):
+                view.grad = shard[self._local(seg)]  # a zero gradient adds nothing to the norm nor to clipping
+
+    def apply_has_grad(self, any_grad: list[float]) -> None:
+        """Keep the shard gradient of each parameter some dp rank gave one (``any_grad[i]``), else ``None``."""
         for seg, view in zip(self.segments, self._views, strict=True):
-            view.grad = shard[self._local(seg)] if any_grad[seg.index] else None
+            view.grad = self._shard[self._local(seg)] if any_grad[seg.index] else None
 
     def shard_params_with_info(self) -> list[tuple[torch.Tensor, ParamInfo]]:
         """This rank's shard segments (``.grad`` set by ``reduce_gradients``) with their parameter's info.

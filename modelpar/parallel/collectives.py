@@ -10,6 +10,7 @@ every call goes straight to torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,6 +67,21 @@ def record_comm() -> Iterator[CommLog]:
         yield log
     finally:
         _active.remove(log)
+
+
+def label_module(module: torch.nn.Module, tag: str) -> None:
+    """Label the collectives ``module`` issues in its forward with ``tag`` (the tp region ops carry the label
+    into backward), by hooks around its call: the module's own code never mentions communication."""
+    module.register_forward_pre_hook(functools.partial(_push_tag, tag))
+    module.register_forward_hook(_pop_tag, always_call=True)
+
+
+def _push_tag(tag: str, module, args) -> None:
+    _tags.append(tag)
+
+
+def _pop_tag(module, args, output) -> None:
+    _tags.pop()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Start the ranks of a job: under torchrun/SLURM use their environment, otherwise spawn local processes.
 
-Local spawning binds 127.0.0.1 and watches every rank: the first rank to fail is named with its error,
+Local spawning opens no listening socket beyond 127.0.0.1 (rendezvous through a file store in a private
+directory; gloo's pairs on loopback) and watches every rank: the first rank to fail is named with its error,
 and the others are stopped, so a job never lingers after one of its ranks has died.
 """
 
@@ -9,11 +10,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
-import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from modelpar.parallel.world import LOCAL_ADDR, destroy_distributed, init_distributed, launch_env_from_environ
@@ -29,27 +32,15 @@ class LaunchError(RuntimeError):
         self.rank = rank
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOCAL_ADDR, 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world_size, port, timeout_s, threads, rank_setup, fn, args, errors) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR=LOCAL_ADDR,
-        MASTER_PORT=str(port),
-    )
+def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, fn, args, errors) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOCAL_ADDR)
     if rank_setup is not None:
         rank_setup(rank)
     import torch
 
     torch.set_num_threads(threads)
     try:
-        init_distributed(timeout_s=timeout_s)
+        init_distributed(timeout_s=timeout_s, init_method=f"file://{store}")
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then the rank exits non-zero
         errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -64,8 +55,9 @@ def launch(
     *args: Any,
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,
-    flight_dir: str | None = None,
+    hang_report: Callable[[list[int]], str] | None = None,
     rank_setup: Callable[[int], None] | None = None,
+    log_path: str | None = None,
 ) -> None:
     """Run ``fn(*args)`` on every rank of a ``world_size`` job.
 
@@ -73,8 +65,10 @@ def launch(
     Otherwise ``world_size`` local processes are spawned (gloo on CPU, one per GPU with NCCL).
     ``rank_setup(local_rank)`` runs first in every rank process, before torch starts its threads (a backend's
     core binding, ``modelpar.backends.rank_setup``).
-    Raises ``LaunchError`` naming the first rank that failed; with ``flight_dir`` (where the ranks' flight
-    recorders write), the message also names the rank that stopped making progress and its action.
+    Raises ``LaunchError`` naming the first rank that failed; ``hang_report(alive ranks)`` adds lines to its
+    message, e.g. the rank that stopped making progress and its action (``modelpar.training.flight``). A rank
+    whose process is stopped (frozen) is named as the cause, in a few lines; the tracebacks of the ranks that
+    timed out waiting for it go to ``log_path``.
     """
     env = launch_env_from_environ()
     if env is not None:
@@ -95,14 +89,17 @@ def launch(
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = free_port()
+    # rendezvous through a file in a directory only this user can read: a TCP store would listen on every
+    # network interface, where anyone could join or disrupt the job (gloo's own pairs bind 127.0.0.1)
+    store_dir = tempfile.mkdtemp(prefix="modelpar-rendezvous-")
+    store = os.path.join(store_dir, "store")
     procs = [
         ctx.Process(
             target=_rank_main,
             args=(
                 r,
                 world_size,
-                port,
+                store,
                 timeout_s,
                 threads_per_rank,
                 rank_setup if world_size > 1 else None,
@@ -116,7 +113,7 @@ def launch(
     for p in procs:
         p.start()
     try:
-        _watch(procs, errors, flight_dir)
+        _watch(procs, errors, hang_report, log_path)
     finally:
         for p in procs:
             if p.is_alive():
@@ -126,16 +123,28 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _watch(procs: list, errors, flight_dir: str | None) -> None:
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger, a paused machine): state T or t in /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _watch(procs: list, errors, hang_report: Callable[[list[int]], str] | None, log_path: str | None = None) -> None:
     """Wait for every rank; on the first failure, give the others a moment to report, then raise."""
     while True:
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
             reports = _drain(errors, deadline=time.monotonic() + _STOP_GRACE_S)
             alive = [r for r, p in enumerate(procs) if p.exitcode is None]
-            hang = _hang_summary(flight_dir, alive)
+            frozen = [r for r in alive if _stopped(procs[r].pid)]
+            if frozen:  # the ranks that timed out are its victims: name the frozen one, keep their traces aside
+                raise LaunchError(frozen[0], _frozen_message(frozen, reports, hang_report, log_path))
+            hang = hang_report(alive) if hang_report is not None else ""
             killed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
             if killed:  # a rank killed by a signal is the cause; the errors of its peers are the consequence
                 rank = killed[0]
@@ -154,16 +163,25 @@ def _watch(procs: list, errors, flight_dir: str | None) -> None:
         time.sleep(0.05)
 
 
-def _hang_summary(flight_dir: str | None, alive: list[int]) -> str:
-    """The flight recorders' account of who was stuck where, when there are records to read."""
-    if flight_dir is None:
-        return ""
-    from modelpar.training.flight import hang_report, read_flight
-
-    snapshots = read_flight(flight_dir)
-    if not snapshots:
-        return ""
-    return "\n" + hang_report(snapshots, suspects=alive or None)
+def _frozen_message(
+    frozen: list[int], reports: dict, hang_report: Callable[[list[int]], str] | None, log_path: str | None
+) -> str:
+    """At most five lines: the frozen rank with its coordinates and last action, its victims, the log."""
+    rank = frozen[0]
+    where = hang_report(frozen).strip().splitlines() if hang_report is not None else []
+    culprit = where[0] if where else f"rank {rank}"
+    lines = [f"{culprit}: its process is stopped (SIGSTOP, a hung device or a paused machine)"]
+    if len(frozen) > 1:
+        lines.append(f"ranks {frozen[1:]} are stopped too")
+    if reports:
+        lines.append(f"ranks {sorted(reports)} timed out waiting for it; the other ranks were stopped")
+    if log_path is not None:
+        with open(log_path, "a") as log:
+            for r, (message, trace) in sorted(reports.items()):
+                log.write(f"rank {r}: {message}\n{trace}\n")
+            log.write("\n".join(where) + "\n")
+        lines.append(f"tracebacks of the ranks that timed out: {log_path}")
+    return "\n".join(lines)
 
 
 def _drain(errors, deadline: float) -> dict[int, tuple[str, str]]:

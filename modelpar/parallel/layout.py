@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
 
 class LayoutError(ValueError):
     """An impossible parallel layout; the message is one line naming the problem and a fix."""

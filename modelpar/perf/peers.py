@@ -25,14 +25,23 @@ SDPA attention, SwiGLU) is our module's code, unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from modelpar.model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from modelpar.model.transformer import ModelChunk, build_chunk
@@ -119,9 +128,6 @@ def torch_modules_copy(chunk: ModelChunk, tp: int) -> ModelChunk:
 def apply_tensor_parallel(chunk: ModelChunk, tp_mesh) -> None:
     """torchtitan's plan: embedding row-wise (vocab-parallel, all-reduce), q/k/v and gate/up column-wise,
     o and down row-wise, head column-wise with vocab-sharded logits for ``loss_parallel``."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     plan = {}
     if chunk.embed_tokens is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -145,12 +151,6 @@ def dtensor_loss(logits, targets: torch.Tensor) -> torch.Tensor:
 # -- one rank's peer ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PeerStep:
-    loss: float
-    seconds: float
-
-
 class Peer:
     """This rank's part of the peer of ``cfg``'s layout; ``step(inputs, targets)`` trains one optimizer step.
 
@@ -159,8 +159,6 @@ class Peer:
     """
 
     def __init__(self, cfg: TrainConfig, transformer_cfg, partition, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
-
         p = cfg.parallel
         self.cfg, self.device = cfg, device
         self.m = p.microbatches
@@ -204,8 +202,6 @@ class Peer:
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
     def _pipeline_schedule(self, p, partition, pp_rank: int):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
         stages = [
             PipelineStage(chunk, c, partition.n_chunks, self.device, group=self.pp_group)
             for chunk, c in zip(self.chunks, partition.chunks_of(pp_rank), strict=True)
@@ -216,11 +212,7 @@ class Peer:
         return kind(stages[0], self.m, loss_fn=self.loss_fn)
 
     def _loss_context(self):
-        import contextlib
-
         if self.tp_size > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             return loss_parallel()
         return contextlib.nullcontext()
 
@@ -259,8 +251,6 @@ class Peer:
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """No pipeline: forward + backward of each micro-batch, DDP syncing on the last one only."""
-        import contextlib
-
         module = self.ddp if self.ddp is not None else self.chunks[0]
         total = torch.zeros((), device=self.device)
         pairs = list(zip(inputs.chunk(self.m), targets.chunk(self.m), strict=True))

@@ -45,31 +45,32 @@ instead), TP communication overlapped with compute, the optimizer step, allocato
 GPipe schedules, and the memory of an uneven split (the busiest chunk's layers are assumed on every stage). The
 Korthikanti activation terms are for a GPT block (4h GeLU MLP); a SwiGLU block differs by a few ``sbh``.
 ``ModelSpec.flash_attention`` drops the stored ``s x s`` scores (what a fused attention kernel does).
+
+Model presets are ``recipes/model/*.yaml``, read through the recipe schema (``load_model``); the command line,
+``modelpar-plan``, is ``modelpar.cli.plan``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
 import pathlib
-import sys
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from modelpar.model.flops import ModelShape, training_flops_per_token
+from modelpar.model.config import ModelConfig
+from modelpar.model.flops import training_flops_per_token
 from modelpar.parallel.layout import LayoutError, ParallelLayout
-from modelpar.training.config import RECIPES
+from modelpar.pipeline.partition import partition_by_cost
+from modelpar.training.config import RECIPES, register_schema
 
 GIB = 2**30
 RECOMPUTE_MODES = ("none", "selective", "full")
-# what modelpar-train runs (parallel.recompute); selective (Megatron's: recompute the attention core) is modelled
-# for comparison with published runs only: modelpar's attention keeps no s x s scores to drop
-TRAINER_RECOMPUTE = ("none", "full")
 MODEL_PRESET_DIR = pathlib.Path(RECIPES) / "model"
 
 
@@ -82,13 +83,19 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the planner needs of a model: its matmul shape, whether the head shares the embedding, and whether
-    attention runs as a fused (flash) kernel that never stores the ``s x s`` scores."""
+    """What the planner needs of a model: its shape (matmul sizes, and whether the head shares the embedding)
+    and whether attention runs as a fused (flash) kernel that never stores the ``s x s`` scores."""
 
-    name: str
-    shape: ModelShape
-    tie_embeddings: bool = False
+    shape: ModelConfig
     flash_attention: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.shape.name
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.shape.tie_embeddings
 
 
 @dataclass(frozen=True)
@@ -361,7 +368,7 @@ def group_bandwidth(hardware: Hardware, span: int) -> float:
     return hardware.intra_node_bw if span <= hardware.gpus_per_node else hardware.inter_node_bw
 
 
-def layer_forward_flops(shape: ModelShape, tokens: int, seq_len: int) -> float:
+def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
     """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
     return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
 
@@ -408,8 +415,6 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
 def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float, attention_share: float) -> float:
     """Cost of the busiest rank, in blocks, under the trainer's FLOP-balanced split in half blocks (attention
     costs ``attention_share`` of a block, the MLP the rest, the head ``head_in_blocks``)."""
-    from modelpar.pipeline.partition import partition_by_cost
-
     halves = [attention_share, 1.0 - attention_share] * layers
     split = partition_by_cost(halves, pp, vpp, head_cost=head_in_blocks, halves=True)
 
@@ -652,217 +657,23 @@ def model_presets() -> list[str]:
 
 
 def load_model(name: str) -> ModelSpec:
-    """A model preset from ``recipes/model/<name>.yaml``."""
-    path = MODEL_PRESET_DIR / f"{name}.yaml"
-    if not path.is_file():
+    """A model preset, ``recipes/model/<name>.yaml``, read through the recipe schema as the trainer reads it:
+    an unknown field or a value of the wrong type is refused (``PlanError``, one line)."""
+    if not (MODEL_PRESET_DIR / f"{name}.yaml").is_file():
         raise PlanError(f"unknown model preset {name!r}; choose one of {', '.join(model_presets())}")
-    cfg = yaml.safe_load(path.read_text())
-    shape = ModelShape(
-        cfg["vocab_size"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["ffn_hidden"]
-    )
-    return ModelSpec(cfg.get("name", name), shape, bool(cfg.get("tie_embeddings", False)))
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+            shape = OmegaConf.to_object(compose(config_name="train", overrides=[f"model={name}"]).model)
+    except (HydraException, OmegaConfBaseException) as exc:
+        # Hydra's message: a header line, then the schema's complaint (the field, its value or type) and its key
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        problem = ", ".join(line for line in lines[1:] if not line.startswith(("reference_type", "object_type")))
+        raise PlanError(f"model preset {name!r} (recipes/model/{name}.yaml): {problem or str(exc)}") from None
+    return ModelSpec(shape)
 
 
 def load_hardware(name: str) -> Hardware:
     if name not in HARDWARE:
         raise PlanError(f"unknown hardware preset {name!r}; choose one of {', '.join(sorted(HARDWARE))}")
     return HARDWARE[name]
-
-
-# -- command line --------------------------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="modelpar-plan",
-        description="Rank tp x pp x dp layouts of a model by predicted throughput among those that fit in memory.",
-    )
-    ap.add_argument("--model", default="llama-8b", help=f"preset in recipes/model ({', '.join(model_presets())})")
-    for flag in ("vocab-size", "hidden", "layers", "heads", "kv-heads", "ffn-hidden"):
-        ap.add_argument(f"--{flag}", type=int, help="override the preset's shape")
-    ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument(
-        "--flash-attention", action="store_true", help="attention stores no s x s scores (drops the 5as/h term)"
-    )
-    ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--hardware", default="h100-80gb", help=f"preset ({', '.join(sorted(HARDWARE))})")
-    ap.add_argument("--memory-gib", type=float, help="memory per device")
-    ap.add_argument("--peak-tflops", type=float, help="dense peak per device in the training dtype")
-    ap.add_argument("--intra-node-gbs", type=float, help="GB/s per device inside a node")
-    ap.add_argument("--inter-node-gbs", type=float, help="GB/s per device between nodes")
-    ap.add_argument("--gpus-per-node", type=int)
-    ap.add_argument("--latency-us", type=float, help="per message")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"))
-    ap.add_argument("--efficiency", type=float, default=CostModel.efficiency, help="achievable fraction of peak")
-    ap.add_argument("--dp-overlap", type=float, default=CostModel.dp_overlap, help="hidden fraction of DP comm")
-    ap.add_argument("--tp", type=int, help="pin tensor parallelism")
-    ap.add_argument("--pp", type=int, help="pin pipeline parallelism")
-    ap.add_argument("--dp", type=int, help="pin data parallelism")
-    ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
-    ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
-    ap.add_argument(
-        "--recompute",
-        default=",".join(TRAINER_RECOMPUTE),
-        help="comma-separated modes to try: none, full (what modelpar-train runs), selective (Megatron's, modelled)",
-    )
-    ap.add_argument("--top", type=int, default=10, help="rows to print")
-    ap.add_argument("--json", type=pathlib.Path, help="write every fitting layout here")
-    return ap
-
-
-# flag -> (Hardware field, unit of the flag in the field's units)
-HARDWARE_FLAGS = {
-    "memory_gib": ("memory_bytes", GIB),
-    "peak_tflops": ("peak_flops", 1e12),
-    "intra_node_gbs": ("intra_node_bw", 1e9),
-    "inter_node_gbs": ("inter_node_bw", 1e9),
-    "gpus_per_node": ("gpus_per_node", 1),
-    "latency_us": ("latency_s", 1e-6),
-}
-
-
-def hardware_from_args(args: argparse.Namespace) -> Hardware:
-    """The ``--hardware`` preset with any of ``HARDWARE_FLAGS`` and ``--dtype`` overriding it."""
-    overrides = {"dtype": args.dtype} if args.dtype else {}
-    for flag, (field, unit) in HARDWARE_FLAGS.items():
-        value = getattr(args, flag)
-        if value is None:
-            continue
-        if value <= 0 and not (flag == "latency_us" and value == 0):
-            raise PlanError(f"--{flag.replace('_', '-')}={value} must be positive")
-        overrides[field] = value * unit
-    return dataclasses.replace(load_hardware(args.hardware), **overrides)
-
-
-def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    spec = load_model(args.model)
-    shape_overrides = {
-        "vocab_size": args.vocab_size,
-        "hidden": args.hidden,
-        "layers": args.layers,
-        "heads": args.heads,
-        "kv_heads": args.kv_heads,
-        "ffn_hidden": args.ffn_hidden,
-    }
-    for key, value in shape_overrides.items():
-        if value is not None and value < 1:
-            raise PlanError(f"--{key.replace('_', '-')}={value} must be >= 1")
-    shape = dataclasses.replace(spec.shape, **{k: v for k, v in shape_overrides.items() if v is not None})
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
-        raise PlanError(f"hidden={shape.hidden}, heads={shape.heads}, kv_heads={shape.kv_heads} must divide evenly")
-    tie = spec.tie_embeddings if args.tie_embeddings is None else args.tie_embeddings
-    name = spec.name if shape == spec.shape else f"{spec.name} (custom shape)"
-    return ModelSpec(name, shape, tie, args.flash_attention)
-
-
-def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
-    """The ``modelpar-train`` overrides that run ``strategy`` (model and hardware aside), or None where the trainer
-    cannot (selective recompute)."""
-    if strategy.recompute not in TRAINER_RECOMPUTE:
-        return None
-    layout = strategy.layout
-    out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.dp={layout.dp}"]
-    if layout.vpp > 1:
-        out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
-    out.append(f"parallel.microbatches={strategy.micro_batches}")
-    out += ["parallel.sp=true"] * strategy.sp
-    out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
-    out += ["optim.zero=1"] * strategy.zero1
-    return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
-
-
-def model_overrides(args: argparse.Namespace) -> list[str]:
-    """``model=<preset>`` and the shape flags given, as ``modelpar-train`` overrides."""
-    out = [f"model={args.model}"]
-    for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"):
-        if getattr(args, key) is not None:
-            out.append(f"model.{key}={getattr(args, key)}")
-    if args.tie_embeddings is not None:
-        out.append(f"model.tie_embeddings={str(args.tie_embeddings).lower()}")
-    return out
-
-
-def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
-    header = (
-        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero1':<5} {'sp':<3} "
-        f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
-    )
-    yield header
-    yield "-" * len(header)
-    for i, entry in enumerate(planned[:top], 1):
-        s, p = entry.strategy, entry.prediction
-        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s
-        yield (
-            f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
-            f"{'yes' if s.zero1 else 'no':<5} {'yes' if s.sp else 'no':<3} {p.memory.total / GIB:>7.1f} "
-            f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
-            f"{comm / p.total_s:>5.1%}"
-        )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        model = model_from_args(args)
-        hardware = hardware_from_args(args)
-        space = SearchSpace(
-            tp=args.tp,
-            pp=args.pp,
-            dp=args.dp,
-            max_vpp=args.max_vpp,
-            max_micro_batch_size=args.max_micro_batch_size,
-            recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
-        )
-        costs = CostModel(efficiency=args.efficiency, dp_overlap=args.dp_overlap)
-        if not 0 < costs.efficiency <= 1 or not 0 <= costs.dp_overlap <= 1:
-            raise PlanError("--efficiency must be in (0, 1] and --dp-overlap in [0, 1]")
-        planned = plan(
-            model,
-            hardware,
-            gpus=args.gpus,
-            global_batch=args.global_batch,
-            seq_len=args.seq_len,
-            costs=costs,
-            space=space,
-        )
-    except PlanError as exc:
-        print(f"modelpar-plan: error: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"{model.name} on {args.gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.0f} GiB, "
-        f"{hardware.peak_flops / 1e12:.4g} TFLOP/s {hardware.dtype}), batch {args.global_batch} x {args.seq_len}, "
-        f"efficiency {costs.efficiency}: {len(planned)} layouts fit"
-    )
-    for line in format_table(planned, args.top):
-        print(line)
-    best = trainer_overrides(planned[0].strategy, args.seq_len)
-    if best is None:
-        print("#1 uses selective recompute, which modelpar-train does not run (it has parallel.recompute=none|full)")
-    else:
-        print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
-    if args.json:
-        record = {
-            "model": {
-                "name": model.name,
-                **dataclasses.asdict(model.shape),
-                "tie_embeddings": model.tie_embeddings,
-                "flash_attention": model.flash_attention,
-            },
-            "hardware": dataclasses.asdict(hardware),
-            "costs": dataclasses.asdict(costs),
-            "gpus": args.gpus,
-            "global_batch": args.global_batch,
-            "seq_len": args.seq_len,
-            "layouts": [
-                entry.as_dict() | {"trainer_overrides": trainer_overrides(entry.strategy, args.seq_len)}
-                for entry in planned
-            ],
-        }
-        args.json.write_text(json.dumps(record, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

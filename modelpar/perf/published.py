@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpar.model.flops import ModelShape
+from modelpar.model.config import ModelConfig
 from modelpar.perf.plan import HARDWARE, CostModel, ModelSpec, SearchSpace, Strategy, plan
 
 SEQ_LEN = 2048
@@ -51,9 +51,18 @@ class PublishedRun:
 
     @property
     def model(self) -> ModelSpec:
-        """The GPT block as a ModelShape: a 4h GeLU MLP has the matmul FLOPs of a SwiGLU of width 8h/3."""
-        shape = ModelShape(VOCAB, self.hidden, self.layers, self.heads, self.heads, 8 * round(self.hidden / 3))
-        return ModelSpec(f"gpt-{self.billions}b", shape, True)
+        """The GPT block as a ModelConfig: a 4h GeLU MLP has the matmul FLOPs of a SwiGLU of width 8h/3."""
+        shape = ModelConfig(
+            name=f"gpt-{self.billions}b",
+            vocab_size=VOCAB,
+            hidden=self.hidden,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.heads,
+            ffn_hidden=8 * round(self.hidden / 3),
+            tie_embeddings=True,
+        )
+        return ModelSpec(shape)
 
     def paper_flops(self) -> float:
         """The paper's Eq. 3: FLOPs per iteration with full activation recomputation."""

@@ -5,23 +5,19 @@ Every layout runs this same code; ``tp = pp = dp = 1`` is the single-device run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from modelpar.data import TokenFile, WindowSampler
-from modelpar.model.flops import half_block_training_flops, head_training_flops, model_shape
-from modelpar.model.transformer import ModelChunk, TransformerConfig, build_chunk
+from modelpar.model.compile import compile_blocks
+from modelpar.model.flops import half_block_training_flops, head_training_flops
+from modelpar.model.transformer import ModelChunk, build_chunk
 from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, default_decay
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.training.config import TrainConfig
-
-
-def transformer_config(cfg: TrainConfig) -> TransformerConfig:
-    """The model's shape from the recipe (the recipe's ``model`` group adds only its ``name``)."""
-    return TransformerConfig(**{f.name: getattr(cfg.model, f.name) for f in fields(TransformerConfig)})
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -46,14 +42,14 @@ def build_partition(cfg: TrainConfig) -> Partition:
     if p.partition == "explicit":
         return partition_explicit(list(p.stage_layers), layers, p.pp, p.vpp)
     if p.partition == "params":
-        shape = model_shape(cfg.model)
+        shape = cfg.model
         embed = cfg.model.vocab_size * cfg.model.hidden
         return partition_by_cost([shape.block_params()] * layers, p.pp, p.vpp, embedding_cost=embed, head_cost=embed)
     if p.partition in ("flops", "blocks"):
         # training FLOPs per token of each half block (attention, MLP) against the last chunk's head and loss;
         # the embedding lookup is free. Balancing the head against blocks follows Narayanan et al. 2021 sec. 3.2;
         # cutting between a block's halves (flops) lets the stages even out where whole blocks (blocks) cannot.
-        shape = model_shape(cfg.model)
+        shape = cfg.model
         attention, mlp = half_block_training_flops(shape, cfg.data.seq_len)
         head = head_training_flops(shape)
         if p.partition == "blocks":
@@ -73,7 +69,7 @@ class RankModel:
 
 def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> RankModel:
     """Build this rank's chunks (layout-invariant init from ``trainer.seed``) and describe their parameters."""
-    tcfg = transformer_config(cfg)
+    tcfg = cfg.model
     partition = build_partition(cfg)
     chunks = [
         build_chunk(
@@ -90,6 +86,8 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
         )
         for c in partition.chunks_of(groups.pp_rank)
     ]
+    if cfg.model.compile:
+        compile_blocks(chunks, report=print if groups.rank == 0 else _quiet)
     tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []
@@ -174,6 +172,10 @@ def build_data(cfg: TrainConfig, data_path: str, groups: ParallelGroups) -> tupl
     tokens = TokenFile.open(data_path, cfg.model.vocab_size, cfg.data.seq_len)
     sampler = WindowSampler(tokens.num_windows, cfg.data.global_batch, groups.dp_rank, groups.layout.dp, cfg.data.seed)
     return tokens, sampler
+
+
+def _quiet(line: str) -> None:
+    return None
 
 
 def _no_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,11 @@ import math
 from dataclasses import dataclass, field
 
 from modelpar.backends.gloo_cpu import AFFINITY_MODES, COLLECTIVE_ALGORITHMS, GLOO_THREAD_MODES
+from modelpar.model.config import ModelConfig, ModelConfigError
 from modelpar.model.transformer import RECOMPUTE
-from modelpar.parallel.layout import SCHEDULES, LayoutError, ParallelLayout
+from modelpar.optim import ZERO_STAGES
+from modelpar.parallel.layout import LayoutError, ParallelLayout
+from modelpar.pipeline.schedule import SCHEDULES
 
 # the shipped recipes: recipes/ in a checkout, the package data `modelpar_recipes` in an installed wheel
 RECIPES = str(importlib.resources.files("modelpar_recipes"))
@@ -23,23 +26,10 @@ class RecipeError(ValueError):
     """An invalid recipe; the message is one line naming the key, the problem and a fix."""
 
 
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    vocab_size: int = 256
-    hidden: int = 64
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    ffn_hidden: int = 176
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    kernels: str = "auto"
-
-
+DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+GUARD_ACTIONS = ("skip", "halt")
+DRIFT_ACTIONS = ("warn", "halt")
 PARTITIONS = ("flops", "blocks", "uniform", "params", "explicit")
 
 
@@ -142,13 +132,12 @@ def register_schema() -> None:
 def validate(cfg: TrainConfig) -> ParallelLayout:
     """Check what types cannot: raises ``RecipeError``/``LayoutError`` with one line. Returns the layout."""
     m, p, d = cfg.model, cfg.parallel, cfg.data
+    _check_choices(cfg)
+    try:
+        m.check()  # the model's own constraints, next to the model
+    except ModelConfigError as exc:
+        raise RecipeError(str(exc)) from None
     for key, value in (
-        ("model.vocab_size", m.vocab_size),
-        ("model.hidden", m.hidden),
-        ("model.layers", m.layers),
-        ("model.heads", m.heads),
-        ("model.kv_heads", m.kv_heads),
-        ("model.ffn_hidden", m.ffn_hidden),
         ("data.seq_len", d.seq_len),
         ("data.global_batch", d.global_batch),
         ("parallel.microbatches", p.microbatches),
@@ -156,18 +145,8 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     ):
         if value < 1:
             raise RecipeError(f"{key}={value} must be >= 1")
-    if m.hidden % m.heads:
-        raise RecipeError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
-    if (m.hidden // m.heads) % 2:
-        raise RecipeError(f"head dim {m.hidden // m.heads} must be even for RoPE; change model.hidden or model.heads")
-    if m.heads % m.kv_heads:
-        raise RecipeError(f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads}")
     if d.seq_len > m.max_seq_len:
         raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if m.kernels not in ("auto", "triton", "torch"):
-        raise RecipeError(f"model.kernels={m.kernels!r} must be one of auto, triton, torch")
-    if p.schedule not in SCHEDULES:
-        raise RecipeError(f"parallel.schedule={p.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     if p.vpp > 1 and p.schedule != "interleaved":
         raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
     if p.schedule == "interleaved" and p.vpp < 2:
@@ -185,14 +164,6 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"(data.global_batch={d.global_batch} / dp={p.dp}); try microbatches in "
             f"{[k for k in range(1, per_replica + 1) if per_replica % k == 0]}"
         )
-    if p.collectives not in COLLECTIVE_ALGORITHMS:
-        raise RecipeError(
-            f"parallel.collectives={p.collectives!r} is unknown; choose one of {', '.join(COLLECTIVE_ALGORITHMS)}"
-        )
-    if p.recompute not in RECOMPUTE:
-        raise RecipeError(f"parallel.recompute={p.recompute!r} must be one of {', '.join(RECOMPUTE)}")
-    if p.partition not in PARTITIONS:
-        raise RecipeError(f"parallel.partition={p.partition!r} must be one of {', '.join(PARTITIONS)}")
     if p.partition == "explicit" and (
         len(p.stage_layers) != p.pp * p.vpp
         or sum(p.stage_layers) != m.layers
@@ -202,31 +173,39 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} whole or half (e.g. 4.5) "
             f"counts >= 0 summing to model.layers={m.layers}"
         )
-    if cfg.optim.zero not in (0, 1):
-        raise RecipeError(f"optim.zero={cfg.optim.zero} must be 0 or 1 (ZeRO-1 shards optimizer state over dp)")
-    if cfg.trainer.cpu_affinity not in AFFINITY_MODES:
-        raise RecipeError(
-            f"trainer.cpu_affinity={cfg.trainer.cpu_affinity!r} must be one of {', '.join(AFFINITY_MODES)}"
-        )
-    if cfg.trainer.gloo_threads not in GLOO_THREAD_MODES:
-        raise RecipeError(
-            f"trainer.gloo_threads={cfg.trainer.gloo_threads!r} must be one of {', '.join(GLOO_THREAD_MODES)}"
-        )
-    if cfg.trainer.dtype not in ("auto", "fp32", "bf16"):
-        raise RecipeError(f"trainer.dtype={cfg.trainer.dtype!r} must be auto, fp32 or bf16")
-    for key, value, allowed in (
-        ("trainer.nonfinite", cfg.trainer.nonfinite, ("skip", "halt")),
-        ("trainer.spike_action", cfg.trainer.spike_action, ("skip", "halt")),
-        ("trainer.drift_action", cfg.trainer.drift_action, ("warn", "halt")),
-    ):
-        if value not in allowed:
-            raise RecipeError(f"{key}={value!r} must be one of {', '.join(allowed)}")
     if cfg.trainer.timeout_s <= 0:
         raise RecipeError(f"trainer.timeout_s={cfg.trainer.timeout_s} must be > 0 (seconds before a stuck rank fails)")
-    if cfg.trainer.device not in ("auto", "cpu", "cuda"):
-        raise RecipeError(f"trainer.device={cfg.trainer.device!r} must be auto, cpu or cuda")
     _check_numbers(cfg)
     return layout
+
+
+# Every option that takes one of a few values, in one place: where the values come from, and the recipe key.
+# (str fields rather than Enums so that a bad value gets this module's one-line message, not Hydra's.)
+CHOICES: dict[str, tuple] = {
+    "parallel.schedule": tuple(SCHEDULES),
+    "parallel.collectives": COLLECTIVE_ALGORITHMS,
+    "parallel.recompute": RECOMPUTE,
+    "parallel.partition": PARTITIONS,
+    "optim.zero": ZERO_STAGES,
+    "trainer.cpu_affinity": AFFINITY_MODES,
+    "trainer.gloo_threads": GLOO_THREAD_MODES,
+    "trainer.dtype": DTYPES,
+    "trainer.device": DEVICES,
+    "trainer.nonfinite": GUARD_ACTIONS,
+    "trainer.spike_action": GUARD_ACTIONS,
+    "trainer.drift_action": DRIFT_ACTIONS,
+}
+_UNKNOWN = ("parallel.schedule", "parallel.collectives")  # registries: "unknown" rather than "must be"
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    for key, allowed in CHOICES.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value not in allowed:
+            listed = ", ".join(map(str, allowed))
+            verb = "is unknown; choose one of" if key in _UNKNOWN else "must be one of"
+            raise RecipeError(f"{key}={value!r} {verb} {listed}")
 
 
 SEED_LIMIT = 2**32  # numpy's seed range, which the trainer seeds too

@@ -134,3 +134,12 @@ def hang_report(snapshots: list[dict], suspects: list[int] | None = None) -> str
         doing = s["current"]["action"] if s["current"] else "idle"
         lines.append(f"  rank {s['rank']:>3}: step {s['step']}, in {doing} for {now - stalled_since(s):.0f} s")
     return "\n".join(lines)
+
+
+def flight_hang_report(directory: str, alive: list[int]) -> str:
+    """For ``launch(..., hang_report=partial(flight_hang_report, directory))``: the flight recorders' account
+    of who was stuck where (each line after a newline), or "" when there are no records to read."""
+    snapshots = read_flight(directory)
+    if not snapshots:
+        return ""
+    return "\n" + hang_report(snapshots, suspects=alive or None)

@@ -88,7 +88,11 @@ class TrainStep:
         for hook in self.hooks:
             loss = hook.loss(step, loss)
         loss = self._global_mean(loss.to(torch.float64))
-        loss_value, norm_value = torch.stack([loss, norm.to(loss)]).tolist()  # the step's one host sync
+        flags = self.optimizer.device_flags()
+        read = [loss.reshape(1), norm.to(loss).reshape(1)] + ([flags.to(loss)] if flags is not None else [])
+        values = torch.cat(read).tolist()  # the step's one host sync
+        loss_value, norm_value = values[:2]
+        self.optimizer.apply_flags(values[2:])
         skipped = self.guard.check(step, loss_value, norm_value)  # same inputs on every rank: the same decision
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
         if skipped is None:

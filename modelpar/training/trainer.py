@@ -22,7 +22,7 @@ from modelpar.checkpoint.reshard import (
     resharded_optimizer_state,
 )
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index, save_checkpoint
-from modelpar.model.flops import model_shape, training_flops_per_token
+from modelpar.model.flops import training_flops_per_token
 from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import StepResult, measured_timeline
@@ -78,7 +78,7 @@ class Trainer:
         self.runtime.observer = self.flight
         collectives.set_collective_observer(self.flight)
         self.faults = faults.install(self.model.chunks, self.rank, [p for p, _ in self.model.params])
-        flops = training_flops_per_token(model_shape(cfg.model), cfg.data.seq_len) * cfg.data.global_batch
+        flops = training_flops_per_token(cfg.model, cfg.data.seq_len) * cfg.data.global_batch
         self.train_one = TrainStep(
             cfg=cfg,
             groups=g,
@@ -107,6 +107,7 @@ class Trainer:
         timeline = self.step + 1 == t.timeline_step
         bench_timing = self.runtime.timing  # a benchmark may have turned per-action records on for every step
         self.runtime.timing = bench_timing or checking or timeline
+        self.flight.step = self.step  # hang reports name the step
         try:
             metrics, result = self.train_one(self.step)
         finally:

@@ -7,7 +7,8 @@ import torch
 from modelpar_kernels.launch import interpreting
 
 from modelpar import ParallelLayout
-from modelpar.model.transformer import TransformerConfig, build_model
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.kernels import ATTENTION_FP32_TOL, DEVICE, FP32_TOL, assert_close
 
@@ -15,11 +16,11 @@ SEED = 7
 BATCH, SEQ = 3, 13
 
 CONFIGS = {
-    "gqa2-tied": TransformerConfig(
+    "gqa2-tied": ModelConfig(
         vocab_size=61, hidden=64, layers=2, heads=4, kv_heads=2, ffn_hidden=40, max_seq_len=16, init_std=0.2,
         tie_embeddings=True,
     ),
-    "gqa4-untied": TransformerConfig(
+    "gqa4-untied": ModelConfig(
         vocab_size=53, hidden=64, layers=2, heads=4, kv_heads=1, ffn_hidden=20, max_seq_len=16, init_std=0.2
     ),
 }  # fmt: skip

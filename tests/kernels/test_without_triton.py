@@ -8,8 +8,9 @@ import sys
 sys.modules["triton"] = None  # what `import triton` meets on a platform without its wheels
 import torch
 import modelpar_kernels as K
-from modelpar.model.transformer import TransformerConfig, build_model
-model = build_model(TransformerConfig(vocab_size=50, hidden=32, heads=4, kv_heads=2, ffn_hidden=40), seed=0)
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import build_model
+model = build_model(ModelConfig(vocab_size=50, hidden=32, heads=4, kv_heads=2, ffn_hidden=40), seed=0)
 print(tuple(model(torch.randint(0, 50, (2, 8))).shape))
 try:
     K.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-5, backend="triton")

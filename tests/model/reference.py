@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 
 from modelpar import ParallelLayout
-from modelpar.model.transformer import ModelChunk, TransformerConfig
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import ModelChunk
 
 BATCH, SEQ = 2, 8
 SEED = 1234
 
 # Odd vocabularies (not divisible by 2 or 4); kv heads sharded (kv % tp == 0) and replicated (kv < tp).
 CONFIGS = {
-    "mha-untied": TransformerConfig(
+    "mha-untied": ModelConfig(
         vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=4, ffn_hidden=40, max_seq_len=16, init_std=0.2
     ),
-    "gqa-kv2-tied": TransformerConfig(
+    "gqa-kv2-tied": ModelConfig(
         vocab_size=50,
         hidden=32,
         layers=2,
@@ -26,10 +27,10 @@ CONFIGS = {
         init_std=0.2,
         tie_embeddings=True,
     ),
-    "gqa-kv1-untied": TransformerConfig(
+    "gqa-kv1-untied": ModelConfig(
         vocab_size=53, hidden=16, layers=2, heads=4, kv_heads=1, ffn_hidden=20, max_seq_len=16, init_std=0.2
     ),
-    "gqa-q8-kv4-tied": TransformerConfig(
+    "gqa-q8-kv4-tied": ModelConfig(
         vocab_size=77,
         hidden=48,
         layers=2,
@@ -48,7 +49,7 @@ def layout_for(tp: int) -> ParallelLayout:
     return ParallelLayout(tp=tp, dp=4 // tp)
 
 
-def batch(config: TransformerConfig, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(config: ModelConfig, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """ids, targets: [BATCH, SEQ]; a few targets are -100 (ignored by the loss)."""
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)

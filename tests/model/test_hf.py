@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modelpar.model.config import ModelConfig
 from modelpar.model.hf import config_from_hf, export_hf, import_hf
-from modelpar.model.transformer import TransformerConfig, build_model
+from modelpar.model.transformer import build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import layout_for, rel_err
 
@@ -51,7 +52,7 @@ def hf_model(request, tmp_path_factory):
 def test_config_from_hf_maps_every_field(hf_model):
     path, _ = hf_model
     tied = json.loads((path / "config.json").read_text())["tie_word_embeddings"]
-    assert config_from_hf(path) == TransformerConfig(
+    assert config_from_hf(path) == ModelConfig(
         vocab_size=61,
         hidden=32,
         layers=2,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from modelpar import LayoutError, ParallelLayout
-from modelpar.model.transformer import TransformerConfig, build_chunk, build_model
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import build_chunk, build_model
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import BATCH, CONFIGS, SEED, SEQ, batch, check_pieces, layout_for, pieces, rel_err
 
@@ -132,7 +133,7 @@ def test_sequence_parallel_needs_the_sequence_divisible_by_tp():
 )
 def test_config_rejects_impossible_shapes(fields, message):
     with pytest.raises(ValueError, match=message):
-        TransformerConfig(**fields)
+        ModelConfig(**fields).check()
 
 
 @pytest.mark.parametrize(

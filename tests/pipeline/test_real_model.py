@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from modelpar import ParallelLayout
-from modelpar.model.transformer import TransformerConfig, build_chunk, build_model
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import build_chunk, build_model
 from modelpar.pipeline import PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.testing import current_groups, run_on_ranks
 
-CONFIG = TransformerConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
+CONFIG = ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
 BATCH, SEQ, M, SEED = 2, 8, 4, 3
 
 

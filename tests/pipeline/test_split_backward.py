@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from modelpar.model.transformer import TransformerConfig, build_chunk
+from modelpar.model.config import ModelConfig
+from modelpar.model.transformer import build_chunk
 from modelpar.pipeline.split_backward import backward_input, backward_weight
 
-CONFIG = TransformerConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
+CONFIG = ModelConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
 
 
 class SharedWeight(nn.Module):

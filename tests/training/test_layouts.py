@@ -9,7 +9,17 @@ import torch
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
 
-TINY = ModelConfig(name="test", vocab_size=61, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=32)
+TINY = ModelConfig(
+    name="test",
+    vocab_size=61,
+    hidden=32,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    ffn_hidden=48,
+    max_seq_len=32,
+    tie_embeddings=True,
+)
 
 
 def make_config(tmp_path, **parallel) -> TrainConfig:

@@ -1,0 +1,112 @@
+"""Everything a job checks before any rank starts: the recipe, its layout and schedule, the data, the checkpoint.
+
+    train_path, val_path, resume_from = preflight(cfg)   # raises one of USER_ERRORS, one line naming the fix
+
+``modelpar-train``, ``modelpar-eval`` and ``modelpar-bench`` run these in the launching process, so that a bad
+recipe is one line on stderr rather than a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+from modelpar.checkpoint.store import CheckpointError, latest_checkpoint, read_index
+from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.parallel.layout import LayoutError
+from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
+from modelpar.training.build import build_partition
+from modelpar.training.config import RecipeError, TrainConfig, validate
+
+# what a user can fix in the recipe, the data or the checkpoint: reported in one line, never as a traceback
+USER_ERRORS = (RecipeError, LayoutError, DataError, ScheduleError, PartitionError, CheckpointError, ValueError)
+
+
+def resolve_data(cfg: TrainConfig) -> tuple[str, str]:
+    """Training and validation token files; the default corpus is built (once) when no path is given."""
+    if cfg.data.path:
+        return cfg.data.path, cfg.data.val_path or cfg.data.path
+    info = default_corpus(cfg.data.cache_dir, max_bytes=cfg.data.corpus_max_bytes)
+    return str(info.path), str(info.val_path)
+
+
+def resolve_resume(cfg: TrainConfig) -> str | None:
+    """The checkpoint to resume from: ``auto`` takes the run directory's latest, if any."""
+    mode = cfg.trainer.resume
+    if mode == "never":
+        root = Path(cfg.trainer.out_dir) / "checkpoints"
+        if latest_checkpoint(root) is not None:
+            raise RecipeError(
+                f"{root} already holds checkpoints and trainer.resume=never; "
+                "use a new trainer.out_dir (or hydra.run.dir), or trainer.resume=auto"
+            )
+        return None
+    if mode == "auto":
+        found = newest_good_checkpoint(Path(cfg.trainer.out_dir) / "checkpoints")
+        return str(found) if found else None
+    read_index(mode)  # verify before starting ranks
+    return mode
+
+
+def newest_good_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies; each one skipped is named with the reason."""
+    if not root.is_dir():
+        return None
+    for debris in sorted(root.glob("step-*.tmp")):
+        print(f"modelpar-train: ignoring {debris}: a save that did not complete", file=sys.stderr)
+    for ckpt in sorted(root.glob("step-*[0-9]"), reverse=True):
+        try:
+            read_index(ckpt, verify=True)
+        except CheckpointError as exc:
+            aside = ckpt.with_name(ckpt.name + ".corrupt")
+            with contextlib.suppress(OSError):  # under torchrun every rank checks; one of them moves it
+                ckpt.rename(aside)  # kept for inspection; the run will write this step again
+            print(f"modelpar-train: skipping {ckpt.name} (moved to {aside.name}): {exc}", file=sys.stderr)
+            continue
+        return ckpt
+    return None
+
+
+def runs_on_cpu(cfg: TrainConfig) -> bool:
+    """Whether the ranks will compute on CPU cores (``trainer.device`` cpu, or auto without CUDA)."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device == "cpu"
+    return not torch.cuda.is_available()
+
+
+def check_recipe(cfg: TrainConfig) -> None:
+    """The recipe alone: fields, layout against the model, schedule against the micro-batches, partition."""
+    validate(cfg)
+    build_schedule(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, cfg.parallel.vpp)
+    build_partition(cfg)
+
+
+def check_device(cfg: TrainConfig) -> None:
+    """The device the recipe asks for exists, and what it implies (NCCL runs its own collectives)."""
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(
+            "trainer.device=cuda but no CUDA device is visible (or this torch has no CUDA); "
+            "use trainer.device=auto or cpu, or install a CUDA build of torch"
+        )
+    if cfg.parallel.collectives == "exchange" and not runs_on_cpu(cfg):
+        raise RecipeError(
+            "parallel.collectives=exchange runs on gloo (CPU ranks) only; on GPUs NCCL's own collectives run: "
+            "use parallel.collectives=auto or native"
+        )
+
+
+def preflight(cfg: TrainConfig) -> tuple[str, str, str | None]:
+    """Every check that needs no rank: recipe, device, layout, schedule, data, checkpoint."""
+    check_recipe(cfg)
+    check_device(cfg)
+    train_path, val_path = resolve_data(cfg)
+    tokens = TokenFile.open(train_path, cfg.model.vocab_size, cfg.data.seq_len)
+    if tokens.num_windows < cfg.data.global_batch:
+        raise DataError(
+            f"{train_path} has {tokens.num_windows} windows of {cfg.data.seq_len + 1} tokens, fewer than "
+            f"data.global_batch={cfg.data.global_batch}; use more data or a smaller batch"
+        )
+    return train_path, val_path, resolve_resume(cfg)

@@ -1,0 +1,164 @@
+"""The package layout holds: every module imports on its own, and packages import only those below them.
+
+    parallel <- model <- pipeline <- optim <- checkpoint, data <- training <- perf <- cli
+
+``backends`` sits beside ``parallel`` (it may import it; ``training`` and ``perf`` may import it), ``cli`` and
+``modelpar.testing`` may import anything, the top-level ``modelpar`` only ``parallel``, and the kernels
+(``modelpar_kernels``) nothing of ``modelpar``. Only imports at a module's top level count: an import inside a
+function is where a cycle hides, so the rule is checked on what a reader sees first.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+LAYERS = ["parallel", "model", "pipeline", "optim", "checkpoint data", "training", "perf", "cli"]
+EXTRA = {
+    "modelpar.backends": {"modelpar.parallel"},
+    "modelpar.training": {"modelpar.backends"},
+    "modelpar.perf": {"modelpar.backends"},
+    "modelpar": {"modelpar.parallel"},
+}
+ANYTHING = {"modelpar.cli", "modelpar.testing"}
+
+
+def _module_name(path: pathlib.Path, top: pathlib.Path, package: str) -> str:
+    parts = [package, *path.relative_to(top).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(package: str = "modelpar", top: pathlib.Path = ROOT / "modelpar") -> dict[str, pathlib.Path]:
+    return {_module_name(p, top, package): p for p in sorted(top.rglob("*.py"))}
+
+
+def _top_level_imports(path: pathlib.Path) -> list[str]:
+    """Absolute modules named by the import statements at the top level of a file (``from a import b`` names
+    ``a.b``, which is ``a`` itself when ``b`` is not a module)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to for the layering rule: ``modelpar.<pkg>``, or ``modelpar`` itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def _allowed(src: str, dst: str) -> bool:
+    if src == dst or src in ANYTHING or dst in EXTRA.get(src, set()) or dst == "modelpar":  # the root: parallel's
+        return True
+    level = {f"modelpar.{name}": i for i, layer in enumerate(LAYERS) for name in layer.split()}
+    return src in level and dst in level and level[dst] < level[src]
+
+
+def _package_graph() -> dict[str, dict[str, list[str]]]:
+    """package -> package it imports -> the modules that do it."""
+    modules = _modules()
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path in modules.items():
+        for name in _top_level_imports(path):
+            if name != "modelpar" and not name.startswith("modelpar."):
+                continue
+            target = name if name in modules else name.rpartition(".")[0]
+            graph.setdefault(_package(module), {}).setdefault(_package(target), []).append(module)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle of a directed graph once (as found by depth-first search), as the list of its nodes."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            cycle = path[path.index(node) :]
+            if set(cycle) not in [set(c) for c in found]:
+                found.append(cycle)
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_packages_import_only_the_packages_below_them():
+    wrong = [
+        f"{src} imports {dst} (in {', '.join(sorted(set(where)))})"
+        for src, targets in sorted(_package_graph().items())
+        for dst, where in sorted(targets.items())
+        if not _allowed(src, dst)
+    ]
+    assert not wrong, "imports against the package order:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle_between_packages():
+    graph = {src: {dst for dst in targets if dst != src} for src, targets in _package_graph().items()}
+    assert not _cycles(graph), " | ".join(" -> ".join([*c, c[0]]) for c in _cycles(graph))
+
+
+def test_no_import_cycle_between_modules():
+    modules = _modules()
+    graph = {
+        module: {name if name in modules else name.rpartition(".")[0] for name in _top_level_imports(path)}
+        & set(modules)
+        for module, path in modules.items()
+    }
+    assert not _cycles(graph), " | ".join(" -> ".join([*c, c[0]]) for c in _cycles(graph))
+
+
+def test_kernels_import_nothing_of_modelpar():
+    kernels = _modules("modelpar_kernels", ROOT / "kernels")
+    wrong = {
+        module: name
+        for module, path in kernels.items()
+        for name in _top_level_imports(path)
+        if name == "modelpar" or name.startswith("modelpar.")
+    }
+    assert not wrong, f"kernels import the engine: {wrong}"
+
+
+# Each module in an interpreter of its own that has imported no modelpar module: numpy and torch (which every
+# module pays for, and which import nothing of ours) are imported once and each module gets a fork of that
+# process, as if by `python -c "import m"` for every one of them, without a torch import each on two cores.
+_IMPORT_EACH = textwrap.dedent(
+    """
+    import os, sys, traceback
+    import numpy, torch
+    failed = []
+    for name in sys.argv[1:]:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                __import__(name)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            failed.append(name)
+    print("FAILED " + " ".join(failed) if failed else "OK")
+    """
+)
+
+
+def test_every_module_imports_on_its_own():
+    names = sorted(_modules())
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr

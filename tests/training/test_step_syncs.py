@@ -1,0 +1,44 @@
+"""A steady training step reads the device back to the host once: loss and norm together, nothing else.
+
+On CPU nothing truly waits, so the calls that would sync on a GPU are counted (``count_host_syncs``). torch's
+own non-fused AdamW reads its step counters with ``.item()`` on CPU tensors (``via`` torch/optim); on a GPU it
+keeps them on the host, so only calls made by modelpar's code count here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from modelpar.perf.host_syncs import count_host_syncs
+from modelpar.testing import run_on_ranks
+from tests.training.test_layouts import make_config, token_path  # noqa: F401 - the fixture
+
+
+def _syncs_of_steady_step(cfg, data_path: str) -> list[str]:
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    trainer.train_step()  # the first step builds optimizer state and buffers
+    with count_host_syncs() as log:
+        trainer.train_step()
+    return [str(s) for s in log.syncs if s.via is None]
+
+
+@pytest.mark.parametrize(
+    "parallel, optim",
+    [
+        ({}, {}),
+        ({"tp": 2, "pp": 2, "microbatches": 4}, {}),
+        ({"pp": 2, "dp": 2, "schedule": "zb-h1", "microbatches": 2}, {"zero": 1}),
+    ],
+    ids=["single", "tp2-pp2", "dp2-pp2-zb-zero1"],
+)
+def test_a_steady_step_has_one_host_sync(parallel, optim, token_path, tmp_path):  # noqa: F811
+    from dataclasses import replace
+
+    cfg = make_config(tmp_path, **parallel)
+    cfg = replace(cfg, optim=replace(cfg.optim, **optim), trainer=replace(cfg.trainer, check_every=0))
+    world = cfg.parallel.layout().world_size
+    for rank, syncs in enumerate(run_on_ranks(world, _syncs_of_steady_step, cfg, token_path, timeout_s=120)):
+        assert len(syncs) == 1, f"rank {rank}: {syncs}"
+        assert "step.py" in syncs[0], f"rank {rank}: {syncs}"
