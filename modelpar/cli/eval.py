@@ -2,7 +2,8 @@
 
     modelpar-eval eval.checkpoint=runs/x/checkpoints eval.windows=32 parallel=tp2-pp2
 
-Scores the first ``eval.windows`` contiguous, non-overlapping windows of ``data.seq_len + 1`` tokens of
+The model's shape comes from the checkpoint (a field set on the command line must agree with it). Scores the
+first ``eval.windows`` windows of ``data.seq_len + 1`` tokens (neighbours share one token) of
 ``data.path`` (the default corpus's held-out split when empty). The windows form one batch, split over dp
 replicas and ``parallel.microbatches``, and run through the same pipeline runtime as training, forwards only
 (the schedule's forwards in its order, without autograd); every window
@@ -21,6 +22,7 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from modelpar import backends
@@ -28,6 +30,7 @@ from modelpar.backends import rank_setup
 from modelpar.checkpoint.reshard import load_model_from_checkpoint
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.model.config import IDENTITY, ModelConfig
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.pipeline import PipelineRuntime, forward_only
@@ -36,11 +39,48 @@ from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register
 from modelpar.training.preflight import USER_ERRORS, runs_on_cpu
 
 
-def eval_config(cfg: TrainConfig) -> TrainConfig:
-    """The recipe with the eval windows as its one global batch (checked like a training recipe)."""
+def eval_config(cfg: TrainConfig, microbatches_set: bool = True) -> TrainConfig:
+    """The recipe with the eval windows as its one global batch (checked like a training recipe). Unless the
+    user set ``parallel.microbatches``, the count is the largest up to the recipe's that divides each dp
+    replica's windows (a multiple of pp for the interleaved schedule), and it is said which."""
     if cfg.eval.windows < 1:
         raise RecipeError(f"eval.windows={cfg.eval.windows} must be >= 1")
+    p = cfg.parallel
+    if not microbatches_set and cfg.eval.windows % p.dp == 0:
+        per_replica = cfg.eval.windows // p.dp
+        fits = [
+            m
+            for m in range(min(p.microbatches, per_replica), 0, -1)
+            if per_replica % m == 0 and (p.schedule != "interleaved" or m % p.pp == 0)
+        ]
+        if fits and fits[0] != p.microbatches:
+            print(
+                f"modelpar-eval: parallel.microbatches={fits[0]} (the recipe's {p.microbatches} does not divide the "
+                f"{per_replica} windows per dp replica)",
+                flush=True,
+            )
+            cfg = replace(cfg, parallel=replace(p, microbatches=fits[0]))
     return replace(cfg, data=replace(cfg.data, global_batch=cfg.eval.windows))
+
+
+def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: frozenset[str], ckpt: Path) -> ModelConfig:
+    """The model to evaluate: the checkpoint's shape (its ``IDENTITY`` fields, and ``max_seq_len`` if the run's
+    sequence fits), except fields the user set on the command line, which must then agree with it. How the
+    model runs (``kernels``, ``compile``) and ``init_std`` come from the recipe; they never block loading."""
+    mine = cfg.model
+    chosen = {name for name in IDENTITY if f"model.{name}" in overridden or "model" in overridden}
+    for name in sorted(chosen):
+        if name in saved and saved[name] != getattr(mine, name):
+            raise RecipeError(
+                f"{ckpt} holds a model with {name}={saved[name]!r}, but this run sets model.{name}="
+                f"{getattr(mine, name)!r}; drop that override (the checkpoint's model is used by default)"
+            )
+    taken = {name: saved[name] for name in IDENTITY if name in saved and name not in chosen}
+    if "max_seq_len" in saved and "model.max_seq_len" not in overridden and "model" not in overridden:
+        taken["max_seq_len"] = max(saved["max_seq_len"], cfg.data.seq_len)
+    if "name" in saved:
+        taken["name"] = saved["name"]
+    return replace(mine, **taken)
 
 
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:
@@ -71,18 +111,16 @@ def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -
         Path(result_path).write_text(json.dumps({"eval_loss": loss.item() / layout.dp}))
 
 
-def run(cfg: TrainConfig) -> dict:
+def run(cfg: TrainConfig, overridden: frozenset[str] = frozenset()) -> dict:
+    """``overridden``: the keys the user set on the command line (``model.hidden``, or ``model`` for a whole
+    model recipe); everything else about the model's shape comes from the checkpoint."""
     try:
         if not cfg.eval.checkpoint:
             raise RecipeError("eval.checkpoint is empty; pass eval.checkpoint=<run>/checkpoints or a step-* directory")
         ckpt = resolve_checkpoint(cfg.eval.checkpoint)
         index = read_index(ckpt, verify=True)
-        saved = {k: v for k, v in index["model"].items() if k != "name"}
-        mine = {k: v for k, v in vars(cfg.model).items() if k != "name"}
-        if saved != mine:
-            diff = sorted(k for k in saved if saved.get(k) != mine.get(k))
-            raise RecipeError(f"{ckpt} holds a different model ({', '.join(diff)} differ); pick its model recipe")
-        cfg = eval_config(cfg)
+        cfg = replace(cfg, model=model_of_checkpoint(cfg, index["model"], overridden, ckpt))
+        cfg = eval_config(cfg, microbatches_set="parallel.microbatches" in overridden or "parallel" in overridden)
         validate(cfg)
         path = cfg.data.path or str(default_corpus(cfg.data.cache_dir, max_bytes=cfg.data.corpus_max_bytes).val_path)
         tokens = TokenFile.open(path, cfg.model.vocab_size, cfg.data.seq_len)
@@ -116,7 +154,8 @@ def run(cfg: TrainConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="eval")
 def _app(dcfg: DictConfig) -> None:
-    run(OmegaConf.to_object(dcfg))
+    overrides = HydraConfig.get().overrides.task  # what the user set, e.g. "model.hidden=32" or "model=tiny"
+    run(OmegaConf.to_object(dcfg), frozenset(o.split("=", 1)[0].lstrip("+~") for o in overrides))
 
 
 def main() -> None:

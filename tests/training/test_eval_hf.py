@@ -1,0 +1,77 @@
+"""A Hugging Face model evaluates as a new user runs it: import-hf, then modelpar-eval with no model overrides."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from modelpar.cli.ckpt import main as ckpt_main
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SEQ = 128  # the default recipe's data.seq_len
+WINDOWS = 6  # the default recipe's 4 micro-batches do not divide it
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A random LlamaForCausalLM (a shape unlike the default recipe's), imported; tokens; transformers' loss."""
+    root = tmp_path_factory.mktemp("hf")
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(root / "llama")
+    tokens = np.random.default_rng(0).integers(0, 300, size=SEQ * WINDOWS + 1, dtype=np.uint16)
+    np.save(root / "tokens.npy", tokens)
+    assert ckpt_main(["import-hf", str(root / "llama"), str(root / "ckpt")]) == 0
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    windows = torch.stack([ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(WINDOWS)])
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 300).double(), windows[:, 1:].reshape(-1)).item()
+    return root, loss
+
+
+def eval_cli(*overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "modelpar.cli.eval", *overrides], capture_output=True, text=True, timeout=240
+    )
+
+
+def test_eval_of_an_imported_model_needs_no_model_overrides_and_gives_transformers_loss(imported):
+    root, want = imported
+    proc = eval_cli(f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", f"eval.windows={WINDOWS}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parallel.microbatches=3" in proc.stdout  # chosen to divide the 6 windows, and said
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_kernel_backend_is_not_part_of_the_model(imported, kernels):
+    root, want = imported
+    proc = eval_cli(
+        f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", f"eval.windows={WINDOWS}",
+        f"model.kernels={kernels}", "parallel=single", "parallel.microbatches=2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_a_real_conflict_names_the_field_and_both_values(imported):
+    root, _ = imported
+    proc = eval_cli(f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", "model.hidden=64")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "hidden=48" in lines[0] and "model.hidden=64" in lines[0], lines[0]
