@@ -315,6 +315,15 @@ def test_cli_rejects_bad_input_with_one_clear_line(args, needle, capsys):
     assert err.count("\n") == 1
 
 
+def test_no_layout_names_the_constraint_that_failed(capsys):
+    """A BLOOM-176B-like shape at --tp 4 --pp 12 --dp 8: tp=4 divides the 112 heads but not ffn_hidden=38229."""
+    args = ["--model", "llama-70b", "--hidden", "14336", "--heads", "112", "--kv-heads", "112", "--ffn-hidden", "38229",
+            "--layers", "70", "--tp", "4", "--pp", "12", "--dp", "8", "--gpus", "384"]  # fmt: skip
+    assert main(["--global-batch", "2048", "--seq-len", "2048", "--hardware", "a100-80gb", *args]) == 2
+    err = capsys.readouterr().err
+    assert "tp=4 does not divide ffn_hidden=38229" in err and err.count("\n") == 1, err
+
+
 def test_cli_refuses_a_preset_with_a_mistyped_field_as_the_trainer_does(tmp_path, monkeypatch, capsys):
     import shutil
 

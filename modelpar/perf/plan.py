@@ -540,26 +540,31 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def valid_layouts(model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace) -> list[ParallelLayout]:
-    """Every ``tp x pp x dp = gpus`` (vpp = 1) that shards the model and splits the batch."""
-    shape = model.shape
-    found = []
+def _candidate_layouts(gpus: int, space: SearchSpace) -> list[ParallelLayout]:
+    """Every ``tp x pp x dp = gpus`` (vpp = 1) the search space allows."""
+    out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if any(want is not None and want != got for want, got in ((space.tp, tp), (space.pp, pp), (space.dp, dp))):
-                continue
-            if global_batch % dp:
-                continue
-            layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
-            try:
-                layout.check_model(
-                    layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, ffn_hidden=shape.ffn_hidden
-                )
-            except LayoutError:
-                continue
-            found.append(layout)
-    return found
+            if all(want is None or want == got for want, got in ((space.tp, tp), (space.pp, pp), (space.dp, dp))):
+                out.append(ParallelLayout(tp=tp, pp=pp, dp=dp))
+    return out
+
+
+def layout_problem(model: ModelSpec, layout: ParallelLayout, global_batch: int) -> str | None:
+    """Why ``layout`` cannot run ``model`` (the trainer's own checks, one line), or None."""
+    if global_batch % layout.dp:
+        return f"dp={layout.dp} does not divide the global batch {global_batch}"
+    try:
+        model.shape.check_layout(layout)
+    except LayoutError as exc:
+        return str(exc)
+    return None
+
+
+def valid_layouts(model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace) -> list[ParallelLayout]:
+    """Every ``tp x pp x dp = gpus`` (vpp = 1) that shards the model and splits the batch."""
+    return [layout for layout in _candidate_layouts(gpus, space) if layout_problem(model, layout, global_batch) is None]
 
 
 def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_len: int, space: SearchSpace):
@@ -626,12 +631,15 @@ def no_layout_message(model: ModelSpec, gpus: int, global_batch: int, space: Sea
     candidates = sorted(range(max(1, gpus - 64), gpus + 65), key=lambda n: (abs(n - gpus), n))
     nearest = [n for n in candidates if n != gpus and valid_layouts(model, n, global_batch, space)][:3]
     fix = f"try {' or '.join(map(str, sorted(nearest)))} GPUs" if nearest else "change the GPU count or the batch"
-    s = model.shape
-    return (
-        f"no tp x pp x dp factorisation of {gpus} GPUs suits {model.name} (heads={s.heads}, kv_heads={s.kv_heads}, "
-        f"layers={s.layers}, global batch {global_batch}): tp must divide the heads, pp <= layers, dp must divide "
-        f"the batch; {fix}"
-    )
+    problems = []
+    for layout in _candidate_layouts(gpus, space):
+        problem = layout_problem(model, layout, global_batch)
+        if problem is not None and problem not in problems:
+            problems.append(problem)
+    why = "; ".join(problems[:2]) + (f" (and {len(problems) - 2} more)" if len(problems) > 2 else "")
+    if not problems:
+        why = f"the search space allows no factorisation of {gpus} GPUs"
+    return f"no tp x pp x dp factorisation of {gpus} GPUs suits {model.name}: {why}; {fix}"
 
 
 def nothing_fits_message(closest: PlannedLayout, hardware: Hardware) -> str:
