@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-# `launch` must come first: it turns on Triton's interpreter for CPU-only torch builds before triton is imported.
-from modelpar_kernels import launch  # noqa: F401
+# `grid` must come first: it turns on Triton's interpreter for CPU-only torch builds before triton is imported.
+from modelpar_kernels import grid  # noqa: F401
 from modelpar_kernels.attention import attention_reference, attention_triton
 from modelpar_kernels.cross_entropy import vocab_parallel_cross_entropy_reference, vocab_parallel_cross_entropy_triton
 from modelpar_kernels.rmsnorm import rms_norm_reference, rms_norm_triton

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from modelpar_kernels.launch import attention_blocks, check_device, tl, triton
+from modelpar_kernels.grid import attention_blocks, check_device, tl, triton
 
 LOG2E = 1.4426950408889634
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from modelpar_kernels.launch import check_device, row_block, tl, triton
+from modelpar_kernels.grid import check_device, row_block, tl, triton
 
 AllReduce = Callable[..., torch.Tensor]
 

@@ -8,7 +8,7 @@ summed.
 from __future__ import annotations
 
 import torch
-from modelpar_kernels.launch import check_device, program_count, row_block, tl, triton
+from modelpar_kernels.grid import check_device, program_count, row_block, tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

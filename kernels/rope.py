@@ -8,7 +8,7 @@ the tables: build them with ``rope_tables(s, d, theta, offset=p)``.
 from __future__ import annotations
 
 import torch
-from modelpar_kernels.launch import check_device, tl, triton
+from modelpar_kernels.grid import check_device, tl, triton
 
 
 def rope_tables(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from modelpar_kernels.launch import check_device, row_block, tl, triton
+from modelpar_kernels.grid import check_device, row_block, tl, triton
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, fn, args
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOCAL_ADDR)
     if rank_setup is not None:
         rank_setup(rank)
-    import torch
+    import torch  # after the core binding: torch's thread pools start on the cores this rank owns
 
     torch.set_num_threads(threads)
     try:

@@ -11,6 +11,8 @@ import importlib.resources
 import math
 from dataclasses import dataclass, field
 
+from hydra.core.config_store import ConfigStore
+
 from modelpar.backends.gloo_cpu import AFFINITY_MODES, COLLECTIVE_ALGORITHMS, GLOO_THREAD_MODES
 from modelpar.model.config import ModelConfig, ModelConfigError
 from modelpar.model.transformer import RECOMPUTE
@@ -124,8 +126,6 @@ class TrainConfig:
 
 def register_schema() -> None:
     """Register the schema with Hydra's ConfigStore (recipes list it first in their defaults)."""
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name="modelpar_schema", node=TrainConfig)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from modelpar_kernels import vocab_parallel_cross_entropy
-from modelpar_kernels.launch import interpreting
+from modelpar_kernels.grid import interpreting
 
 from modelpar import ParallelLayout
 from modelpar.parallel.collectives import all_reduce, record_comm

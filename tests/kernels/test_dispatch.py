@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from modelpar_kernels import launch, resolve_backend, rms_norm, swiglu
+from modelpar_kernels import grid, resolve_backend, rms_norm, swiglu
 from modelpar_kernels.rmsnorm import RMSNormFunction
 
 
@@ -19,7 +19,7 @@ def test_unknown_backend_is_rejected_with_the_choices():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU dispatch")
 def test_triton_backend_on_cpu_runs_the_kernel_in_the_interpreter():
-    assert launch.interpreting()
+    assert grid.interpreting()
     x = torch.randn(3, 8, requires_grad=True)
     y = rms_norm(x, torch.ones(8), 1e-6, backend="triton")
     assert y.grad_fn.name() == f"{RMSNormFunction.__name__}Backward"

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from modelpar_kernels.launch import interpreting
+from modelpar_kernels.grid import interpreting
 
 from modelpar import ParallelLayout
 from modelpar.model.config import ModelConfig
