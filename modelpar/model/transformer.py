@@ -27,8 +27,8 @@ from modelpar.model.layers import (
     ParallelSwiGLU,
     RMSNorm,
     ShardInfo,
+    VocabParallelCrossEntropy,
     VocabParallelEmbedding,
-    vocab_parallel_loss,
     vocab_range,
 )
 from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
@@ -156,7 +156,13 @@ class ModelChunk(nn.Module):
             if config.tie_embeddings and first:
                 self.lm_head.weight = self.embed_tokens.weight
         # what ``record_comm`` reports each collective under (a recompute's rerun of a block counts as "layer")
-        for module, tag in ((self.embed_tokens, "embedding"), (self.norm, "head"), (self.lm_head, "head")):
+        self.cross_entropy = VocabParallelCrossEntropy(config.vocab_size, tp, self.backend) if last else None
+        for module, tag in (
+            (self.embed_tokens, "embedding"),
+            (self.norm, "head"),
+            (self.lm_head, "head"),
+            (self.cross_entropy, "loss"),
+        ):
             if module is not None:
                 label_module(module, tag)
         for block in self.layers.values():
@@ -183,7 +189,7 @@ class ModelChunk(nn.Module):
 
         With the Triton kernels the logits buffer is consumed (overwritten by its gradient): do not read it after.
         """
-        return vocab_parallel_loss(logits, targets, self.tp, self.config.vocab_size, backend=self.backend)
+        return self.cross_entropy(logits, targets)
 
     def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the residual stream entering or leaving this chunk between stages: [b, s, h] or [b, s/t, h]."""

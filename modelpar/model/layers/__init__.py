@@ -3,7 +3,7 @@
 from modelpar.model.layers.attention import ParallelAttention
 from modelpar.model.layers.embedding import VocabParallelEmbedding, padded_vocab_size, vocab_range
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from modelpar.model.layers.loss import IGNORE_INDEX, vocab_parallel_loss
+from modelpar.model.layers.loss import IGNORE_INDEX, VocabParallelCrossEntropy, vocab_parallel_loss
 from modelpar.model.layers.mlp import ParallelSwiGLU
 from modelpar.model.layers.norm import RMSNorm
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
@@ -20,5 +20,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "padded_vocab_size",
     "vocab_range",
+    "VocabParallelCrossEntropy",
     "vocab_parallel_loss",
 ]
