@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep_last: int = 0,
     optimizer: Mapping[Piece, torch.Tensor] | None = None,
+    sign: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collectively save one checkpoint (every rank of the world calls this with its own pieces).
 
@@ -155,7 +156,8 @@ def save_checkpoint(
     data position, config) recorded in the index. ``optimizer``: optional logical pieces of optimizer state
     (e.g. ``exp_avg/<tensor name>``), written like the model's into ``optim-*.safetensors`` and listed under
     ``optimizer_tensors`` in the index, so that another layout can rebuild its own state from them. Returns
-    the checkpoint directory.
+    the checkpoint directory. ``sign(directory)`` signs the written index before the checkpoint is published
+    (``modelpar.checkpoint.signing``).
     """
     root = Path(root)
     final = step_dir(root, step)
@@ -192,6 +194,8 @@ def save_checkpoint(
                 for name, entries in entries_r.items():
                     index[table][name]["pieces"].extend(entries)
         _fsync_write(tmp / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
+        if sign is not None:
+            sign(tmp)
         _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(root)

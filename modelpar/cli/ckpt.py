@@ -19,6 +19,14 @@ from pathlib import Path
 import torch
 
 from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
+from modelpar.checkpoint.signing import (
+    KEY_ENV,
+    keygen,
+    load_key,
+    read_signed_index,
+    sign_checkpoint,
+    sign_file,
+)
 from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint, save_checkpoint
 from modelpar.cli.generate import load_single_device_model
 from modelpar.model.config import ModelConfig
@@ -43,12 +51,31 @@ def model_config_of(index: dict) -> ModelConfig:
 
 def cmd_verify(args) -> int:
     ckpt = resolve_checkpoint(args.path)
-    index = read_index(ckpt, verify=True)
+    key = load_key(args.key)
+    index = read_signed_index(ckpt, key)
     total = sum(info["bytes"] for info in index["files"].values())
+    signed = ", signature verified" if key is not None else ""
     print(
         f"{ckpt}: OK — step {index['step']}, layout {index['layout']}, {len(index['tensors'])} tensors, "
-        f"{len(index['files'])} files, {total / 2**20:.1f} MiB, every SHA-256 verified"
+        f"{len(index['files'])} files, {total / 2**20:.1f} MiB, every SHA-256 verified{signed}"
     )
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    try:
+        path = keygen(args.path)
+    except FileExistsError:
+        raise CheckpointError(f"{args.path} exists; refusing to overwrite a key (choose a new file)") from None
+    print(f"{path}: new signing key (owner-only); pass trainer.signing_key={path} or export {KEY_ENV}={path}")
+    return 0
+
+
+def cmd_sign(args) -> int:
+    ckpt = resolve_checkpoint(args.path)
+    key = load_key(args.key)
+    read_index(ckpt, verify=True)  # sign only what verifies
+    print(f"{sign_checkpoint(ckpt, key)}: signed {ckpt}")
     return 0
 
 
@@ -64,7 +91,7 @@ def _reshard_worker(src: str, dst_root: str, cfg: TrainConfig, step: int, meta: 
 
 def cmd_reshard(args) -> int:
     src = resolve_checkpoint(args.src)
-    index = read_index(src, verify=True)
+    index = read_signed_index(src, load_key(None))
     dst = Path(args.dst)
     refuse_existing(dst)
     model = model_config_of(index)
@@ -116,18 +143,33 @@ def cmd_export_hf(args) -> int:
     src = resolve_checkpoint(args.src)
     out = Path(args.hf_dir)
     refuse_existing(out)
+    key = load_key(args.key)
+    read_signed_index(src, key)
     model = load_single_device_model(src)
     save_hf(out, model.config, model.full_state())
-    print(f"{out}: exported {src} as a LlamaForCausalLM directory (config.json + model.safetensors)")
+    signed = ""
+    if key is not None:
+        sign_file(out / "model.safetensors", key, out / "model.safetensors.sig")
+        signed = " and model.safetensors.sig"
+    print(f"{out}: exported {src} as a LlamaForCausalLM directory (config.json + model.safetensors{signed})")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="modelpar-ckpt", description="Inspect, verify, reshard and convert.")
     sub = parser.add_subparsers(dest="command", required=True)
+    key_help = f"signing key file (default: ${KEY_ENV}; none: hashes only)"
     p = sub.add_parser("verify", help="check every file's SHA-256, and that none is missing or extra")
     p.add_argument("path")
+    p.add_argument("--key", default=None, help=key_help)
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("keygen", help="write a new signing key file (owner-only)")
+    p.add_argument("path")
+    p.set_defaults(fn=cmd_keygen)
+    p = sub.add_parser("sign", help="sign an existing checkpoint's index")
+    p.add_argument("path")
+    p.add_argument("--key", required=True, help="signing key file")
+    p.set_defaults(fn=cmd_sign)
     p = sub.add_parser("reshard", help="write a checkpoint for another layout")
     p.add_argument("src")
     p.add_argument("dst")
@@ -141,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export-hf", help="checkpoint -> a LlamaForCausalLM directory")
     p.add_argument("src")
     p.add_argument("hf_dir")
+    p.add_argument("--key", default=None, help=key_help + "; signs model.safetensors too")
     p.set_defaults(fn=cmd_export_hf)
     args = parser.parse_args(argv)
     try:

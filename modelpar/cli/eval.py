@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from modelpar import backends
 from modelpar.backends import rank_setup
 from modelpar.checkpoint.reshard import load_model_from_checkpoint
+from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.data import DataError, TokenFile, default_corpus
 from modelpar.model.config import IDENTITY, ModelConfig
@@ -118,7 +119,7 @@ def run(cfg: TrainConfig, overridden: frozenset[str] = frozenset()) -> dict:
         if not cfg.eval.checkpoint:
             raise RecipeError("eval.checkpoint is empty; pass eval.checkpoint=<run>/checkpoints or a step-* directory")
         ckpt = resolve_checkpoint(cfg.eval.checkpoint)
-        index = read_index(ckpt, verify=True)
+        index = read_signed_index(ckpt, load_key(cfg.trainer.signing_key or None))
         cfg = replace(cfg, model=model_of_checkpoint(cfg, index["model"], overridden, ckpt))
         cfg = eval_config(cfg, microbatches_set="parallel.microbatches" in overridden or "parallel" in overridden)
         validate(cfg)

@@ -89,6 +89,7 @@ class TrainerConfig:
     ckpt_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    signing_key: str = ""  # a key file (modelpar-ckpt keygen): checkpoints signed, unsigned ones refused
     timeout_s: float = 300.0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16

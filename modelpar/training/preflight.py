@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from modelpar.checkpoint.signing import check_checkpoint, load_key, read_signed_index
 from modelpar.checkpoint.store import CheckpointError, latest_checkpoint, read_index
 from modelpar.data import DataError, TokenFile, default_corpus
 from modelpar.parallel.layout import LayoutError
@@ -44,10 +45,13 @@ def resolve_resume(cfg: TrainConfig) -> str | None:
                 "use a new trainer.out_dir (or hydra.run.dir), or trainer.resume=auto"
             )
         return None
+    key = load_key(cfg.trainer.signing_key or None)
     if mode == "auto":
         found = newest_good_checkpoint(Path(cfg.trainer.out_dir) / "checkpoints")
+        if found is not None and key is not None:
+            check_checkpoint(found, key)  # a bad signature is refused, never skipped for an older checkpoint
         return str(found) if found else None
-    read_index(mode)  # verify before starting ranks
+    read_signed_index(mode, key)  # verify before starting ranks
     return mode
 
 

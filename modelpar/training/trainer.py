@@ -7,6 +7,7 @@ drift, hang reports), ``faults`` (injected from outside, only when ``MODELPAR_FA
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from modelpar.checkpoint.reshard import (
     optimizer_pieces,
     resharded_optimizer_state,
 )
+from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index, save_checkpoint
 from modelpar.model.flops import training_flops_per_token
 from modelpar.parallel import collectives
@@ -70,6 +72,7 @@ class Trainer:
         self.step = 0
         self.out_dir = Path(cfg.trainer.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
+        self.signing_key = load_key(cfg.trainer.signing_key or None)
         t = cfg.trainer
         self.guard = LossGuard(t.nonfinite, t.spike_factor, t.spike_action)
         self.flight = FlightRecorder(
@@ -185,8 +188,16 @@ class Trainer:
         if self.faults:
             rank_state = self.faults.rank_state(self.step, rank_state)
         pieces = model_pieces(self.model.chunks)
+        sign = functools.partial(sign_checkpoint, key=self.signing_key) if self.signing_key else None
         return save_checkpoint(
-            self.ckpt_root, self.step, pieces, rank_state, meta, self.cfg.trainer.keep_last, optimizer=moments
+            self.ckpt_root,
+            self.step,
+            pieces,
+            rank_state,
+            meta,
+            self.cfg.trainer.keep_last,
+            optimizer=moments,
+            sign=sign,
         )
 
     def resume(self, ckpt: Path, *, verified: bool = False) -> None:
@@ -231,7 +242,7 @@ class Trainer:
         verdict = [None]
         if self.rank == 0:
             try:
-                read_index(ckpt, verify=True)
+                read_signed_index(ckpt, self.signing_key)
             except CheckpointError as exc:
                 verdict = [str(exc)]
         if dist.get_world_size() > 1:
