@@ -13,6 +13,7 @@ process is one rank.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from functools import partial
@@ -27,7 +28,7 @@ from modelpar.cli.generate import sample_from_checkpoint
 from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
-from modelpar.training.config import RECIPES, TrainConfig, register_schema
+from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema
 from modelpar.training.flight import flight_hang_report
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.trainer import train_worker
@@ -39,6 +40,15 @@ def fail(message: str) -> None:
 
 
 def run(cfg: TrainConfig) -> None:
+    if cfg.trainer.files in FILE_ACCESS:
+        mask = FILE_ACCESS[cfg.trainer.files]
+        os.umask(mask)  # the ranks inherit it
+        run_dir = Path(cfg.trainer.out_dir)
+        hydra_dir = run_dir / ".hydra"  # what Hydra wrote before this ran: the run directory and its config
+        hydra_files = [*hydra_dir.iterdir()] if hydra_dir.is_dir() else []
+        for path in [run_dir, *run_dir.glob("*.log"), hydra_dir, *hydra_files]:  # *.log: Hydra's job log
+            if path.exists():
+                path.chmod(path.stat().st_mode & ~mask & 0o7777)
     try:
         train_path, val_path, resume_from = preflight(cfg)
     except USER_ERRORS as exc:
@@ -104,6 +114,7 @@ def _app(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    os.umask(FILE_ACCESS["group"])  # before Hydra makes the run directory: nothing the run writes is world-readable
     register_schema()
     _app()
 

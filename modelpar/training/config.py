@@ -32,6 +32,7 @@ DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 GUARD_ACTIONS = ("skip", "halt")
 DRIFT_ACTIONS = ("warn", "halt")
+FILE_ACCESS = {"group": 0o027, "owner": 0o077}  # trainer.files -> the process umask: never readable by others
 PARTITIONS = ("flops", "blocks", "uniform", "params", "explicit")
 
 
@@ -78,6 +79,7 @@ class DataConfig:
     seed: int = 1234
     corpus_max_bytes: int = 4_000_000
     cache_dir: str = "data/cache"
+    allow_changed: bool = False  # resume on a data file other than the checkpoint's (its fingerprint differs)
 
 
 @dataclass
@@ -89,6 +91,7 @@ class TrainerConfig:
     ckpt_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    files: str = "group"  # who may read run directories, checkpoints, flight records: group (and owner) | owner
     signing_key: str = ""  # a key file (modelpar-ckpt keygen): checkpoints signed, unsigned ones refused
     timeout_s: float = 300.0
     device: str = "auto"  # auto | cpu | cuda
@@ -195,6 +198,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.nonfinite": GUARD_ACTIONS,
     "trainer.spike_action": GUARD_ACTIONS,
     "trainer.drift_action": DRIFT_ACTIONS,
+    "trainer.files": FILE_ACCESS,
 }
 _UNKNOWN = ("parallel.schedule", "parallel.collectives")  # registries: "unknown" rather than "must be"
 

@@ -17,6 +17,7 @@ import torch
 from modelpar.checkpoint.signing import check_checkpoint, load_key, read_signed_index
 from modelpar.checkpoint.store import CheckpointError, latest_checkpoint, read_index
 from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.data.fingerprint import check_same_data
 from modelpar.parallel.layout import LayoutError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
 from modelpar.training.build import build_partition
@@ -113,4 +114,8 @@ def preflight(cfg: TrainConfig) -> tuple[str, str, str | None]:
             f"{train_path} has {tokens.num_windows} windows of {cfg.data.seq_len + 1} tokens, fewer than "
             f"data.global_batch={cfg.data.global_batch}; use more data or a smaller batch"
         )
-    return train_path, val_path, resolve_resume(cfg)
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        saved = read_index(resume_from, verify=False).get("data_fingerprint")
+        check_same_data(saved, train_path, cfg.data.allow_changed, resume_from)
+    return train_path, val_path, resume_from

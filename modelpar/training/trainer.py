@@ -24,6 +24,8 @@ from modelpar.checkpoint.reshard import (
 )
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index, save_checkpoint
+from modelpar.data import DataError
+from modelpar.data.fingerprint import check_same_data, fingerprint
 from modelpar.model.flops import training_flops_per_token
 from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
@@ -68,6 +70,7 @@ class Trainer:
         self.runtime = build_runtime(cfg, self.model, g, self.device, self.dtype)
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
         self.tokens, self.sampler = build_data(cfg, data_path, g)
+        self.data_path = data_path
         self.micro_batches = cfg.parallel.microbatches
         self.step = 0
         self.out_dir = Path(cfg.trainer.out_dir)
@@ -176,6 +179,7 @@ class Trainer:
             "model": asdict(self.cfg.model),
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
+            "data_fingerprint": fingerprint(self.data_path) if self.rank == 0 else None,  # rank 0 writes the index
         }
         optim_state = self.optimizer.state_tensors()
         moments, optimizer_step = optimizer_pieces(self.model.chunks, self.optimizer)
@@ -206,7 +210,7 @@ class Trainer:
         Unless ``verified``, rank 0 checks every file's hash once and tells the others the verdict."""
         index = read_index(ckpt, verify=False)
         if not verified:
-            self._verify_once(ckpt, index)
+            self._verify_once(ckpt, index)  # hashes, signature and the data's fingerprint
         load_model_from_checkpoint(self.model.chunks, ckpt, index)
         self.step = int(index["step"])
         if index.get("sampler"):
@@ -243,7 +247,8 @@ class Trainer:
         if self.rank == 0:
             try:
                 read_signed_index(ckpt, self.signing_key)
-            except CheckpointError as exc:
+                check_same_data(index.get("data_fingerprint"), self.data_path, self.cfg.data.allow_changed, ckpt)
+            except (CheckpointError, DataError) as exc:
                 verdict = [str(exc)]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(verdict, src=0)
