@@ -19,6 +19,7 @@ from modelpar.model.transformer import RECOMPUTE
 from modelpar.optim import ZERO_STAGES
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES
+from modelpar.training.outliers import OUTLIER_ACTIONS
 
 # the shipped recipes: recipes/ in a checkout, the package data `modelpar_recipes` in an installed wheel
 RECIPES = str(importlib.resources.files("modelpar_recipes"))
@@ -108,6 +109,10 @@ class TrainerConfig:
     check_every: int = 25  # steps between replica-drift and straggler checks (0: never)
     drift_action: str = "warn"  # warn | halt
     straggler_factor: float = 2.0  # a rank whose compute time exceeds this x the median is named
+    # a dp replica whose gradient disagrees with the others' (training/outliers.py; needs dp >= 3)
+    grad_outlier_action: str = "warn"  # off | warn | skip | halt
+    grad_outlier_cosine: float = 0.5  # named when its cosine to the others' mean is < 0 and this far below the median
+    grad_outlier_norm: float = 10.0  # named above this x the median replica's gradient norm
     timeline_step: int = 0  # > 0: draw the pipeline timeline of this step to <out_dir>/timeline.png
     tensorboard: bool = False  # also write scalars to <out_dir>/tensorboard (needs the tensorboard package)
 
@@ -199,6 +204,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.spike_action": GUARD_ACTIONS,
     "trainer.drift_action": DRIFT_ACTIONS,
     "trainer.files": FILE_ACCESS,
+    "trainer.grad_outlier_action": OUTLIER_ACTIONS,
 }
 _UNKNOWN = ("parallel.schedule", "parallel.collectives")  # registries: "unknown" rather than "must be"
 
@@ -245,6 +251,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         ("trainer.spike_factor", t.spike_factor, t.spike_factor == 0 or t.spike_factor > 1, "0 (off) or > 1"),
         ("trainer.check_every", t.check_every, t.check_every >= 0, ">= 0 (0: never)"),
         ("trainer.straggler_factor", t.straggler_factor, t.straggler_factor > 1, "> 1 (x the median rank)"),
+        ("trainer.grad_outlier_cosine", t.grad_outlier_cosine, 0 < t.grad_outlier_cosine <= 2, "in (0, 2]"),
+        ("trainer.grad_outlier_norm", t.grad_outlier_norm, t.grad_outlier_norm > 1, "> 1 (x the median replica)"),
         ("trainer.timeline_step", t.timeline_step, t.timeline_step >= 0, ">= 0 (0: no timeline)"),
         ("eval.windows", cfg.eval.windows, cfg.eval.windows >= 1, ">= 1"),
     )

@@ -8,6 +8,8 @@ Set ``MODELPAR_FAULTS`` to a comma-separated list of ``KIND@RANK:STEP[:ARG]`` be
     nan@0:3          rank 0's loss is NaN in step 3 (every rank then sees a non-finite loss)
     perturb@1:2      rank 1 adds noise to one parameter after step 2 (replica drift)
     save_crash@0:4   rank 0 dies while writing the checkpoint of step 4
+    grad_scale@2:1:100  rank 2's gradients are scaled by 100 in step 1, before they are reduced (a faulty worker)
+    grad_flip@2:1    rank 2's gradients change sign in step 1 (a poisoned worker)
 
 Steps count from 0 (the first step run). Nothing here runs unless the variable is set.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 ENV = "MODELPAR_FAULTS"
-KINDS = ("sleep", "kill", "delay", "nan", "perturb", "save_crash")
+KINDS = ("sleep", "kill", "delay", "nan", "perturb", "save_crash", "grad_scale", "grad_flip")
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,15 @@ class FaultHooks:
         for kind in ("sleep", "kill", "delay"):
             fire(self.faults, kind, self.rank, self.step)
 
+    def gradient(self, grad):
+        for fault in self.faults:
+            if fault.rank == self.rank and fault.step == self.step:
+                if fault.kind == "grad_scale":
+                    grad = grad * fault.arg
+                elif fault.kind == "grad_flip":
+                    grad = -grad
+        return grad
+
     def loss(self, step: int, loss):
         self.step = step
         if fire(self.faults, "nan", self.rank, step):
@@ -123,4 +134,7 @@ def install(chunks, rank: int, params: list) -> FaultHooks | None:
     hooks = FaultHooks(faults, rank, params)
     for chunk in chunks:
         chunk.register_forward_pre_hook(hooks.forward)
+    if any(f.kind in ("grad_scale", "grad_flip") and f.rank == rank for f in faults):
+        for p in params:  # before accumulation, so the overlapped dp buckets carry the poisoned values too
+            p.register_hook(hooks.gradient)
     return hooks

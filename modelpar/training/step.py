@@ -27,7 +27,8 @@ from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import PipelineRuntime, StepResult
 from modelpar.training.build import RankModel
 from modelpar.training.config import TrainConfig
-from modelpar.training.health import LossGuard
+from modelpar.training.health import HealthError, LossGuard
+from modelpar.training.outliers import GradientOutlierCheck
 
 
 @dataclass
@@ -69,6 +70,7 @@ class TrainStep:
     guard: LossGuard
     flops_per_step: float
     hooks: tuple[StepHook, ...] = ()
+    outliers: GradientOutlierCheck | None = None  # with trainer.grad_outlier_action != off and dp >= 3
 
     def __call__(self, step: int) -> tuple[StepMetrics, StepResult]:
         cfg = self.cfg
@@ -82,6 +84,8 @@ class TrainStep:
         self.optimizer.expect_micro_batches(m)  # buckets all-reduce during the last backward
         with self._autocast():
             result = self.runtime.step(list(inputs.chunk(m)), list(targets.chunk(m)))
+        # the local gradients, before the dp average is written back: is this replica's like the others'?
+        replica_stats = self.outliers.stats() if self.outliers is not None else None
         self.optimizer.reduce_gradients(self._reduce_over_tp_and_embedding)
         norm = self.optimizer.clip_grad_norm(cfg.optim.grad_clip)
         loss = result.loss_tensor
@@ -89,11 +93,16 @@ class TrainStep:
             loss = hook.loss(step, loss)
         loss = self._global_mean(loss.to(torch.float64))
         flags = self.optimizer.device_flags()
-        read = [loss.reshape(1), norm.to(loss).reshape(1)] + ([flags.to(loss)] if flags is not None else [])
+        read = [loss.reshape(1), norm.to(loss).reshape(1)]
+        read += [flags.to(loss).reshape(-1)] if flags is not None else []
+        read += [replica_stats.to(loss).reshape(-1)] if replica_stats is not None else []
         values = torch.cat(read).tolist()  # the step's one host sync
         loss_value, norm_value = values[:2]
-        self.optimizer.apply_flags(values[2:])
+        n_flags = 0 if flags is None else flags.numel()
+        self.optimizer.apply_flags(values[2 : 2 + n_flags])
         skipped = self.guard.check(step, loss_value, norm_value)  # same inputs on every rank: the same decision
+        if replica_stats is not None and skipped is None:
+            skipped = self._judge_replicas(values[2 + n_flags :], step)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
         if skipped is None:
             set_lr(self.optimizer, lr)
@@ -116,6 +125,21 @@ class TrainStep:
             skipped_total=self.guard.skipped,
         )
         return metrics, result
+
+    def _judge_replicas(self, stats: list[float], step: int) -> str | None:
+        """The outlier check's verdict, the same on every rank: None, or why the update is skipped."""
+        message = self.outliers.verdict(stats, step)
+        if message is None:
+            return None
+        action = self.cfg.trainer.grad_outlier_action
+        if action == "halt":
+            raise HealthError(message + "; halting (trainer.grad_outlier_action=halt)")
+        if action == "skip":
+            self.guard.skipped += 1
+            return message
+        if self.groups.rank == 0:
+            print(f"modelpar-train: {message}", flush=True)
+        return None
 
     def _global_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The dp mean of the loss, from one all-reduce over the world (tp and pp ranks of a replica hold the

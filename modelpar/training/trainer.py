@@ -43,6 +43,7 @@ from modelpar.training.build import (
 from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
+from modelpar.training.outliers import GradientOutlierCheck
 from modelpar.training.sinks import open_sinks
 from modelpar.training.step import StepMetrics, TrainStep
 
@@ -98,6 +99,11 @@ class Trainer:
             guard=self.guard,
             flops_per_step=flops * cfg.data.seq_len,
             hooks=(self.faults,) if self.faults else (),
+            outliers=GradientOutlierCheck(
+                [p for p, _ in self.model.params], g, t.grad_outlier_cosine, t.grad_outlier_norm
+            )
+            if t.grad_outlier_action != "off" and self.layout.dp >= 3
+            else None,
         )
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)

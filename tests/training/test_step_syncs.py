@@ -30,8 +30,9 @@ def _syncs_of_steady_step(cfg, data_path: str) -> list[str]:
         ({}, {}),
         ({"tp": 2, "pp": 2, "microbatches": 4}, {}),
         ({"pp": 2, "dp": 2, "schedule": "zb-h1", "microbatches": 2}, {"zero": 1}),
+        ({"dp": 4, "microbatches": 1}, {}),  # with the replicas' gradient-outlier check on (dp >= 3)
     ],
-    ids=["single", "tp2-pp2", "dp2-pp2-zb-zero1"],
+    ids=["single", "tp2-pp2", "dp2-pp2-zb-zero1", "dp4-outlier-check"],
 )
 def test_a_steady_step_has_one_host_sync(parallel, optim, token_path, tmp_path):  # noqa: F811
     from dataclasses import replace
