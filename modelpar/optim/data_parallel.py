@@ -59,11 +59,13 @@ class DataParallelOptimizer(ABC):
         return None  # only an overlapped all-reduce needs to know
 
     @abstractmethod
-    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
+    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         """Finish the data-parallel average of this step's gradients. ``other_reductions`` (the sums over tp
         and the embedding group) commute with the dp average; each implementation runs them where its own
         reduction allows: after an overlapped all-reduce has written its averages back, before a reduce-scatter
-        reads the gradients."""
+        reads the gradients. ``defer_flags``: which parameters some dp rank gave a gradient (those without keep
+        ``grad = None``) is not read back here; the caller reads ``device_flags()`` with its own values and
+        passes them to ``apply_flags`` before ``step()`` (until then such parameters hold zero gradients)."""
 
     @abstractmethod
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -111,6 +113,7 @@ class ReplicatedAdamW(DataParallelOptimizer):
         params = [p for p, _ in self.params_with_info]
         self.sync = GradientSynchronizer(params, groups.dp_group, bucket_bytes=bucket_bytes)
         self.optimizer = build_adamw(self.params_with_info, **adam)
+        self._flags_pending = False
 
     def final_backward(self) -> contextlib.AbstractContextManager:
         return self.sync.final_backward()
@@ -118,9 +121,24 @@ class ReplicatedAdamW(DataParallelOptimizer):
     def expect_micro_batches(self, micro_batches: int) -> None:
         self.sync.expect_micro_batches(micro_batches)
 
-    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
-        self.sync.wait()  # the buckets copied the gradients when they launched: reduce over tp etc. after
+    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
+        read_back = not defer_flags or self.sync.dp_size == 1  # one replica: no flags to read
+        self.sync.wait(read_back=read_back)  # the buckets copied the gradients when they launched: tp etc. after
+        self._flags_pending = not read_back
         other_reductions()
+
+    def device_flags(self) -> torch.Tensor | None:
+        return self.sync.flags() if self._flags_pending else None
+
+    def apply_flags(self, values: list[float]) -> None:
+        if self._flags_pending:
+            self.sync.drop_unused(values)
+            self._flags_pending = False
+
+    def step(self) -> None:
+        if self._flags_pending:  # the caller did not fold the flags into its own read-back
+            self.apply_flags(self.sync.flags().tolist())
+        self.optimizer.step()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params_with_info, max_norm, self.groups)
@@ -144,17 +162,18 @@ class ZeroOneOptimizer(DataParallelOptimizer):
         self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_group, **adam)
         self._flags_pending = False
 
-    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing) -> None:
+    def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()
-        self.optimizer.reduce_gradients(read_back=False)
-        self._flags_pending = True
+        self.optimizer.reduce_gradients(read_back=not defer_flags)
+        self._flags_pending = defer_flags
 
-    def device_flags(self) -> torch.Tensor:
-        return self.optimizer.has_grad  # which parameters some dp rank gave a gradient
+    def device_flags(self) -> torch.Tensor | None:
+        return self.optimizer.has_grad if self._flags_pending else None  # which parameters some dp rank gave one
 
     def apply_flags(self, values: list[float]) -> None:
-        self.optimizer.apply_has_grad(values)
-        self._flags_pending = False
+        if self._flags_pending:
+            self.optimizer.apply_has_grad(values)
+            self._flags_pending = False
 
     def step(self) -> None:
         if self._flags_pending:  # the caller did not fold the flags into its own read-back

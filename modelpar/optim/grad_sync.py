@@ -61,11 +61,13 @@ class _Bucket:
         flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype))
         self.work = collectives.all_reduce_async(self.flat, group)
 
-    def unpack_average(self, dp_size: int) -> None:
-        """Wait for the sum and write ``sum / dp`` back into each ``param.grad``."""
+    def unpack_average(self, dp_size: int, read_back: bool = True) -> None:
+        """Wait for the sum and write ``sum / dp`` back into each ``param.grad``. Which parameters some rank gave
+        a gradient is read back to the host (``read_back``), or left to ``drop_unused`` with the flags the caller
+        read itself; until then every parameter holds its (zero, where none) average."""
         self.work.wait()
         self.flat.div_(dp_size)
-        any_grad = self.flat[self.numel :].tolist()
+        any_grad = self.flat[self.numel :].tolist() if read_back else [1.0] * len(self.params)
         for pos, p in enumerate(self.params):
             if not any_grad[pos]:
                 continue
@@ -76,6 +78,16 @@ class _Bucket:
                 p.grad.copy_(average)
         self.ready.clear()
         self.work = None
+
+    def flags(self) -> torch.Tensor:
+        """Per parameter, nonzero if some dp rank gave it a gradient (valid after ``unpack_average``)."""
+        return self.flat[self.numel :]
+
+    def drop_unused(self, any_grad: list[float]) -> None:
+        """``param.grad = None`` where no dp rank gave one (``any_grad`` read from ``flags()``)."""
+        for p, used in zip(self.params, any_grad, strict=True):
+            if not used:
+                p.grad = None
 
 
 def _build_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
@@ -155,14 +167,26 @@ class GradientSynchronizer:
         self.arm()
         yield
 
-    def wait(self) -> None:
-        """Launch the buckets still pending (parameters without a gradient), then write the averages back."""
+    def wait(self, read_back: bool = True) -> None:
+        """Launch the buckets still pending (parameters without a gradient), then write the averages back.
+        ``read_back=False``: the has-gradient flags stay on the device (``flags``/``drop_unused``)."""
         while self._next_launch < len(self.buckets):
             self._launch_next()
         for bucket in self.buckets:
-            bucket.unpack_average(self.dp_size)
+            bucket.unpack_average(self.dp_size, read_back)
         self._accumulations_left.clear()
         self._next_launch = 0
+
+    def flags(self) -> torch.Tensor:
+        """Every bucket's has-gradient flags, one per parameter, on the device."""
+        return torch.cat([bucket.flags() for bucket in self.buckets])
+
+    def drop_unused(self, any_grad: list[float]) -> None:
+        """Take the flags of ``flags()`` (read back by the caller): no gradient where no dp rank gave one."""
+        start = 0
+        for bucket in self.buckets:
+            bucket.drop_unused(any_grad[start : start + len(bucket.params)])
+            start += len(bucket.params)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the synchronizer is unusable afterwards)."""

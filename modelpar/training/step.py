@@ -86,7 +86,7 @@ class TrainStep:
             result = self.runtime.step(list(inputs.chunk(m)), list(targets.chunk(m)))
         # the local gradients, before the dp average is written back: is this replica's like the others'?
         replica_stats = self.outliers.stats() if self.outliers is not None else None
-        self.optimizer.reduce_gradients(self._reduce_over_tp_and_embedding)
+        self.optimizer.reduce_gradients(self._reduce_over_tp_and_embedding, defer_flags=True)
         norm = self.optimizer.clip_grad_norm(cfg.optim.grad_clip)
         loss = result.loss_tensor
         for hook in self.hooks:
