@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.backends import gloo_cpu
+from modelpar.parallel.collectives import install_algorithm
 from modelpar.parallel.groups import ParallelGroups
 
 
@@ -37,7 +38,7 @@ def install(groups: ParallelGroups, device: torch.device, *, collectives: str = 
             f"parallel.collectives=exchange runs on gloo only; this rank uses {dist.get_backend()}: "
             "use parallel.collectives=auto or native"
         )
-    gloo_cpu.set_collective_algorithm("native")
+    install_algorithm(None)  # torch.distributed's own collectives
     return NoTuning()
 
 

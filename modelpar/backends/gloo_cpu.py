@@ -1,5 +1,5 @@
 """What gloo on a CPU machine needs and the engine must not see: exchange collectives, core binding and
-socket-thread priority. ``modelpar.backends.install`` sets it up on gloo ranks; NCCL ranks never load it.
+socket-thread priority. ``modelpar.backends.install`` sets it up on gloo ranks; NCCL ranks never install it.
 
 Exchange collectives (``parallel.collectives``)
 -----------------------------------------------
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelpar.parallel.collectives import install_algorithm, installed_algorithm
+from modelpar.parallel.collectives import group_size, install_algorithm, installed_algorithm
 from modelpar.parallel.groups import observe_group_creation
 
 AFFINITY_MODES = ("auto", "off")
@@ -213,15 +213,15 @@ class ExchangeCollectives:
         if policy not in ("auto", "exchange"):
             raise ValueError(f"exchange policy {policy!r} is not auto or exchange")
         self.policy = policy
-        self._sizes: dict = {}
+        self._gloo: dict = {}  # process group -> whether it runs on gloo
 
     def uses_exchange(self, group: dist.ProcessGroup | None, nbytes: int, op=dist.ReduceOp.SUM) -> bool:
         if not any(op == known for known in _EXCHANGE_OPS):
             return False
-        known = self._sizes.get(group)
-        if known is None:
-            known = self._sizes[group] = (dist.get_world_size(group), dist.get_backend(group) == "gloo")
-        size, gloo = known
+        size = group_size(group)
+        gloo = self._gloo.get(group)
+        if gloo is None:
+            gloo = self._gloo[group] = dist.get_backend(group) == "gloo"
         if size < 2 or size & (size - 1):
             return False
         if self.policy == "exchange":

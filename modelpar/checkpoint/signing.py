@@ -69,7 +69,7 @@ def check_file(path: Path, key: bytes, signature: Path) -> None:
 
 
 def sign_checkpoint(ckpt: str | Path, key: bytes) -> Path:
-    """Sign an existing checkpoint's index (after checking its files against it)."""
+    """Sign a checkpoint's index (the caller checks its files against it first)."""
     ckpt = Path(ckpt)
     sign_file(ckpt / INDEX, key, ckpt / SIGNATURE)
     return ckpt / SIGNATURE

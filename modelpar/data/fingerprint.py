@@ -49,8 +49,8 @@ def fingerprint(path: str | Path) -> dict:
     return out
 
 
-def describe(print_: dict) -> str:
-    return f"{print_['size']} bytes, sha256 {print_['sha256'][:16]}"
+def describe(fp: dict) -> str:
+    return f"{fp['size']} bytes, sha256 {fp['sha256'][:16]}"
 
 
 def check_same_data(saved: dict | None, path: str | Path, allow_changed: bool, ckpt: str | Path) -> None:

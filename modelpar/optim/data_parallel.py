@@ -29,11 +29,11 @@ from modelpar.optim.state import MOMENTS, load_optimizer_state_tensors, optimize
 from modelpar.optim.zero import ZeroOneAdamW
 from modelpar.parallel.groups import ParallelGroups
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1)  # optim.zero: 0 replicated, 1 optimizer state sharded over dp
 
 
 def _nothing() -> None:
-    return None  # optim.zero: 0 replicated, 1 optimizer state sharded over dp
+    return None
 
 
 class DataParallelOptimizer(ABC):
@@ -44,6 +44,7 @@ class DataParallelOptimizer(ABC):
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups):
         self.params_with_info = list(params_with_info)
         self.groups = groups
+        self._flags_pending = False  # reduce_gradients(defer_flags=True) left has-gradient flags on the device
 
     @property
     def param_groups(self) -> list[dict]:
@@ -73,14 +74,26 @@ class DataParallelOptimizer(ABC):
 
     def device_flags(self) -> torch.Tensor | None:
         """Values on the device the step must read back before ``step()`` (see ``apply_flags``), or None."""
-        return None
+        return self._has_grad_flags() if self._flags_pending else None
 
     def apply_flags(self, values: list[float]) -> None:
         """Take the values of ``device_flags()``, read back with the step's loss and norm in one host sync."""
-        return None
+        if self._flags_pending:
+            self._drop_unused(values)
+            self._flags_pending = False
 
     def step(self) -> None:
+        if self._flags_pending:  # the caller did not fold the flags into its own read-back
+            self.apply_flags(self._has_grad_flags().tolist())
         self.optimizer.step()
+
+    @abstractmethod
+    def _has_grad_flags(self) -> torch.Tensor:
+        """Per parameter (or segment), nonzero where some dp rank gave a gradient; after ``reduce_gradients``."""
+
+    @abstractmethod
+    def _drop_unused(self, values: list[float]) -> None:
+        """``grad = None`` where ``values`` (read from ``_has_grad_flags``) say no dp rank gave one."""
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -113,7 +126,6 @@ class ReplicatedAdamW(DataParallelOptimizer):
         params = [p for p, _ in self.params_with_info]
         self.sync = GradientSynchronizer(params, groups.dp_group, bucket_bytes=bucket_bytes)
         self.optimizer = build_adamw(self.params_with_info, **adam)
-        self._flags_pending = False
 
     def final_backward(self) -> contextlib.AbstractContextManager:
         return self.sync.final_backward()
@@ -127,18 +139,11 @@ class ReplicatedAdamW(DataParallelOptimizer):
         self._flags_pending = not read_back
         other_reductions()
 
-    def device_flags(self) -> torch.Tensor | None:
-        return self.sync.flags() if self._flags_pending else None
+    def _has_grad_flags(self) -> torch.Tensor:
+        return self.sync.flags()
 
-    def apply_flags(self, values: list[float]) -> None:
-        if self._flags_pending:
-            self.sync.drop_unused(values)
-            self._flags_pending = False
-
-    def step(self) -> None:
-        if self._flags_pending:  # the caller did not fold the flags into its own read-back
-            self.apply_flags(self.sync.flags().tolist())
-        self.optimizer.step()
+    def _drop_unused(self, values: list[float]) -> None:
+        self.sync.drop_unused(values)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params_with_info, max_norm, self.groups)
@@ -160,25 +165,17 @@ class ZeroOneOptimizer(DataParallelOptimizer):
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
         super().__init__(params_with_info, groups)
         self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_group, **adam)
-        self._flags_pending = False
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()
         self.optimizer.reduce_gradients(read_back=not defer_flags)
         self._flags_pending = defer_flags
 
-    def device_flags(self) -> torch.Tensor | None:
-        return self.optimizer.has_grad if self._flags_pending else None  # which parameters some dp rank gave one
+    def _has_grad_flags(self) -> torch.Tensor:
+        return self.optimizer.has_grad
 
-    def apply_flags(self, values: list[float]) -> None:
-        if self._flags_pending:
-            self.optimizer.apply_has_grad(values)
-            self._flags_pending = False
-
-    def step(self) -> None:
-        if self._flags_pending:  # the caller did not fold the flags into its own read-back
-            self.apply_flags(self.optimizer.has_grad.tolist())
-        self.optimizer.step()
+    def _drop_unused(self, values: list[float]) -> None:
+        self.optimizer.apply_has_grad(values)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.optimizer.shard_params_with_info(), max_norm, self.groups, zero_sharded=True)
