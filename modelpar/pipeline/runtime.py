@@ -183,6 +183,7 @@ class PipelineRuntime:
         loss_fn: LossFn,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        loss_divisor: int | None = None,
     ):
         self.chunks = list(chunks)
         self.groups = groups
@@ -199,6 +200,10 @@ class PipelineRuntime:
                 f"schedule uses {chunk_count} chunks per rank but rank {self.rank} was given {len(self.chunks)}; "
                 f"pass vpp={len(self.chunks)} when building the schedule"
             )
+        # the loss of each micro-batch is divided by this (default m); a rerun of one micro-batch of an m-batch
+        # step passes m, so that its gradients are the step's, bit for bit
+        self.loss_divisor = loss_divisor or self.micro_batches
+        self.current: Action | None = None  # the compute action running now (hooks may ask which it is)
         self.last_stage = self.pp * chunk_count - 1
         self.split_backward = any(a.kind is W for a in self.actions)
         # a schedule without backwards (``forward_only``): forwards run without autograd and keep nothing
@@ -283,6 +288,7 @@ class PipelineRuntime:
     ) -> None:
         key = (action.micro_batch, action.chunk)
         stage = action.stage(self.pp)
+        self.current = action
         if action.kind is F:
             if stage == 0:
                 x = micro_batches[action.micro_batch].to(self.device)
@@ -295,7 +301,7 @@ class PipelineRuntime:
                 y = self.chunks[action.chunk](x)
             if stage == self.last_stage:
                 target = targets[action.micro_batch].to(self.device)
-                y = self.loss_fn(y, target) / self.micro_batches
+                y = self.loss_fn(y, target) / self.loss_divisor
                 state.loss_sum = y.detach() if state.loss_sum is None else state.loss_sum + y.detach()
             else:
                 # under autocast a chunk may return bf16; the receiver's buffer is ``self.dtype``

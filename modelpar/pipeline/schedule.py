@@ -111,6 +111,25 @@ def forward_only(name: str, pp: int, m: int, vpp: int = 1) -> Schedule:
     return add_communication(compute, pp, vpp)
 
 
+def single_micro_batch(name: str, pp: int, vpp: int = 1) -> Schedule:
+    """One micro-batch through every chunk with the action kinds of schedule ``name`` (W after each B for the
+    split-backward ones): forwards in model order, backwards in reverse. For rerunning one micro-batch of a
+    step exactly as the step ran it (the silent-corruption check), whatever ``m`` the schedule needs."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    # interleaved needs pp >= 2 to be built at all, and never splits its backward
+    split = name != "interleaved" and any(a.kind is W for row in SCHEDULES[name](1, 1, 1) for a in row)
+    compute = []
+    for r in range(pp):
+        row = [Action(r, F, 0, c) for c in range(vpp)]
+        for c in reversed(range(vpp)):
+            row.append(Action(r, B, 0, c))
+            if split:
+                row.append(Action(r, W, 0, c))
+        compute.append(row)
+    return add_communication(compute, pp, vpp)
+
+
 def _check_single_chunk(name: str, vpp: int) -> None:
     if vpp != 1:
         raise ScheduleError(f"{name} runs one model chunk per rank (got vpp={vpp}); use vpp=1 or 'interleaved'")

@@ -8,6 +8,9 @@ Set ``MODELPAR_FAULTS`` to a comma-separated list of ``KIND@RANK:STEP[:ARG]`` be
     nan@0:3          rank 0's loss is NaN in step 3 (every rank then sees a non-finite loss)
     perturb@1:2      rank 1 adds noise to one parameter after step 2 (replica drift)
     save_crash@0:4   rank 0 dies while writing the checkpoint of step 4
+    save_error@1:4   rank 1's write of the checkpoint of step 4 fails with ENOSPC (disk full)
+    bitflip@1:2      one bit of one value in rank 1's activation flips in step 2's first micro-batch (silent
+                     corruption, as a failing device would cause; trainer.sdc_check_every catches it)
     grad_scale@2:1:100  rank 2's gradients are scaled by 100 in step 1, before they are reduced (a faulty worker)
     grad_flip@2:1    rank 2's gradients change sign in step 1 (a poisoned worker)
 
@@ -16,6 +19,7 @@ Steps count from 0 (the first step run). Nothing here runs unless the variable i
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -24,8 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
+from modelpar.model.transformer import Block
+
 ENV = "MODELPAR_FAULTS"
-KINDS = ("sleep", "kill", "delay", "nan", "perturb", "save_crash", "grad_scale", "grad_flip")
+KINDS = (
+    "sleep",
+    "kill",
+    "delay",
+    "nan",
+    "perturb",
+    "save_crash",
+    "save_error",
+    "grad_scale",
+    "grad_flip",
+    "bitflip",
+)
 
 
 @dataclass(frozen=True)
@@ -74,12 +91,25 @@ def fire(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
 
 class FaultHooks:
     """The faults of ``MODELPAR_FAULTS`` due on this rank, hooked into a trainer from outside: a forward
-    pre-hook on each chunk (sleep, kill, delay), the step's ``StepHook`` points (nan, perturb) and the
-    checkpoint's rank state (save_crash). ``install`` registers them only when the variable is set."""
+    pre-hook on each chunk (sleep, kill, delay), a forward hook on the first block (bitflip), the step's
+    ``StepHook`` points (nan, perturb) and the checkpoint's rank state (save_crash, save_error). ``install``
+    registers them only when the variable is set."""
 
     def __init__(self, faults: tuple[Fault, ...], rank: int, params: list):
         self.faults, self.rank, self.params = faults, rank, params
         self.step = 0
+        self._flipped_at: int | None = None
+
+    def flip(self, module, args, output):
+        """Once per due step (its first micro-batch's forward): one bit of the output's first value flips."""
+        if self._flipped_at == self.step or not fire(self.faults, "bitflip", self.rank, self.step):
+            return None
+        self._flipped_at = self.step
+        with torch.no_grad():  # in place: autograd saves nothing more than it would (recompute stays valid)
+            flat = output.detach().reshape(-1)
+            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            flat[:1].view(bits).bitwise_xor_(1 << 3)  # a low mantissa bit: a tiny, silent change
+        return None
 
     def forward(self, module, args) -> None:
         for kind in ("sleep", "kill", "delay"):
@@ -107,10 +137,13 @@ class FaultHooks:
         self.step = step + 1
 
     def rank_state(self, step: int, state: Mapping) -> Mapping:
-        """``state``, wrapped so that a due save crash kills the rank after its model file is written."""
-        if not any(f.kind == "save_crash" and f.rank == self.rank and f.step == step for f in self.faults):
+        """``state``, wrapped so that a due save crash kills the rank after its model file is written, and a
+        due save error fails its write as a full disk would."""
+        due = {f.kind for f in self.faults if f.rank == self.rank and f.step == step}
+        if not due & {"save_crash", "save_error"}:
             return state
         faults, rank = self.faults, self.rank
+        failing = "save_error" in due
 
         class Crashing(Mapping):
             def __getitem__(self, key):
@@ -118,10 +151,15 @@ class FaultHooks:
 
             def __iter__(self):
                 fire(faults, "save_crash", rank, step)
+                if failing:
+                    raise OSError(errno.ENOSPC, "No space left on device (fault save_error)", "rank state")
                 return iter(state)
 
             def __len__(self):
                 return len(state)
+
+            def values(self):  # the save's size estimate reads these; the fault strikes at the write
+                return state.values()
 
         return Crashing()
 
@@ -134,6 +172,9 @@ def install(chunks, rank: int, params: list) -> FaultHooks | None:
     hooks = FaultHooks(faults, rank, params)
     for chunk in chunks:
         chunk.register_forward_pre_hook(hooks.forward)
+    if any(f.kind == "bitflip" and f.rank == rank for f in faults):
+        first_block = next((m for m in chunks[0].modules() if isinstance(m, Block)), chunks[0])
+        first_block.register_forward_hook(hooks.flip)
     if any(f.kind in ("grad_scale", "grad_flip") and f.rank == rank for f in faults):
         for p in params:  # before accumulation, so the overlapped dp buckets carry the poisoned values too
             p.register_hook(hooks.gradient)

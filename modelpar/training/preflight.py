@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from modelpar.checkpoint.signing import check_checkpoint, load_key, read_signed_index
-from modelpar.checkpoint.store import CheckpointError, latest_checkpoint, read_index
+from modelpar.checkpoint.store import CheckpointError, checkpoint_dirs, latest_checkpoint, read_index
 from modelpar.data import DataError, TokenFile, default_corpus
 from modelpar.data.fingerprint import check_same_data
 from modelpar.parallel.layout import LayoutError
@@ -62,7 +62,7 @@ def newest_good_checkpoint(root: Path) -> Path | None:
         return None
     for debris in sorted(root.glob("step-*.tmp")):
         print(f"modelpar-train: ignoring {debris}: a save that did not complete", file=sys.stderr)
-    for ckpt in sorted(root.glob("step-*[0-9]"), reverse=True):
+    for ckpt in reversed(checkpoint_dirs(root)):
         try:
             read_index(ckpt, verify=True)
         except CheckpointError as exc:

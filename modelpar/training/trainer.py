@@ -8,6 +8,7 @@ drift, hang reports), ``faults`` (injected from outside, only when ``MODELPAR_FA
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -23,7 +24,13 @@ from modelpar.checkpoint.reshard import (
     resharded_optimizer_state,
 )
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
-from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index, save_checkpoint
+from modelpar.checkpoint.store import (
+    CheckpointError,
+    CheckpointSaveError,
+    load_rank_state,
+    read_index,
+    save_checkpoint,
+)
 from modelpar.data import DataError
 from modelpar.data.fingerprint import check_same_data, fingerprint
 from modelpar.model.flops import training_flops_per_token
@@ -44,6 +51,7 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.training.outliers import GradientOutlierCheck
+from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
 from modelpar.training.step import StepMetrics, TrainStep
 
@@ -61,6 +69,9 @@ class Trainer:
         self.rank = dist.get_rank()
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
+        if cfg.trainer.sdc_check_every and self.device.type == "cuda":  # a rerun must repeat every bit
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         # the transport's own tuning (gloo on CPU: exchange collectives, the tp socket thread at idle priority)
         self.tuning = backends.install(
             g, self.device, collectives=cfg.parallel.collectives, gloo_threads=cfg.trainer.gloo_threads
@@ -104,7 +115,18 @@ class Trainer:
             )
             if t.grad_outlier_action != "off" and self.layout.dp >= 3
             else None,
+            sdc=SilentCorruptionCheck(
+                self.model.chunks,
+                [p for p, _ in self.model.params],
+                g,
+                self.runtime,
+                build_runtime(cfg, self.model, g, self.device, self.dtype, rerun=True),
+            )
+            if t.sdc_check_every
+            else None,
         )
+        if self.train_one.sdc is not None:
+            self.train_one.sdc.rerun_runtime.observer = self.flight
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)
         if self.faults:
@@ -210,6 +232,18 @@ class Trainer:
             sign=sign,
         )
 
+    def save_or_report(self) -> Path | None:
+        """``save()``; a save that failed (the same error on every rank, ``latest`` untouched) halts or is
+        reported in one line and training goes on (``trainer.save_error``)."""
+        try:
+            return self.save()
+        except CheckpointSaveError as exc:
+            if self.cfg.trainer.save_error == "halt":
+                raise CheckpointSaveError(f"{exc}; halting (trainer.save_error=halt)") from None
+            if self.rank == 0:
+                print(f"modelpar-train: {exc}; training goes on (trainer.save_error=continue)", flush=True)
+            return None
+
     def resume(self, ckpt: Path, *, verified: bool = False) -> None:
         """Load weights, data position and optimizer state from ``ckpt``, whatever layout saved it.
 
@@ -221,7 +255,7 @@ class Trainer:
         self.step = int(index["step"])
         if index.get("sampler"):
             self.sampler.load_state_dict(index["sampler"])
-        same_layout = index["layout"] == asdict(self.layout)
+        same_layout = {"cp": 1, **index["layout"]} == asdict(self.layout)  # saved before cp existed: cp=1
         state = load_rank_state(ckpt, self.rank) if same_layout else {}
         optim = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
         if "rng/torch" in state:
@@ -272,7 +306,7 @@ class Trainer:
                 for sink in sinks:
                     sink.write(m)
                 if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
-                    self.save()
+                    self.save_or_report()
         finally:
             for sink in sinks:
                 sink.close()
