@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from modelpar.checkpoint.schema import IndexSchemaError, check_file_name, check_index
 
 FORMAT = "modelpar-checkpoint/1"
 INDEX = "index.json"
@@ -359,8 +361,13 @@ def read_index(ckpt: str | Path, verify: bool = True) -> dict[str, Any]:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from None
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {index.get('format')!r}; expected {FORMAT!r}")
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(f"{path} has format {found!r:.80}; expected {FORMAT!r}")
+    try:
+        check_index(index)
+    except IndexSchemaError as exc:
+        raise CheckpointError(f"{path}: {exc}; the index is damaged or was edited") from None
     if verify:
         verify_files(ckpt, index)
     return index
@@ -410,9 +417,7 @@ def load_pieces(
                 overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, want.region, strict=True)]
                 if any(lo >= hi for lo, hi in overlap):
                     continue
-                if piece["file"] not in handles:
-                    handles[piece["file"]] = safe_open(str(ckpt / piece["file"]), framework="pt")
-                src = handles[piece["file"]].get_slice(piece["key"])
+                src = _open_slice(ckpt, piece, handles, region)
                 src_index = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, region, strict=True))
                 chunk = src[src_index]
                 if result is None:
@@ -429,6 +434,31 @@ def load_pieces(
     finally:
         handles.clear()
     return out
+
+
+_LOADABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _open_slice(ckpt: Path, piece: dict, handles: dict, region: list[tuple[int, int]]):
+    """The safetensors slice a piece names, checked to hold floating values of the region's shape."""
+    path = ckpt / check_file_name(piece["file"], "piece")
+    try:
+        if piece["file"] not in handles:
+            handles[piece["file"]] = safe_open(str(path), framework="pt")
+        src = handles[piece["file"]].get_slice(piece["key"])
+        shape, dtype = tuple(src.get_shape()), src.get_dtype()
+    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointError(f"{path}: cannot read {piece['key']!r:.80} ({reason}); the file is damaged") from None
+    want = tuple(b - a for a, b in region)
+    if shape != want:
+        raise CheckpointError(f"{path}: {piece['key']!r:.80} has shape {shape}, its region {want}; damaged index")
+    if _SAFETENSORS_DTYPES.get(dtype) not in _LOADABLE:
+        raise CheckpointError(f"{path}: {piece['key']!r:.80} holds {dtype} values; weights are floating point")
+    return src
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def load_rank_state(ckpt: str | Path, rank: int) -> dict[str, torch.Tensor]:

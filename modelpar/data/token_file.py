@@ -49,8 +49,9 @@ def open_tokens(path: str | Path) -> np.ndarray:
             read_header = _HEADER_READERS.get(version)
             if read_header is None:
                 raise ValueError(f"unsupported .npy format version {version}")
-            shape, _, dtype = read_header(f)
-    except (ValueError, OSError, SyntaxError) as e:
+            shape, fortran_order, dtype = read_header(f)
+            data_offset = f.tell()
+    except Exception as e:  # noqa: BLE001 - an untrusted header may fail numpy's parser in any way; one line
         reason = " ".join(str(e).split())
         raise DataError(
             f"{path} is not a readable .npy file ({reason}); token files are written by np.save or "
@@ -71,7 +72,18 @@ def open_tokens(path: str | Path) -> np.ndarray:
             f"{path} has shape {shape}; a token file is a 1-D stream of ids "
             "(flatten it with np.save(path, ids.reshape(-1)))"
         )
-    return np.load(path, mmap_mode="r", allow_pickle=False)
+    need = data_offset + int(np.prod(shape, dtype=object)) * dtype.itemsize
+    size = path.stat().st_size
+    if size < need:
+        raise DataError(
+            f"{path} is truncated: its header promises {need} bytes but the file has {size}; prepare it again "
+            "with `modelpar-data prepare`"
+        )
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        reason = " ".join(str(e).split())
+        raise DataError(f"{path} cannot be mapped ({reason}); prepare it again with `modelpar-data prepare`") from None
 
 
 def max_token_id(tokens: np.ndarray) -> int:
