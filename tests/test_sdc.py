@@ -118,3 +118,14 @@ def test_the_check_changes_no_result(token_path, tmp_path):
     for (skip_a, loss_a), (skip_b, loss_b) in zip(plain, checked, strict=True):
         assert skip_a == skip_b == [None, None, None]
         assert loss_a == loss_b
+
+
+def test_the_command_line_names_the_corrupted_rank_in_one_line(tmp_path):
+    from tests.test_reliability import train
+
+    proc, seconds = train(tmp_path, "trainer.steps=4", "trainer.sdc_check_every=2", faults="bitflip@3:1")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("modelpar-train: halted: HealthError: silent data corruption at step 1")
+    assert "rank 3 (pp 1 tp 1 dp 0) computed a different" in lines[0], lines[0]

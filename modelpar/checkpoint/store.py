@@ -241,6 +241,8 @@ _STEP_NAME = re.compile(r"step-\d{8}")
 class CheckpointSaveError(CheckpointError):
     """A save that failed or could not fit; raised on every rank with one message, nothing earlier lost."""
 
+    one_line = True  # the launcher reports the message alone
+
 
 def _publish(root: Path, tmp: Path, final: Path, step: int, meta: dict, gathered: list, sign) -> None:
     """Rank 0: write (and sign) the index, move the directory into place, then point ``latest`` at it."""

@@ -43,7 +43,10 @@ def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, fn, args
         init_distributed(timeout_s=timeout_s, init_method=f"file://{store}")
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then the rank exits non-zero
-        errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        # a verdict (an exception class with ``one_line = True``: halted by a health check, a failed save) is
+        # its message; the traceback of anything else is the news
+        trace = "" if getattr(exc, "one_line", False) else traceback.format_exc()
+        errors.put((rank, f"{type(exc).__name__}: {exc}", trace))
         raise SystemExit(1) from None
     finally:
         destroy_distributed()
@@ -154,6 +157,8 @@ def _watch(procs: list, errors, hang_report: Callable[[list[int]], str] | None, 
             if reports:
                 rank = next(iter(reports))  # the first to report is the likeliest cause; the rest follow it
                 message, trace = reports[rank]
+                if not trace:  # a verdict every rank reached alike: its message says it all
+                    raise LaunchError(rank, f"halted: {message}{hang}")
                 raise LaunchError(rank, f"rank {rank} failed: {message}\n{trace.rstrip()}{hang}")
             rank = failed[0]
             code = procs[rank].exitcode

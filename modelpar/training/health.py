@@ -22,6 +22,8 @@ import torch.distributed as dist
 class HealthError(RuntimeError):
     """Training halted by a health check; the message names the cause."""
 
+    one_line = True  # the launcher reports the message alone: the traceback would only bury it
+
 
 @dataclass
 class LossGuard:
