@@ -11,7 +11,12 @@ import torch
 
 # `grid` must come first: it turns on Triton's interpreter for CPU-only torch builds before triton is imported.
 from modelpar_kernels import grid  # noqa: F401
-from modelpar_kernels.attention import attention_reference, attention_triton
+from modelpar_kernels.attention import (
+    attention_block_backward,
+    attention_block_forward,
+    attention_reference,
+    attention_triton,
+)
 from modelpar_kernels.cross_entropy import vocab_parallel_cross_entropy_reference, vocab_parallel_cross_entropy_triton
 from modelpar_kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from modelpar_kernels.rope import apply_rope_reference, apply_rope_triton, rope_tables
@@ -50,10 +55,13 @@ def swiglu(gate, up, *, backend: str = "torch"):
     return swiglu_reference(gate, up)
 
 
-def attention(q, k, v, causal: bool = True, *, backend: str = "torch"):
-    """See ``attention.attention_reference`` for shapes."""
+def attention(q, k, v, causal: bool = True, *, backend: str = "torch", documents=None):
+    """See ``attention.attention_reference`` for shapes; ``documents`` [b, s] (Triton only: the torch path of
+    document masking is the engine's)."""
     if resolve_backend(backend, q.device) == "triton":
-        return attention_triton(q, k, v, causal)
+        return attention_triton(q, k, v, causal, documents)
+    if documents is not None:
+        raise ValueError("attention(documents=...) runs on the triton backend; the torch reference takes none")
     return attention_reference(q, k, v, causal)
 
 
@@ -73,6 +81,8 @@ __all__ = [
     "BACKENDS",
     "apply_rope",
     "attention",
+    "attention_block_backward",
+    "attention_block_forward",
     "resolve_backend",
     "rms_norm",
     "rope_tables",

@@ -1,11 +1,18 @@
-"""Causal grouped-query attention (FlashAttention-2).
+"""Causal grouped-query attention (FlashAttention-2), optionally document-causal, and one block of it.
 
 Forward streams k/v tiles past a resident q tile with an online softmax in fp32 and saves one log-sum-exp per
 query row (base 2, already scaled); backward recomputes the probabilities from it. Grouped-query attention
 reads kv head ``q_head // group`` in place (k/v are never repeated in memory); the dk/dv kernel owns one kv
 head and sums over the ``group`` q heads that share it, so no atomics are needed.
 
-    q: [b, s, hq, d]   k, v: [b, s, hkv, d]   group = hq / hkv   out: [b, s, hq, d]   lse: [b, hq, s] (fp32)
+    q: [b, sq, hq, d]   k, v: [b, sk, hkv, d]   group = hq / hkv   out: [b, sq, hq, d]   lse: [b, hq, sq] (fp32)
+
+Document ids (``q_docs`` [b, sq], ``k_docs`` [b, sk], int32) restrict each query to keys of its own document
+(every tile is then masked; a row with no visible key gets a zero output and lse -inf). ``sq != sk`` is one
+block of a longer attention (context parallelism: a query chunk against a visiting K/V chunk), non-causal.
+``attention_block_forward`` / ``attention_block_backward`` expose the natural-log lse: the first returns it
+for merging partial blocks, the second takes the merged output and lse of the rows (FlashAttention-2's
+backward needs nothing else of the other blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from einops import rearrange
 from modelpar_kernels.grid import attention_blocks, check_device, tl, triton
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -33,37 +41,46 @@ def _attention_forward_tiles(
     m_i,
     l_i,
     q,
+    q_doc,
     k_base,
     v_base,
+    kdoc_base,
     stride_ks,
     stride_vs,
     offs_m,
     offs_d,
     start,
     end,
-    seq_len,
+    seq_k,
     qk_scale,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over kv tiles ``start .. end``; MASKED tiles may cross the diagonal or the sequence end."""
+    """Online softmax over kv tiles ``start .. end``; MASKED tiles may cross the diagonal, the sequence end or
+    (HAS_DOCS) a document boundary."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         kv_mask = offs_d[None, :] < HEAD_DIM
         if MASKED:
-            kv_mask = kv_mask & (cols[:, None] < seq_len)
+            kv_mask = kv_mask & (cols[:, None] < seq_k)
         rows_k = cols[:, None].to(tl.int64)
         k = tl.load(k_base + rows_k * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
-            keep = cols[None, :] < seq_len
+            keep = cols[None, :] < seq_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
+            if HAS_DOCS:
+                k_doc = tl.load(kdoc_base + cols, mask=cols < seq_k, other=-1)
+                keep = keep & (k_doc[None, :] == q_doc[:, None])
             qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if HAS_DOCS:  # a row that has seen no visible key yet: keep its terms at exp2(-inf) = 0, never nan
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -80,6 +97,8 @@ def _attention_forward_kernel(
     Q,
     K,
     V,
+    QDOC,
+    KDOC,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -92,11 +111,13 @@ def _attention_forward_kernel(
     stride_ob,
     stride_os,
     stride_oh,
-    seq_len,
+    seq_q,
+    seq_k,
     n_q_heads,
     group,
     qk_scale,
     CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -111,11 +132,16 @@ def _attention_forward_kernel(
     h = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    row_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
     rows = offs_m[:, None].to(tl.int64)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
     k_base = K + b * stride_kb + kv_h * stride_kh
     v_base = V + b * stride_vb + kv_h * stride_vh
+    q_doc = offs_m  # unused without documents
+    kdoc_base = KDOC
+    if HAS_DOCS:
+        q_doc = tl.load(QDOC + b * seq_q + offs_m, mask=offs_m < seq_q, other=-2)
+        kdoc_base = KDOC + b * seq_k
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -123,23 +149,31 @@ def _attention_forward_kernel(
     if CAUSAL:
         # kv tiles left of this q tile are fully visible; the ones on the diagonal need the causal mask.
         unmasked_end = start_m
-        end = tl.minimum(start_m + BLOCK_M, seq_len)
+        end = tl.minimum(start_m + BLOCK_M, seq_k)
     else:
-        unmasked_end = (seq_len // BLOCK_N) * BLOCK_N
-        end = seq_len
+        unmasked_end = (seq_k // BLOCK_N) * BLOCK_N
+        end = seq_k
+    if HAS_DOCS:  # any tile may cross a document boundary
+        unmasked_end = 0
     acc, m_i, l_i = _attention_forward_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, 0, unmasked_end, seq_len,
-        qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        acc, m_i, l_i, q, q_doc, k_base, v_base, kdoc_base, stride_ks, stride_vs, offs_m, offs_d, 0,
+        unmasked_end, seq_k, qk_scale, False, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attention_forward_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, unmasked_end, end, seq_len,
-        qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        acc, m_i, l_i, q, q_doc, k_base, v_base, kdoc_base, stride_ks, stride_vs, offs_m, offs_d, unmasked_end,
+        end, seq_k, qk_scale, True, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
 
+    if HAS_DOCS:  # a row with no visible key: zero output, lse -inf (it adds nothing when merged)
+        seen = l_i > 0
+        l_i = tl.where(seen, l_i, 1.0)
+        lse = tl.where(seen, m_i + tl.math.log2(l_i), float("-inf"))
+    else:
+        lse = m_i + tl.math.log2(l_i)
     out = acc / l_i[:, None]
     out_ptrs = OUT + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_mask)
-    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < seq_len)
+    tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
 @triton.jit
@@ -183,6 +217,8 @@ def _attention_backward_kv_kernel(
     DOUT,
     LSE,
     DELTA,
+    QDOC,
+    KDOC,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -201,12 +237,14 @@ def _attention_backward_kv_kernel(
     stride_dvb,
     stride_dvs,
     stride_dvh,
-    seq_len,
+    seq_q,
+    seq_k,
     n_kv_heads,
     group,
     sm_scale,
     qk_scale,
     CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -220,7 +258,10 @@ def _attention_backward_kv_kernel(
     kv_h = bh % n_kv_heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
+    k_doc = offs_n  # unused without documents
+    if HAS_DOCS:
+        k_doc = tl.load(KDOC + b * seq_k + offs_n, mask=offs_n < seq_k, other=-1)
     rows_n = offs_n[:, None].to(tl.int64)
     k_ptrs = K + b * stride_kb + kv_h.to(tl.int64) * stride_kh + rows_n * stride_ks + offs_d[None, :]
     v_ptrs = V + b * stride_vb + kv_h.to(tl.int64) * stride_vh + rows_n * stride_vs + offs_d[None, :]
@@ -234,19 +275,22 @@ def _attention_backward_kv_kernel(
         h = (kv_h * group + g).to(tl.int64)
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DOUT + b * stride_dob + h * stride_doh
-        row_base = (b * n_kv_heads * group + h) * seq_len  # into lse / delta: [b, hq, s]
-        for start_m in range(first_m, seq_len, BLOCK_M):
+        row_base = (b * n_kv_heads * group + h) * seq_q  # into lse / delta: [b, hq, sq]
+        for start_m in range(first_m, seq_q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+            q_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
             rows_m = offs_m[:, None].to(tl.int64)
             q = tl.load(q_base + rows_m * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
             do = tl.load(do_base + rows_m * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
-            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < seq_q, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < seq_q, other=0.0)
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            keep = (offs_n[:, None] < seq_len) & (offs_m[None, :] < seq_len)
+            keep = (offs_n[:, None] < seq_k) & (offs_m[None, :] < seq_q)
             if CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :])
+            if HAS_DOCS:
+                q_doc = tl.load(QDOC + b * seq_q + offs_m, mask=offs_m < seq_q, other=-2)
+                keep = keep & (k_doc[:, None] == q_doc[None, :])
             p_t = tl.where(keep, tl.math.exp2(qk_t * qk_scale - lse[None, :]), 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -267,6 +311,8 @@ def _attention_backward_q_kernel(
     DOUT,
     LSE,
     DELTA,
+    QDOC,
+    KDOC,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -282,12 +328,14 @@ def _attention_backward_q_kernel(
     stride_dqb,
     stride_dqs,
     stride_dqh,
-    seq_len,
+    seq_q,
+    seq_k,
     n_q_heads,
     group,
     sm_scale,
     qk_scale,
     CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -303,26 +351,32 @@ def _attention_backward_q_kernel(
     h = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+    q_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
     rows_m = offs_m[:, None].to(tl.int64)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DOUT + b * stride_dob + h * stride_doh + rows_m * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
+    q_doc = offs_m  # unused without documents
+    if HAS_DOCS:
+        q_doc = tl.load(QDOC + b * seq_q + offs_m, mask=offs_m < seq_q, other=-2)
     k_base = K + b * stride_kb + kv_h * stride_kh
     v_base = V + b * stride_vb + kv_h * stride_vh
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    end = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    end = tl.minimum(start_m + BLOCK_M, seq_k) if CAUSAL else seq_k
     for start_n in range(0, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+        kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
         rows_n = offs_n[:, None].to(tl.int64)
         k = tl.load(k_base + rows_n * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows_n * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        keep = (offs_m[:, None] < seq_len) & (offs_n[None, :] < seq_len)
+        keep = (offs_m[:, None] < seq_q) & (offs_n[None, :] < seq_k)
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_DOCS:
+            k_doc = tl.load(KDOC + b * seq_k + offs_n, mask=offs_n < seq_k, other=-1)
+            keep = keep & (k_doc[None, :] == q_doc[:, None])
         p = tl.where(keep, tl.math.exp2(qk * qk_scale - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -344,95 +398,136 @@ def _launch_constants(q: torch.Tensor) -> dict:
     }
 
 
-def attention_forward(q, k, v, causal):
-    """Returns (out [b, s, hq, d], lse [b, hq, s] fp32, base-2 log-sum-exp of the scaled scores)."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
+def _documents(q, q_docs, k_docs):
+    """(QDOC, KDOC, HAS_DOCS): int32 contiguous document ids, or q itself as an unused pointer."""
+    if q_docs is None:
+        return q, q, False
+    return q_docs.to(torch.int32).contiguous(), k_docs.to(torch.int32).contiguous(), True
+
+
+def attention_forward(q, k, v, causal, q_docs=None, k_docs=None):
+    """Returns (out [b, sq, hq, d], lse [b, hq, sq] fp32, base-2 log-sum-exp of the scaled scores)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qdoc, kdoc, has_docs = _documents(q, q_docs, k_docs)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     tiles = attention_blocks(d, q.device)["forward"]
-    grid = (triton.cdiv(s, tiles["BLOCK_M"]), b * hq)
+    grid = (triton.cdiv(sq, tiles["BLOCK_M"]), b * hq)
     _attention_forward_kernel[grid](
-        out, lse, q, k, v,
+        out, lse, q, k, v, qdoc, kdoc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        s, hq, hq // hkv, LOG2E / math.sqrt(d),
-        CAUSAL=causal, **_launch_constants(q), **tiles,
+        sq, sk, hq, hq // hkv, LOG2E / math.sqrt(d),
+        CAUSAL=causal, HAS_DOCS=has_docs, **_launch_constants(q), **tiles,
     )  # fmt: skip
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, causal):
-    """Returns (dq, dk, dv) in the shapes of q, k, v."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
+def attention_backward(dout, q, k, v, out, lse, causal, q_docs=None, k_docs=None):
+    """Returns (dq, dk, dv) in the shapes of q, k, v; ``lse`` base 2 as ``attention_forward`` returns it."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qdoc, kdoc, has_docs = _documents(q, q_docs, k_docs)
     dout = _unit_last(dout)
+    lse = lse.contiguous()
     constants = _launch_constants(q)
     tiles = attention_blocks(d, q.device)
-    delta = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
-    _attention_backward_delta_kernel[(triton.cdiv(s, 64), b * hq)](
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    _attention_backward_delta_kernel[(triton.cdiv(sq, 64), b * hq)](
         delta, out, dout,
         out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
-        s, hq, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=constants["BLOCK_D"],
+        sq, hq, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=constants["BLOCK_D"],
     )  # fmt: skip
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     sm_scale = 1.0 / math.sqrt(d)
     kv_tiles = tiles["backward_kv"]
-    _attention_backward_kv_kernel[(triton.cdiv(s, kv_tiles["BLOCK_N"]), b * hkv)](
-        dk, dv, q, k, v, dout, lse, delta,
+    _attention_backward_kv_kernel[(triton.cdiv(sk, kv_tiles["BLOCK_N"]), b * hkv)](
+        dk, dv, q, k, v, dout, lse, delta, qdoc, kdoc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        s, hkv, hq // hkv, sm_scale, sm_scale * LOG2E,
-        CAUSAL=causal, **constants, **kv_tiles,
+        sq, sk, hkv, hq // hkv, sm_scale, sm_scale * LOG2E,
+        CAUSAL=causal, HAS_DOCS=has_docs, **constants, **kv_tiles,
     )  # fmt: skip
     q_tiles = tiles["backward_q"]
-    _attention_backward_q_kernel[(triton.cdiv(s, q_tiles["BLOCK_M"]), b * hq)](
-        dq, q, k, v, dout, lse, delta,
+    _attention_backward_q_kernel[(triton.cdiv(sq, q_tiles["BLOCK_M"]), b * hq)](
+        dq, q, k, v, dout, lse, delta, qdoc, kdoc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        s, hq, hq // hkv, sm_scale, sm_scale * LOG2E,
-        CAUSAL=causal, **constants, **q_tiles,
+        sq, sk, hq, hq // hkv, sm_scale, sm_scale * LOG2E,
+        CAUSAL=causal, HAS_DOCS=has_docs, **constants, **q_tiles,
     )  # fmt: skip
     return dq, dk, dv
 
 
+def _check_shapes(q, k, v, causal, q_docs, k_docs):
+    b, sq, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % k.shape[2] or (causal and k.shape[1] != sq):
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} needs k, v of shape [{b}, {sq if causal else 'sk'}, hkv, {d}] with hkv "
+            f"dividing {hq}; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if (q_docs is None) != (k_docs is None) or (
+        q_docs is not None and (tuple(q_docs.shape) != (b, sq) or tuple(k_docs.shape) != (b, k.shape[1]))
+    ):
+        raise ValueError(f"attention: document ids must be given for both q [{b}, {sq}] and k [{b}, {k.shape[1]}]")
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Triton flash attention; see ``attention_reference`` for the contract."""
+    """Triton flash attention; see ``attention_reference`` for the contract (``documents``: ids [b, s] or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal):
+    def forward(ctx, q, k, v, causal, documents=None):
         check_device(q, k, v)
-        b, s, hq, d = q.shape
-        if k.shape != v.shape or k.shape[0] != b or k.shape[1] != s or k.shape[3] != d or hq % k.shape[2]:
-            raise ValueError(
-                f"attention: q {tuple(q.shape)} needs k, v of shape [{b}, {s}, hkv, {d}] with hkv dividing {hq}; "
-                f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
-            )
+        _check_shapes(q, k, v, causal, documents, documents)
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        out, lse = attention_forward(q, k, v, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = attention_forward(q, k, v, causal, documents, documents)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if documents is None else (documents,)))
         ctx.causal = causal
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal)
-        return dq, dk, dv, None
+        q, k, v, out, lse, *documents = ctx.saved_tensors
+        docs = documents[0] if documents else None
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal, docs, docs)
+        return dq, dk, dv, None, None
 
 
-def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Triton flash attention, same contract as ``attention_reference`` (scale 1/sqrt(d))."""
-    return FlashAttentionFunction.apply(q, k, v, causal)
+def attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton flash attention, same contract as ``attention_reference`` (scale 1/sqrt(d)); ``documents`` [b, s]:
+    a query sees only keys of its own document."""
+    return FlashAttentionFunction.apply(q, k, v, causal, documents)
+
+
+def attention_block_forward(q, k, v, causal: bool, q_docs=None, k_docs=None):
+    """One block of attention, no autograd: q [b, sq, hq, d] against k, v [b, sk, hkv, d] -> (out [b, sq, hq, d],
+    lse [b, hq, sq] fp32, natural log; -inf where a row sees no key). ``causal`` needs sq == sk (the block on
+    the diagonal); ``q_docs`` [b, sq], ``k_docs`` [b, sk]: document ids, a query sees keys of its own only."""
+    check_device(q, k, v)
+    _check_shapes(q, k, v, causal, q_docs, k_docs)
+    out, lse = attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), causal, q_docs, k_docs)
+    return out, lse * LN2
+
+
+def attention_block_backward(dout, q, k, v, out, lse, causal: bool, q_docs=None, k_docs=None):
+    """Gradients (dq, dk, dv) of one block, given the rows' *merged* output and natural-log lse (over every
+    block they attend to): each block's share of FlashAttention-2's backward, summed by the caller."""
+    check_device(q, k, v)
+    _check_shapes(q, k, v, causal, q_docs, k_docs)
+    q, k, v, out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out)
+    return attention_backward(dout, q, k, v, out, lse * LOG2E, causal, q_docs, k_docs)

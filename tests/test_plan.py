@@ -279,7 +279,7 @@ def test_cli_prints_a_ranked_table_and_writes_json(tmp_path, capsys):
     assert lines[6].startswith("run #1: modelpar-train model=llama-8b parallel.tp=") and len(lines) == 7
     record = json.loads(out.read_text())
     first = record["layouts"][0]
-    assert first["tp"] * first["pp"] * first["dp"] == 16
+    assert first["tp"] * first["cp"] * first["pp"] * first["dp"] == 16
     for key in ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "total_s", "tokens_per_s", "mfu"):
         assert first[key] >= 0
     assert first["memory"]["total"] <= record["hardware"]["memory_bytes"]

@@ -95,7 +95,7 @@ def cmd_reshard(args) -> int:
     dst = Path(args.dst)
     refuse_existing(dst)
     model = model_config_of(index)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, sp=False)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, cp=args.cp, sp=False)
     layout = parallel.layout()
     layout.check_model(layers=model.layers, heads=model.heads, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden)
     cfg = TrainConfig(model=model, parallel=parallel, trainer=TrainerConfig(progress=False))
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("reshard", help="write a checkpoint for another layout")
     p.add_argument("src")
     p.add_argument("dst")
-    for name in ("tp", "pp", "dp", "vpp"):
+    for name in ("tp", "pp", "dp", "vpp", "cp"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.set_defaults(fn=cmd_reshard)
     p = sub.add_parser("import-hf", help="a LlamaForCausalLM directory -> checkpoint (loads into any layout)")

@@ -1,7 +1,9 @@
 """``modelpar-data``: prepare, inspect and build token files from the shell.
 
     modelpar-data prepare notes/ book.txt --output data/corpus.npy --tokenizer bpe --vocab-size 4096
+    modelpar-data prepare 'web/*.jsonl.zst' pages.parquet --output data/web --tokenizer models/llama --workers 8
     modelpar-data inspect data/corpus.npy --seq-len 512
+    modelpar-data inspect data/web
     modelpar-data corpus --cache-dir data/cache
 
 A problem with the data is one line on stderr and exit status 2, never a traceback.
@@ -17,6 +19,8 @@ from pathlib import Path
 from modelpar.cli.args import positive_int
 from modelpar.data.corpus import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, default_corpus
 from modelpar.data.prepare import PreparedInfo, prepare, tokenizer_for
+from modelpar.data.prepare_shards import DEFAULT_SHARD_TOKENS, prepare_shards
+from modelpar.data.shards import read_manifest, shard_files
 from modelpar.data.token_file import DataError, TokenFile, max_token_id, open_tokens
 
 _SAMPLE_TOKENS = 64
@@ -26,17 +30,37 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelpar-data", description="Token files for modelpar training.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    p = commands.add_parser("prepare", help="tokenise text files into a .npy token file")
-    p.add_argument("inputs", nargs="+", type=Path, help="text files, or directories searched for --glob")
-    p.add_argument("--output", "-o", type=Path, required=True, help="token file to write (.npy)")
-    p.add_argument("--tokenizer", default="byte", help="byte (default), bpe (trained here) or a tokenizer.json")
-    p.add_argument("--vocab-size", type=positive_int, help="bpe vocabulary size (default 8192)")
-    p.add_argument("--max-bytes", type=positive_int, help="read at most this many bytes of text")
-    p.add_argument("--glob", default="*.txt", help="file pattern inside directories (default *.txt)")
-    p.add_argument("--val-fraction", type=float, default=0.0, help="hold out the last tokens as OUT-val.npy")
+    p = commands.add_parser(
+        "prepare",
+        help="tokenise a corpus into a shard directory (--output DIR) or text files into one token file (OUT.npy)",
+    )
+    p.add_argument(
+        "inputs", nargs="+", help=".txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet files, directories or glob patterns"
+    )
+    p.add_argument("--output", "-o", type=Path, required=True, help="a directory of shards, or a token file (.npy)")
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte (default), a tokenizer.json, a Hugging Face model directory, or "
+        "bpe (trained here; .npy output only)",
+    )
+    p.add_argument("--text-key", default="text", help="the field of a jsonl record or parquet row holding the text")
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1; 0: this process)")
+    p.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS, help="ids per shard")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of counting it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--vocab-size", type=positive_int, help="bpe vocabulary size (default 8192; .npy output)")
+    p.add_argument("--max-bytes", type=positive_int, help="read at most this many bytes of text (.npy output)")
+    p.add_argument("--glob", default="*.txt", help="file pattern inside directories (.npy output; default *.txt)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="hold out this fraction: every 1/f-th document (DIR/val) or the last tokens (OUT-val.npy)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
-    p = commands.add_parser("inspect", help="describe a token file")
+    p = commands.add_parser("inspect", help="describe a token file or shard directory")
     p.add_argument("file", type=Path)
     p.add_argument("--seq-len", type=positive_int, default=1024, help="window length to count windows for")
     p.add_argument("--vocab-size", type=positive_int, help="also check the file against this model vocabulary")
@@ -56,6 +80,9 @@ def _describe(info: PreparedInfo) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
+    if args.output.suffix != ".npy":
+        _prepare_shards(args)
+        return
     _describe(
         prepare(
             args.inputs,
@@ -70,7 +97,59 @@ def _prepare(args: argparse.Namespace) -> None:
     )
 
 
+def _prepare_shards(args: argparse.Namespace) -> None:
+    for flag, given in (("--max-bytes", args.max_bytes), ("--vocab-size", args.vocab_size), ("--glob", args.glob)):
+        if given is not None and given != "*.txt":
+            raise DataError(f"{flag} applies to a .npy output only; a shard directory takes every document")
+    result = prepare_shards(
+        args.inputs,
+        args.output,
+        tokenizer=args.tokenizer,
+        text_key=args.text_key,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        val_fraction=args.val_fraction,
+        strict=args.strict,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    m = result.manifest
+    if result.already:
+        print(f"{args.output} is already prepared with these settings ({m['tokens']:,} tokens); nothing to do")
+        return
+    bad = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in m["bad_records"].items() if n) or "none"
+    print(
+        f"wrote {args.output}: {m['tokens']:,} {m['dtype']} tokens of {m['documents']:,} documents in "
+        f"{len(m['shards'])} shards ({m['tokenizer']['kind']} vocab {m['tokenizer']['vocab_size']}); bad records: {bad}"
+    )
+    if m["val"]:
+        val = read_manifest(args.output / m["val"])
+        print(f"wrote {args.output / m['val']}: {val['tokens']:,} held-out tokens of {val['documents']:,} documents")
+
+
+def _inspect_shards(args: argparse.Namespace) -> None:
+    m = read_manifest(args.file)
+    rows = {
+        "directory": str(args.file),
+        "tokens": f"{m['tokens']:,} {m['dtype']} in {len(m['shards'])} shards of up to {m['shard_tokens']:,}",
+        "documents": f"{m['documents']:,}",
+        "tokenizer": f"{m['tokenizer']['kind']}, vocab {m['tokenizer']['vocab_size']}, eos {m['tokenizer']['eos_id']}",
+        "sources": f"{len(m['settings']['sources'])} files",
+        "bad": ", ".join(f"{n} {k}" for k, n in m["bad_records"].items() if n) or "none",
+        "held out": str(args.file / m["val"]) if m["val"] else "none",
+    }
+    vocab = args.vocab_size or m["tokenizer"]["vocab_size"]
+    files = shard_files(args.file, vocab, args.seq_len)
+    rows["windows"] = f"{sum(f.num_windows for f in files):,} of seq_len {args.seq_len}"
+    rows["sample"] = repr(tokenizer_for(args.file).decode(files[0].tokens[:_SAMPLE_TOKENS]))
+    for name, value in rows.items():
+        print(f"{name:<10} {value}")
+
+
 def _inspect(args: argparse.Namespace) -> None:
+    if args.file.is_dir():
+        _inspect_shards(args)
+        return
     tokens = open_tokens(args.file)
     if len(tokens) == 0:
         raise DataError(f"{args.file} holds no tokens")

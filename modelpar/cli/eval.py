@@ -4,10 +4,12 @@
 
 The model's shape comes from the checkpoint (a field set on the command line must agree with it). Scores the
 first ``eval.windows`` windows of ``data.seq_len + 1`` tokens (neighbours share one token) of
-``data.path`` (the default corpus's held-out split when empty). The windows form one batch, split over dp
-replicas and ``parallel.microbatches``, and run through the same pipeline runtime as training, forwards only
-(the schedule's forwards in its order, without autograd); every window
-has the same number of tokens, so the mean of micro-batch means is the mean over all tokens. The last line
+``data.val_path``, else the held-out split of ``data.path`` (a shard directory's ``val/``; a token file is
+scored itself), else the default corpus's held-out split. A ``data.blend`` is scored on each dataset's held-out
+split; the JSON line then has each one's loss and their mean weighted by the blend. The windows form one
+batch, split over dp replicas and ``parallel.microbatches``, and run through the same pipeline runtime as
+training, forwards only (the schedule's forwards in its order, without autograd); every window has the same
+number of tokens, so the mean of micro-batch means is the mean over all tokens. The last line
 printed is JSON: ``{"eval_loss": ..., "windows": ..., "tokens": ...}``.
 """
 
@@ -30,12 +32,13 @@ from modelpar.backends import rank_setup
 from modelpar.checkpoint.reshard import load_model_from_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
-from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.data import DataError, default_corpus, eval_split, open_dataset
 from modelpar.model.config import IDENTITY, ModelConfig
+from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.pipeline import PipelineRuntime, forward_only
-from modelpar.training.build import build_rank_model, resolve_device
+from modelpar.training.build import build_rank_model, resolve_device, resolve_eos_id
 from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register_schema, validate
 from modelpar.training.preflight import USER_ERRORS, runs_on_cpu
 
@@ -94,7 +97,7 @@ def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -
     m = cfg.parallel.microbatches
     per_replica = cfg.eval.windows // layout.dp
     start = groups.dp_rank * per_replica
-    tokens = TokenFile.open(data_path, cfg.model.vocab_size, cfg.data.seq_len)
+    tokens = open_dataset(data_path, cfg.model.vocab_size, cfg.data.seq_len)
     inputs, targets = tokens.batch(range(start, start + per_replica))
     runtime = PipelineRuntime(
         model.chunks,
@@ -104,12 +107,19 @@ def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -
         loss_fn=model.chunks[-1].loss,
         device=device,
     )
+    if cfg.data.document_mask:  # scored as trained: each token sees only its own document
+        documents = document_ids(inputs, resolve_eos_id(cfg, data_path)).to(device).chunk(m)
+        for chunk in model.chunks:
+            chunk.documents.source = lambda: documents[runtime.current.micro_batch]
+    cp = model.chunks[0].cp  # under context parallelism each rank scores its two chunks of every window
+    inputs, targets = split_for_context(inputs, cp), split_for_context(targets, cp)
     result = runtime.step(list(inputs.to(device).chunk(m)), list(targets.to(device).chunk(m)))
     loss = torch.tensor([result.loss], dtype=torch.float64)
-    if layout.dp > 1:
-        dist.all_reduce(loss, group=groups.dp_group)
+    replicas = layout.dp * layout.cp  # equal token counts: the mean of their means is the mean
+    if replicas > 1:
+        dist.all_reduce(loss, group=groups.dp_cp_group)
     if dist.get_rank() == 0:
-        Path(result_path).write_text(json.dumps({"eval_loss": loss.item() / layout.dp}))
+        Path(result_path).write_text(json.dumps({"eval_loss": loss.item() / replicas}))
 
 
 def run(cfg: TrainConfig, overridden: frozenset[str] = frozenset()) -> dict:
@@ -123,13 +133,40 @@ def run(cfg: TrainConfig, overridden: frozenset[str] = frozenset()) -> dict:
         cfg = replace(cfg, model=model_of_checkpoint(cfg, index["model"], overridden, ckpt))
         cfg = eval_config(cfg, microbatches_set="parallel.microbatches" in overridden or "parallel" in overridden)
         validate(cfg)
-        path = cfg.data.path or str(default_corpus(cfg.data.cache_dir, max_bytes=cfg.data.corpus_max_bytes).val_path)
-        tokens = TokenFile.open(path, cfg.model.vocab_size, cfg.data.seq_len)
-        if tokens.num_windows < cfg.eval.windows:
-            raise DataError(f"{path} has {tokens.num_windows} windows, fewer than eval.windows={cfg.eval.windows}")
+        sets = eval_sets(cfg)
+        for path, _ in sets:
+            tokens = open_dataset(path, cfg.model.vocab_size, cfg.data.seq_len)
+            if tokens.num_windows < cfg.eval.windows:
+                raise DataError(f"{path} has {tokens.num_windows} windows, fewer than eval.windows={cfg.eval.windows}")
     except USER_ERRORS as exc:
         print(f"modelpar-eval: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    losses = {path: _evaluate(cfg, path, ckpt)["eval_loss"] for path, _ in sets}
+    if len(sets) == 1:
+        result = {"eval_loss": losses[sets[0][0]]}
+    else:
+        total = sum(weight for _, weight in sets)
+        result = {"eval_loss": sum(losses[p] * w for p, w in sets) / total, "eval_loss_by_dataset": losses}
+    result |= {"windows": cfg.eval.windows, "tokens": cfg.eval.windows * cfg.data.seq_len, "checkpoint": str(ckpt)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def eval_sets(cfg: TrainConfig) -> list[tuple[str, float]]:
+    """What to score, with weights: ``data.val_path``; each blend dataset's held-out split; the held-out split
+    of ``data.path`` (or the file itself); the default corpus's held-out split."""
+    d = cfg.data
+    if d.val_path:
+        return [(d.val_path, 1.0)]
+    if d.blend:
+        return [(eval_split(e.path), e.weight) for e in d.blend]
+    if d.path:
+        return [(eval_split(d.path), 1.0)]
+    return [(str(default_corpus(d.cache_dir, max_bytes=d.corpus_max_bytes).val_path), 1.0)]
+
+
+def _evaluate(cfg: TrainConfig, path: str, ckpt: Path) -> dict:
+    """One launch of the eval ranks on ``path``."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "result.json")
         try:
@@ -147,10 +184,7 @@ def run(cfg: TrainConfig, overridden: frozenset[str] = frozenset()) -> dict:
         except LaunchError as exc:
             print(f"modelpar-eval: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        result = json.loads(Path(result_path).read_text())
-    result |= {"windows": cfg.eval.windows, "tokens": cfg.eval.windows * cfg.data.seq_len, "checkpoint": str(ckpt)}
-    print(json.dumps(result), flush=True)
-    return result
+        return json.loads(Path(result_path).read_text())
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="eval")

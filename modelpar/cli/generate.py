@@ -16,7 +16,7 @@ import torch
 
 from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
 from modelpar.cli.args import non_negative_float, positive_int
-from modelpar.data import TokenFile, load_tokenizer, tokenizer_for
+from modelpar.data import load_tokenizer, open_dataset, tokenizer_for
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import ModelChunk, build_model
 
@@ -56,7 +56,7 @@ def sample_from_checkpoint(
 ) -> str:
     """A continuation of the start of ``token_path`` (sampled at ``temperature``), decoded with the file's tokenizer."""
     model = load_single_device_model(ckpt)
-    data = TokenFile.open(token_path, model.config.vocab_size, seq_len)
+    data = open_dataset(token_path, model.config.vocab_size, seq_len)
     prompt, _ = data.window(0)
     prompt = prompt[:prompt_len]
     out = generate(model, prompt, tokens, temperature)

@@ -1,8 +1,9 @@
-"""``modelpar-plan``: rank the ``tp x pp x dp`` layouts of a model on a cluster by predicted throughput, among
+"""``modelpar-plan``: rank the ``tp x cp x pp x dp`` layouts of a model on a cluster by predicted throughput, among
 those that fit in memory, and print the ``modelpar-train`` overrides that run the best (``modelpar.perf.plan``).
 
     modelpar-plan --model llama-8b --gpus 64 --global-batch 512 --seq-len 4096
     modelpar-plan --model tiny --gpus 4 --global-batch 16 --seq-len 64 --hardware cpu --json plan.json
+    modelpar-plan --model llama-8b --gpus 64 --global-batch 32 --seq-len 131072 --flash-attention   # long context
 
 A bad input is one line on stderr and exit status 2.
 """
@@ -16,7 +17,7 @@ import pathlib
 import sys
 from collections.abc import Iterator, Sequence
 
-from modelpar.model.transformer import RECOMPUTE
+from modelpar.model.activations import RECOMPUTE
 from modelpar.perf.plan import (
     GIB,
     HARDWARE,
@@ -41,7 +42,7 @@ TRAINER_RECOMPUTE = RECOMPUTE
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="modelpar-plan",
-        description="Rank tp x pp x dp layouts of a model by predicted throughput among those that fit in memory.",
+        description="Rank tp x cp x pp x dp layouts of a model by predicted throughput among those that fit in memory.",
     )
     ap.add_argument("--model", default="llama-8b", help=f"preset in recipes/model ({', '.join(model_presets())})")
     for flag in ("vocab-size", "hidden", "layers", "heads", "kv-heads", "ffn-hidden"):
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, help="pin tensor parallelism")
     ap.add_argument("--pp", type=int, help="pin pipeline parallelism")
     ap.add_argument("--dp", type=int, help="pin data parallelism")
+    ap.add_argument("--cp", type=int, help="pin context parallelism (each sequence split over cp ranks)")
+    ap.add_argument("--cp-comm", default="ring,allgather", help="comma-separated K/V exchanges to try under cp")
     ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
     ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
     ap.add_argument(
@@ -132,6 +135,8 @@ def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
         return None
     layout = strategy.layout
     out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.dp={layout.dp}"]
+    if layout.cp > 1:
+        out += [f"parallel.cp={layout.cp}", f"parallel.cp_comm={strategy.cp_comm}"]
     if layout.vpp > 1:
         out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
     out.append(f"parallel.microbatches={strategy.micro_batches}")
@@ -154,17 +159,18 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
     header = (
-        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero1':<5} {'sp':<3} "
+        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero1':<5} {'sp':<3} {'cp comm':<9} "
         f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
     )
     yield header
     yield "-" * len(header)
     for i, entry in enumerate(planned[:top], 1):
         s, p = entry.strategy, entry.prediction
-        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s
+        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s + p.cp_comm_s
         yield (
             f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
-            f"{'yes' if s.zero1 else 'no':<5} {'yes' if s.sp else 'no':<3} {p.memory.total / GIB:>7.1f} "
+            f"{'yes' if s.zero1 else 'no':<5} {'yes' if s.sp else 'no':<3} "
+            f"{s.cp_comm if s.layout.cp > 1 else '-':<9} {p.memory.total / GIB:>7.1f} "
             f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
             f"{comm / p.total_s:>5.1%}"
         )
@@ -179,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tp=args.tp,
             pp=args.pp,
             dp=args.dp,
+            cp=args.cp,
+            cp_comm=tuple(c.strip() for c in args.cp_comm.split(",") if c.strip()),
             max_vpp=args.max_vpp,
             max_micro_batch_size=args.max_micro_batch_size,
             recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),

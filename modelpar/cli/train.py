@@ -1,9 +1,10 @@
-"""modelpar-train: pretrain with a Hydra recipe on any tp x pp x dp layout.
+"""modelpar-train: pretrain with a Hydra recipe on any tp x cp x pp x dp layout.
 
     modelpar-train                                   # recipes/train.yaml: tiny model, tp=2 x pp=2, 1F1B, 4 CPU ranks
     modelpar-train parallel=dp2-tp2-pp2 trainer.steps=50
     modelpar-train parallel.tp=2 parallel.pp=2 parallel.schedule=zb-h1 parallel.microbatches=8
     modelpar-train -m parallel=single,tp2,pp2        # a Hydra multirun sweep
+    modelpar-train parallel=single parallel.cp=2 data.document_mask=true   # each sequence over 2 ranks
 
 Everything that can be checked is checked here, before any rank starts (one line per problem,
 ``modelpar.training.preflight``). Outside torchrun/SLURM the ranks are spawned locally; under them, this

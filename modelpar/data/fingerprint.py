@@ -3,6 +3,7 @@
 A checkpoint records the fingerprint of the data it was trained on; the sampler position it saves is only
 meaningful on the same bytes, so resuming on a changed file is refused unless ``data.allow_changed=true``.
 The cache (``<file>.fingerprint.json``) is trusted only while the file's size and modification time match.
+A shard directory's fingerprint covers its manifest and every shard; a blend's covers each dataset and weight.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from modelpar.data.blend import Blend
+from modelpar.data.shards import MANIFEST, read_manifest
 from modelpar.data.token_file import DataError
 
 _CHUNK = 1 << 22
@@ -21,9 +24,24 @@ def _cache_of(path: Path) -> Path:
     return path.with_name(path.name + ".fingerprint.json")
 
 
-def fingerprint(path: str | Path) -> dict:
-    """``{"size": bytes, "sha256": hex}`` of ``path``, from the cache when the file is unchanged since."""
+def fingerprint(path) -> dict:
+    """``{"size": bytes, "sha256": hex}`` of ``path`` (a token file, a shard directory or a ``Blend``)."""
+    if isinstance(path, Blend):  # by position and weight: the same datasets moved elsewhere are the same data
+        return _combined([(f"dataset {i} weight {w!r}", fingerprint(p)) for i, (p, w) in enumerate(path.parts)])
     path = Path(path)
+    if path.is_dir():
+        files = [MANIFEST, *(shard["file"] for shard in read_manifest(path)["shards"])]
+        return _combined([(name, _file_fingerprint(path / name)) for name in files])
+    return _file_fingerprint(path)
+
+
+def _combined(named: list[tuple[str, dict]]) -> dict:
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode())
+    return {"size": sum(fp["size"] for _, fp in named), "sha256": digest.hexdigest()}
+
+
+def _file_fingerprint(path: Path) -> dict:
+    """One file's fingerprint, from the cache when the file is unchanged since."""
     try:
         st = path.stat()
     except OSError as exc:
@@ -53,7 +71,7 @@ def describe(fp: dict) -> str:
     return f"{fp['size']} bytes, sha256 {fp['sha256'][:16]}"
 
 
-def check_same_data(saved: dict | None, path: str | Path, allow_changed: bool, ckpt: str | Path) -> None:
+def check_same_data(saved: dict | None, path, allow_changed: bool, ckpt: str | Path) -> None:
     """Raise ``DataError`` (one line, both fingerprints) if ``path`` is not the data ``ckpt`` was trained on."""
     if not saved or allow_changed:
         return

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from modelpar.data.shards import tokenizer_file_of
 from modelpar.data.token_file import DataError
 from modelpar.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer, train_bpe
 
@@ -95,7 +96,10 @@ class PreparedInfo:
 
 
 def tokenizer_for(path: str | Path) -> Tokenizer:
-    """The tokenizer that produced token file ``path``, from its sidecar (e.g. to decode samples)."""
+    """The tokenizer that produced token file ``path`` (its sidecar) or shard directory ``path`` (its manifest),
+    e.g. to decode samples."""
+    if Path(path).is_dir():
+        return load_tokenizer(tokenizer_file_of(path) or "byte")
     info = PreparedInfo.read(path)
     return load_tokenizer(info.tokenizer_path or info.tokenizer)
 

@@ -6,11 +6,14 @@
 A ``ModelChunk`` is a contiguous run of blocks, plus the embedding on the first chunk and the final norm and
 head on the last; the whole model is one chunk holding everything, and tp=1 without a process group is the
 single-device reference. Under sequence parallel the residual stream between blocks (and between pipeline
-stages) is sharded along the sequence: [b, s/t, h].
+stages) is sharded along the sequence: [b, s/t, h]. Under context parallelism every rank of the cp group holds
+two chunks of each sequence (``modelpar.parallel.context``), the stream is [b, s/cp, h] ([b, s/(cp*t), h] with
+sequence parallel) and only attention talks over cp.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -18,11 +21,13 @@ from modelpar_kernels import resolve_backend
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from modelpar.model.activations import DEFAULT_SELECTIVE, ActivationOffload, RecomputePolicy
 from modelpar.model.config import ModelConfig
 from modelpar.model.init import init_logical
 from modelpar.model.layers import (
     ColumnParallelLinear,
     ColumnPart,
+    DocumentIds,
     ParallelAttention,
     ParallelSwiGLU,
     RMSNorm,
@@ -32,12 +37,11 @@ from modelpar.model.layers import (
     vocab_range,
 )
 from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
+from modelpar.parallel.context import ContextParallelGroup
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.parallel.regions import TensorParallelGroup
 
 BLOCK_HALVES = ("attention", "mlp")
-# none: keep what every op saves for backward; full: keep each block's input only and rerun the block in backward
-RECOMPUTE = ("none", "full")
 
 
 class Block(nn.Module):
@@ -55,6 +59,9 @@ class Block(nn.Module):
         sequence_parallel: bool,
         backend: str,
         half: str | None = None,
+        cp: ContextParallelGroup | None = None,
+        documents: DocumentIds | None = None,
+        recompute: RecomputePolicy | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -62,11 +69,12 @@ class Block(nn.Module):
         if half is not None and half not in BLOCK_HALVES:
             raise ValueError(f"half={half!r} must be None or one of {BLOCK_HALVES}")
         self.half = half
+        self.recompute = recompute or RecomputePolicy()
         kw = dict(sequence_parallel=sequence_parallel, backend=backend, device=device, dtype=dtype)
         if half != "mlp":
             self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             self.self_attn = ParallelAttention(
-                config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, **kw
+                config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, cp=cp, documents=documents, **kw
             )
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
@@ -74,10 +82,16 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.half != "mlp":
-            x = x + self.self_attn(self.input_layernorm(x))
+            x = x + self.recompute.run_half("attention", self._attention, x)
         if self.half != "attention":
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.recompute.run_half("mlp", self._mlp, x)
         return x
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
 
     def logical_shards(self, prefix: str) -> dict[str, ShardInfo]:
         shards = {}
@@ -101,7 +115,9 @@ class ModelChunk(nn.Module):
     ``"attention"`` half, so the chunk stays a contiguous piece of the model.
 
     ``chunk(x)``: x is token ids [b, s] int64 on the first chunk, else the residual stream [b, s, h]
-    ([b, s/t, h] with sequence parallel). Returns the residual stream, or this rank's vocab-shard logits
+    ([b, s/t, h] with sequence parallel; under context parallelism ``cp`` s is this cp rank's s/cp tokens, see
+    ``modelpar.parallel.context.split_for_context``). ``documents.source`` (unset: plain causal) gives the
+    document ids of the micro-batch being computed, for document-causal attention. Returns the residual stream, or this rank's vocab-shard logits
     [b, s, V_pad/t] on the last chunk. Parameters hold only this rank's tp shard; ``logical_shards`` maps them
     to the global (HF Llama named) tensors. With tied embeddings the head reuses the embedding when both are in
     this chunk; otherwise the last chunk holds a copy named ``embed_tokens.weight`` too, whose gradient the
@@ -119,14 +135,18 @@ class ModelChunk(nn.Module):
         split_blocks: Mapping[int, str] | None = None,
         sequence_parallel: bool = False,
         recompute: str = "none",
+        recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
+        cp: ContextParallelGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
+        policy = RecomputePolicy(recompute, recompute_modules)  # raises on an unknown mode or module
         self.config, self.tp, self.first, self.last = config, tp, first, last
         self.recompute = recompute
+        self.offload: ActivationOffload | None = None  # set to move saved activations to host memory
+        self.cp = cp or ContextParallelGroup()
+        self.documents = DocumentIds()
         self.layer_ids = ids = tuple(layer_ids)
         if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
             raise ValueError(f"layer_ids={ids} must be ascending ids in 0..{config.layers - 1}")
@@ -145,7 +165,19 @@ class ModelChunk(nn.Module):
         h = config.hidden
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, **kw) if first else None
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, tp, backend=self.backend, half=self.split_blocks.get(i), **kw) for i in ids}
+            {
+                str(i): Block(
+                    config,
+                    tp,
+                    backend=self.backend,
+                    half=self.split_blocks.get(i),
+                    cp=self.cp,
+                    documents=self.documents,
+                    recompute=policy,
+                    **kw,
+                )
+                for i in ids
+            }
         )
         self.norm = RMSNorm(h, config.norm_eps, tp, backend=self.backend, **kw) if last else None
         self.lm_head = None
@@ -171,15 +203,17 @@ class ModelChunk(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids [b, s] (first chunk) or [b, s, h] / [b, s/t, h] -> [b, s, h] / [b, s/t, h] or logits."""
         if self.embed_tokens is not None:
-            self._check_sequence(x.shape[1])
+            self._check_sequence(x.shape[1] * self.cp.size)
             x = self.embed_tokens(x)
-        for block in self.layers.values():
-            if self.recompute == "full" and torch.is_grad_enabled():
-                # keep the block's input only; backward reruns its forward (collectives included, in the
-                # same order on every tp rank) to get what its own backward needs
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        offload = self.offload is not None and torch.is_grad_enabled()
+        with self.offload.hooks() if offload else contextlib.nullcontext():
+            for block in self.layers.values():
+                if self.recompute == "full" and torch.is_grad_enabled():
+                    # keep the block's input only; backward reruns its forward (collectives included, in the
+                    # same order on every tp rank) to get what its own backward needs
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)  # selective recompute: the block's halves decide (``model.activations``)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x
@@ -192,15 +226,23 @@ class ModelChunk(nn.Module):
         return self.cross_entropy(logits, targets)
 
     def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
-        """Shape of the residual stream entering or leaving this chunk between stages: [b, s, h] or [b, s/t, h]."""
+        """Shape of the residual stream entering or leaving this chunk between stages, for sequences of ``seq``
+        tokens: [b, s, h], [b, s/t, h] (sequence parallel), divided by cp along s under context parallelism."""
         self._check_sequence(seq)
-        return (batch, seq // self.tp.size if self.sequence_parallel else seq, self.config.hidden)
+        local = seq // self.cp.size
+        return (batch, local // self.tp.size if self.sequence_parallel else local, self.config.hidden)
 
     def _check_sequence(self, seq: int) -> None:
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}")
-        if self.sequence_parallel and seq % self.tp.size:
-            raise ValueError(f"sequence parallel needs the sequence length {seq} divisible by tp={self.tp.size}")
+        cp = self.cp.size
+        if cp > 1 and seq % (2 * cp):
+            raise ValueError(f"context parallelism needs the sequence length {seq} divisible by 2*cp={2 * cp}")
+        if self.sequence_parallel and (seq // cp) % self.tp.size:
+            raise ValueError(
+                f"sequence parallel needs the sequence length {seq} divisible by tp={self.tp.size}"
+                + (f" x cp={cp}" if cp > 1 else "")
+            )
 
     def logical_shards(self) -> dict[str, ShardInfo]:
         """Every logical tensor this chunk holds (a piece of), by HF Llama name without the ``model.`` prefix."""
@@ -288,6 +330,13 @@ def tensor_parallel_group(groups=None) -> TensorParallelGroup:
     return TensorParallelGroup.of(groups)
 
 
+def context_parallel_group(groups=None, comm: str = "ring") -> ContextParallelGroup:
+    """The cp group of a ``ParallelGroups`` (exchanging K/V by ``comm``); no context parallelism otherwise."""
+    if groups is None or isinstance(groups, TensorParallelGroup):
+        return ContextParallelGroup(comm=comm)
+    return ContextParallelGroup.of(groups, comm)
+
+
 def build_chunk(
     config: ModelConfig,
     groups,
@@ -299,13 +348,16 @@ def build_chunk(
     split_blocks: Mapping[int, str] | None = None,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
+    cp_comm: str = "ring",
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> ModelChunk:
     """One pipeline chunk, initialised layout-invariantly from ``seed``.
 
-    ``groups``: a ``ParallelGroups`` (its tp group is used), a ``TensorParallelGroup``, or None (single device).
-    ``split_blocks``: blocks held in part, as for ``ModelChunk``.
+    ``groups``: a ``ParallelGroups`` (its tp and cp groups are used), a ``TensorParallelGroup``, or None (single
+    device). ``split_blocks``: blocks held in part, as for ``ModelChunk``. ``cp_comm``: ring | allgather, how
+    attention exchanges K/V under context parallelism.
     """
     chunk = ModelChunk(
         config,
@@ -316,6 +368,8 @@ def build_chunk(
         split_blocks=split_blocks,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
+        recompute_modules=recompute_modules,
+        cp=context_parallel_group(groups, cp_comm),
         device=device,
         dtype=dtype,
     )
@@ -330,6 +384,8 @@ def build_model(
     seed: int,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
+    cp_comm: str = "ring",
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> ModelChunk:
@@ -343,6 +399,8 @@ def build_model(
         seed=seed,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
+        recompute_modules=recompute_modules,
+        cp_comm=cp_comm,
         device=device,
         dtype=dtype,
     )

@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping with every parameter counted exactly once across tp, pp and dp."""
+"""Global gradient-norm clipping with every parameter counted exactly once across tp, pp and dp (x cp)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def clip_grad_norm(
     total = _local_sum_of_squares(params_with_info, groups.tp_group)
     reduce_over = [(groups.tp_group, groups.tp_ranks), (groups.pp_group, groups.pp_ranks)]
     if zero_sharded:
-        reduce_over.append((groups.dp_group, groups.dp_ranks))
+        reduce_over.append((groups.dp_cp_group, groups.dp_cp_ranks))  # ZeRO-1 shards over dp x cp
     with collectives.comm_tag("grad_norm"):
         for group, ranks in reduce_over:
             if len(ranks) > 1:

@@ -29,7 +29,7 @@ from modelpar.optim.state import MOMENTS, load_optimizer_state_tensors, optimize
 from modelpar.optim.zero import ZeroOneAdamW
 from modelpar.parallel.groups import ParallelGroups
 
-ZERO_STAGES = (0, 1)  # optim.zero: 0 replicated, 1 optimizer state sharded over dp
+ZERO_STAGES = (0, 1)  # optim.zero: 0 replicated, 1 optimizer state sharded over dp (x cp)
 
 
 def _nothing() -> None:
@@ -124,7 +124,8 @@ class ReplicatedAdamW(DataParallelOptimizer):
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, *, bucket_bytes: int, **adam):
         super().__init__(params_with_info, groups)
         params = [p for p, _ in self.params_with_info]
-        self.sync = GradientSynchronizer(params, groups.dp_group, bucket_bytes=bucket_bytes)
+        # weights are replicated over dp x cp: gradients average over both (dp_cp is dp when cp=1)
+        self.sync = GradientSynchronizer(params, groups.dp_cp_group, bucket_bytes=bucket_bytes)
         self.optimizer = build_adamw(self.params_with_info, **adam)
 
     def final_backward(self) -> contextlib.AbstractContextManager:
@@ -164,7 +165,7 @@ class ZeroOneOptimizer(DataParallelOptimizer):
 
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
         super().__init__(params_with_info, groups)
-        self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_group, **adam)
+        self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_cp_group, **adam)  # sharded over dp x cp
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()

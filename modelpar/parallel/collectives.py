@@ -140,18 +140,31 @@ def set_collective_observer(observer: CollectiveObserver | None) -> None:
     _observer = observer
 
 
+def profiler_range(name: str) -> contextlib.AbstractContextManager:
+    """A range named ``name`` in a ``torch.profiler`` trace while one records; nothing (and no cost) otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def _profiled(kind: str) -> contextlib.AbstractContextManager:
+    return profiler_range(f"{kind}:{_tags[-1]}" if _tags else kind)
+
+
 @contextlib.contextmanager
 def blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Tell the observer (if any) that this rank waits in collective ``kind`` over ``group`` until the block ends."""
+    """Tell the observer (if any) that this rank waits in collective ``kind`` over ``group`` until the block ends;
+    a profiler trace shows the block as ``kind:tag``."""
     observer = _observer
-    if observer is None:
-        yield
-        return
-    observer.wait(f"{kind} over {group_size(group)} ranks")
-    try:
-        yield
-    finally:
-        observer.done_waiting()
+    with _profiled(kind):
+        if observer is None:
+            yield
+            return
+        observer.wait(f"{kind} over {group_size(group)} ranks")
+        try:
+            yield
+        finally:
+            observer.done_waiting()
 
 
 # torch renamed all_gather_into_tensor; keep working on releases before the rename
@@ -231,5 +244,17 @@ def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=d
     backward is still computing the rest. Handles of one group must be waited on in the order they were made.
     """
     _record("all_reduce", tensor, group)
-    work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
-    return work if work is not None else dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    with _profiled("all_reduce"):
+        work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
+        return work if work is not None else dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def send_recv(
+    send: torch.Tensor, recv: torch.Tensor, send_to: int, recv_from: int, group: dist.ProcessGroup | None
+) -> list:
+    """Post ``send`` to global rank ``send_to`` and a receive into ``recv`` from ``recv_from`` as one
+    ``batch_isend_irecv`` (one step of a ring); returns the works to wait on. Records the bytes sent."""
+    _record("send_recv", send, group)
+    ops = [dist.P2POp(dist.isend, send, send_to, group), dist.P2POp(dist.irecv, recv, recv_from, group)]
+    with _profiled("send_recv"):
+        return dist.batch_isend_irecv(ops)

@@ -48,6 +48,12 @@ class ParallelGroups:
     pp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     embedding_ranks: tuple[int, ...]
+    # context parallelism: the cp ring, and the dp x cp ranks that hold the same weights (gradients reduce over
+    # them); with cp=1 these are this rank alone and the dp group, no new group is made
+    cp_group: dist.ProcessGroup | None = None
+    cp_ranks: tuple[int, ...] = ()
+    dp_cp_group: dist.ProcessGroup | None = None
+    dp_cp_ranks: tuple[int, ...] = ()
 
     _cache = {}  # layout -> ParallelGroups of this process
 
@@ -64,6 +70,10 @@ class ParallelGroups:
         return self.dp_ranks.index(self.rank)
 
     @property
+    def cp_rank(self) -> int:
+        return self.cp_ranks.index(self.rank) if self.cp_ranks else 0
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -74,8 +84,8 @@ class ParallelGroups:
     @classmethod
     def build(cls, layout: ParallelLayout) -> ParallelGroups:
         """Create (or fetch cached) groups of ``layout`` on the initialised world."""
-        layout = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.vpp)
-        key = (layout.tp, layout.pp, layout.dp)
+        layout = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.vpp, layout.cp)
+        key = (layout.tp, layout.pp, layout.dp, layout.cp)
         if key in cls._cache:
             cached = cls._cache[key]
             return cached if cached.layout == layout else _with_layout(cached, layout)
@@ -85,12 +95,17 @@ class ParallelGroups:
         rank = dist.get_rank()
         mine = {}
         # new_group is collective over the whole world: every rank creates every group, in the same order.
-        for kind, groups in (
+        kinds = [
             ("tp", layout.all_tp_groups()),
             ("pp", layout.all_pp_groups()),
             ("dp", layout.all_dp_groups()),
             ("embedding", layout.all_embedding_groups()),
-        ):
+        ]
+        if layout.cp > 1:
+            kinds.append(("cp", layout.all_cp_groups()))
+            if layout.dp > 1:
+                kinds.append(("dp_cp", layout.all_dp_cp_groups()))
+        for kind, groups in kinds:
             for ranks in groups:
                 group = _new_group(kind, ranks)
                 if rank in ranks:
@@ -106,6 +121,10 @@ class ParallelGroups:
             pp_ranks=mine["pp"][1],
             dp_ranks=mine["dp"][1],
             embedding_ranks=mine["embedding"][1] if "embedding" in mine else (),
+            cp_group=mine["cp"][0] if "cp" in mine else None,
+            cp_ranks=mine["cp"][1] if "cp" in mine else (rank,),
+            dp_cp_group=mine.get("dp_cp", mine.get("cp", mine["dp"]))[0],
+            dp_cp_ranks=mine.get("dp_cp", mine.get("cp", mine["dp"]))[1],
         )
         cls._cache[key] = built
         return built

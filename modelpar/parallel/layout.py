@@ -1,13 +1,17 @@
-"""Parallel layout: how ``tp x pp x dp`` ranks map onto the world.
+"""Parallel layout: how ``tp x cp x pp x dp`` ranks map onto the world.
 
-Rank order is ``(dp, pp, tp)`` with tp varying fastest, so the ranks of one tensor-parallel group are
-neighbours (the GPUs of one node), then pipeline stages, then data-parallel replicas::
+Rank order is ``(dp, pp, cp, tp)`` with tp varying fastest, so the ranks of one tensor-parallel group are
+neighbours (the GPUs of one node), then context-parallel ranks (the sequence split), then pipeline stages,
+then data-parallel replicas::
 
-    tp=2, pp=2, dp=2            rank = (dp * pp + pp_rank) * tp + tp_rank
+    tp=2, pp=2, dp=2            rank = ((dp * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
     rank : 0 1 2 3 4 5 6 7
     tp   : 0 1 0 1 0 1 0 1
     pp   : 0 0 1 1 0 0 1 1
     dp   : 0 0 0 0 1 1 1 1
+
+With cp=1 the mapping is the ``tp x pp x dp`` one above. Weights are replicated over cp as over dp, so their
+gradients are reduced over the ``dp x cp`` ranks of a (pp, tp) coordinate (``dp_cp_ranks``).
 
 A layout is plain data: it builds no process groups (see ``modelpar.parallel.groups.ParallelGroups``), so any
 number of layouts can coexist in one process.
@@ -29,6 +33,7 @@ class RankCoords:
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -37,15 +42,17 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """``tp`` tensor-parallel x ``pp`` pipeline stages x ``dp`` replicas; ``vpp`` model chunks per stage."""
+    """``tp`` tensor-parallel x ``cp`` context-parallel x ``pp`` pipeline stages x ``dp`` replicas; ``vpp``
+    model chunks per stage."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp"):
+        for name in ("tp", "pp", "dp", "vpp", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise LayoutError(f"{name}={value!r} must be a positive integer")
@@ -56,31 +63,47 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def coords(self, rank: int) -> RankCoords:
-        """Coordinates of ``rank`` (tp fastest, then pp, then dp)."""
+        """Coordinates of ``rank`` (tp fastest, then cp, then pp, then dp)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size} ({self})")
-        return RankCoords(dp=rank // (self.tp * self.pp), pp=(rank // self.tp) % self.pp, tp=rank % self.tp)
+        inner = self.tp * self.cp
+        return RankCoords(
+            dp=rank // (inner * self.pp),
+            pp=(rank // inner) % self.pp,
+            tp=rank % self.tp,
+            cp=(rank // self.tp) % self.cp,
+        )
 
-    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
-        """Global rank at coordinates ``(dp, pp, tp)``."""
-        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp):
-            raise LayoutError(f"coordinates dp={dp} pp={pp} tp={tp} are outside {self}")
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank(self, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        """Global rank at coordinates ``(dp, pp, tp, cp)``."""
+        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp and 0 <= cp < self.cp):
+            raise LayoutError(f"coordinates dp={dp} pp={pp} tp={tp} cp={cp} are outside {self}")
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     def tp_ranks(self, rank: int) -> list[int]:
         c = self.coords(rank)
-        return [self.rank(c.dp, c.pp, t) for t in range(self.tp)]
+        return [self.rank(c.dp, c.pp, t, c.cp) for t in range(self.tp)]
 
     def pp_ranks(self, rank: int) -> list[int]:
         c = self.coords(rank)
-        return [self.rank(c.dp, p, c.tp) for p in range(self.pp)]
+        return [self.rank(c.dp, p, c.tp, c.cp) for p in range(self.pp)]
 
     def dp_ranks(self, rank: int) -> list[int]:
         c = self.coords(rank)
-        return [self.rank(d, c.pp, c.tp) for d in range(self.dp)]
+        return [self.rank(d, c.pp, c.tp, c.cp) for d in range(self.dp)]
+
+    def cp_ranks(self, rank: int) -> list[int]:
+        """The context-parallel ranks of ``rank``, in ring order (cp coordinate 0, 1, ...)."""
+        c = self.coords(rank)
+        return [self.rank(c.dp, c.pp, c.tp, k) for k in range(self.cp)]
+
+    def dp_cp_ranks(self, rank: int) -> list[int]:
+        """Every rank holding the same weights as ``rank`` (its dp replicas x its cp ranks), ascending."""
+        c = self.coords(rank)
+        return sorted(self.rank(d, c.pp, c.tp, k) for d in range(self.dp) for k in range(self.cp))
 
     def embedding_ranks(self, rank: int) -> list[int]:
         """First and last pipeline stage of ``rank``'s pipeline (one rank when pp == 1)."""
@@ -88,13 +111,27 @@ class ParallelLayout:
         return sorted({stages[0], stages[-1]})
 
     def all_tp_groups(self) -> list[list[int]]:
-        return [self.tp_ranks(self.rank(d, p, 0)) for d in range(self.dp) for p in range(self.pp)]
+        return [
+            self.tp_ranks(self.rank(d, p, 0, k)) for d in range(self.dp) for p in range(self.pp) for k in range(self.cp)
+        ]
 
     def all_pp_groups(self) -> list[list[int]]:
-        return [self.pp_ranks(self.rank(d, 0, t)) for d in range(self.dp) for t in range(self.tp)]
+        return [
+            self.pp_ranks(self.rank(d, 0, t, k)) for d in range(self.dp) for k in range(self.cp) for t in range(self.tp)
+        ]
 
     def all_dp_groups(self) -> list[list[int]]:
-        return [self.dp_ranks(self.rank(0, p, t)) for p in range(self.pp) for t in range(self.tp)]
+        return [
+            self.dp_ranks(self.rank(0, p, t, k)) for p in range(self.pp) for k in range(self.cp) for t in range(self.tp)
+        ]
+
+    def all_cp_groups(self) -> list[list[int]]:
+        return [
+            self.cp_ranks(self.rank(d, p, t, 0)) for d in range(self.dp) for p in range(self.pp) for t in range(self.tp)
+        ]
+
+    def all_dp_cp_groups(self) -> list[list[int]]:
+        return [self.dp_cp_ranks(self.rank(0, p, t, 0)) for p in range(self.pp) for t in range(self.tp)]
 
     def all_embedding_groups(self) -> list[list[int]]:
         return [self.embedding_ranks(g[0]) for g in self.all_pp_groups()]
@@ -103,10 +140,10 @@ class ParallelLayout:
         if world_size != self.world_size:
             raise LayoutError(
                 f"layout {self} needs {self.world_size} ranks but the world has {world_size}; "
-                f"change dp to {world_size // (self.tp * self.pp)} or launch {self.world_size} ranks"
-                if world_size % (self.tp * self.pp) == 0
+                f"change dp to {world_size // (self.tp * self.cp * self.pp)} or launch {self.world_size} ranks"
+                if world_size % (self.tp * self.cp * self.pp) == 0
                 else f"layout {self} needs {self.world_size} ranks but the world has {world_size}; "
-                f"tp*pp={self.tp * self.pp} must divide the world size"
+                f"tp*cp*pp={self.tp * self.cp * self.pp} must divide the world size"
             )
 
     def check_model(self, *, layers: int, heads: int, kv_heads: int, ffn_hidden: int) -> None:
@@ -129,4 +166,5 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         extra = f"-vpp{self.vpp}" if self.vpp > 1 else ""
-        return f"tp{self.tp}-pp{self.pp}-dp{self.dp}{extra}"
+        cp = f"-cp{self.cp}" if self.cp > 1 else ""
+        return f"tp{self.tp}{cp}-pp{self.pp}-dp{self.dp}{extra}"

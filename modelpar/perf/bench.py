@@ -24,7 +24,9 @@ pool (load from other jobs drifts over minutes). From the timed steps it reports
 - peak activation memory per pipeline stage: the CUDA allocator's peak over the step on GPU, on CPU the
   most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``);
 - communication bytes per step by kind (``modelpar.parallel.collectives.record_comm``, summed over ranks) plus the
-  pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``);
+  pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``); under
+  context parallelism the ring's K/V and dK/dV blocks count as ``send_recv``, the all-gather's as
+  ``all_gather``/``reduce_scatter``, and cp rows get the ideal ``cp x single-rank tokens/s``;
 - the peer's tokens/s, our ratio to it, and whether the first step's losses agree (relative 1e-5). The peer
   runs our layer split (``bench.peer_partition=same``), or with ``uniform`` the even split a user of
   ``torch.distributed.pipelining`` gets without a partitioner, named "(uniform split)" in the table.
@@ -60,7 +62,7 @@ from modelpar.parallel.pool import run_on_ranks, shutdown_pools
 from modelpar.perf.bench_config import BenchRecipe, check_options
 from modelpar.perf.layout_spec import layout_name, parse_layout
 from modelpar.perf.memory import SavedTensorMeter
-from modelpar.perf.peers import Peer, peer_name
+from modelpar.perf.peers import Peer, peer_name, torch_context_parallel_problem
 from modelpar.perf.report import text_table, write_results
 from modelpar.perf.summary import pool_passes, summarize
 from modelpar.pipeline import StepResult, partition_uniform
@@ -164,6 +166,9 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
 
     out: dict = {"rank": dist.get_rank(), "pp_rank": trainer.groups.pp_rank, "tp_rank": trainer.groups.tp_rank}
     out["dp_rank"] = trainer.groups.dp_rank
+    out["cp_rank"] = trainer.groups.cp_rank
+    if opts.peer and cfg.parallel.cp > 1 and trainer.layout.world_size == cfg.parallel.cp:
+        out["peer_note"] = torch_context_parallel_problem(device)
     sides = [("ours", ours)] + [("peer", theirs)] * (peer is not None)
     first = {name: _timed(fn, device)[1] for name, fn in sides}
     out["first_loss"] = first

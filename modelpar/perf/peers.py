@@ -53,9 +53,10 @@ PEER_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # schedules torch.distributed
 
 def peer_name(cfg: TrainConfig) -> str | None:
     """What the peer of this layout is, or None when there is none (zb-h1, sp, dp mixed with tp/pp, activation
-    recompute, or an embedding tied across pipeline stages or tp ranks, which the peer does not synchronise)."""
+    recompute, or an embedding tied across pipeline stages or tp ranks, which the peer does not synchronise;
+    context parallelism: see ``torch_context_parallel_problem``)."""
     p = cfg.parallel
-    if cfg.model.tie_embeddings and (p.pp > 1 or p.tp > 1) or p.recompute != "none":
+    if cfg.model.tie_embeddings and (p.pp > 1 or p.tp > 1) or p.recompute != "none" or p.cp > 1:
         return None
     parts = []
     if p.pp > 1:
@@ -71,6 +72,28 @@ def peer_name(cfg: TrainConfig) -> str | None:
             return None
         parts.append("DDP")
     return " + ".join(parts) or "torch eager"
+
+
+def torch_context_parallel_problem(device: torch.device) -> str:
+    """Why PyTorch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``, ring
+    attention under SDPA) is not raced: tried here on a tiny causal attention over the world as one cp mesh,
+    the error it raises in one line, or that it ran (it is not wired as a peer of a whole training step)."""
+    import torch.nn.functional as F
+
+    try:
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
+        x = torch.randn(1, 4 * dist.get_world_size(), 8, device=device)
+        weight = torch.randn(24, 8, device=device, requires_grad=True)
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
+            q, k, v = (x @ weight.t()).unflatten(-1, (3, 1, 8)).unbind(2)
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+            out.sum().backward()
+    except Exception as exc:  # whatever it raises is the answer, reported rather than crashing the bench
+        first_line = (str(exc).splitlines() or [""])[0]
+        return f"torch context_parallel on {device.type}: {type(exc).__name__}: {first_line}"
+    return f"torch context_parallel ran on {device.type} but is not raced as a whole training step"
 
 
 # -- the model, re-expressed in nn.Linear / nn.Embedding -----------------------------------------------------

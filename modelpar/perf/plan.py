@@ -1,4 +1,4 @@
-"""Layout planner: predict memory and step time of every ``tp x pp x dp`` strategy and rank those that fit.
+"""Layout planner: predict memory and step time of every ``tp x cp x pp x dp`` strategy and rank those that fit.
 
 An analytical model, not a simulator. For one strategy (layout, micro-batching, recompute, ZeRO-1, SP) it
 predicts, on the busiest rank:
@@ -29,8 +29,17 @@ Step time, from the per-rank FLOPs of ``modelpar.model.flops`` (plus recomputed 
     pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
     dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap);
                  ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
-    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s)
+    cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
+                 as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
+                 (4*b*(s/cp)*(s/2cp)*h FLOPs forward, 2.5x that backward) where it is shorter; all-gather: an
+                 all-gather of K/V forward and a reduce-scatter backward, exposed
+    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s)
     total_s    = the sum of the above
+
+Context parallelism (cp) divides every per-token quantity by cp: FLOPs (the balanced causal split gives each
+rank equal attention work), activations and their [b, s, h] communication; the attention-score term keeps the
+full s (local queries see every earlier key), and all-gather also stores the gathered K/V of the layer.
+Gradients are reduced (ZeRO-1: sharded) over dp x cp.
 
 Ranks sharing one machine's cores (``compute_units`` > 0, a CPU): with more than one rank, compute_s times
 ``busy_slowdown`` (cores busy at once share caches and memory bandwidth; measured, not assumed). More ranks
@@ -65,6 +74,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.flops import training_flops_per_token
+from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.training.config import RECIPES, register_schema
@@ -182,6 +192,7 @@ class Strategy:
     recompute: str = "none"  # none | selective | full
     zero1: bool = False
     sp: bool = False
+    cp_comm: str = "ring"  # ring | allgather, when layout.cp > 1
 
     @property
     def global_batch(self) -> int:
@@ -195,7 +206,7 @@ class Strategy:
 
     def __str__(self) -> str:
         flags = [f"b{self.micro_batch_size}", f"m{self.micro_batches}", f"rc-{self.recompute}"]
-        flags += ["zero1"] * self.zero1 + ["sp"] * self.sp
+        flags += ["zero1"] * self.zero1 + ["sp"] * self.sp + [self.cp_comm] * (self.layout.cp > 1)
         return f"{self.layout} {' '.join(flags)}"
 
 
@@ -234,10 +245,11 @@ class Prediction:
     hardware_flops_per_step: float  # including recomputed forwards
     mfu: float
     hfu: float
+    cp_comm_s: float = 0.0  # exposed part only
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s + self.bubble_s
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -255,6 +267,8 @@ class PlannedLayout:
         s = self.strategy
         return {
             "tp": s.layout.tp,
+            "cp": s.layout.cp,
+            "cp_comm": s.cp_comm if s.layout.cp > 1 else None,
             "pp": s.layout.pp,
             "dp": s.layout.dp,
             "vpp": s.layout.vpp,
@@ -285,16 +299,26 @@ def chunks_in_flight(strategy: Strategy, stage: int) -> int:
 
 
 def activation_bytes_per_layer(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
-    """Stored activations of one layer for one micro-batch (Korthikanti et al. 2022, table 2)."""
+    """Stored activations of one layer for one micro-batch (Korthikanti et al. 2022, table 2), on one cp rank."""
     s, b, h, a, t = seq_len, strategy.micro_batch_size, model.shape.hidden, model.shape.heads, strategy.layout.tp
-    attention_scores = 0 if model.flash_attention else 5 * a * s / h
+    attention_scores = 0 if model.flash_attention else 5 * a * s / h  # local queries x every key: full s
     if strategy.recompute == "full":
         per_token = 2.0 / (t if strategy.sp else 1)
     elif strategy.sp:
         per_token = (34 + (attention_scores if strategy.recompute == "none" else 0)) / t
     else:
         per_token = 10 + 24 / t + (attention_scores / t if strategy.recompute == "none" else 0)
-    return s * b * h * per_token * (hardware.weight_bytes / 2)
+    cp = strategy.layout.cp
+    stored = s / cp * b * h * per_token * (hardware.weight_bytes / 2)
+    if cp > 1 and strategy.cp_comm == "allgather" and strategy.recompute != "full":
+        stored += 2 * b * s * (cp - 1) / cp * _kv_width(model, t) * hardware.weight_bytes  # the gathered K/V
+    return stored
+
+
+def _kv_width(model: ModelSpec, tp: int) -> float:
+    """K (or V) elements per token on one tp rank: its kv heads (one, replicated, when kv_heads < tp) x d."""
+    shape = model.shape
+    return max(1.0, shape.kv_heads / tp) * shape.head_dim
 
 
 def recompute_working_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
@@ -323,7 +347,7 @@ def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
 def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> MemoryBreakdown:
     layout = strategy.layout
     params = stage_params(model, layout, stage)
-    s, b, h, t = seq_len, strategy.micro_batch_size, model.shape.hidden, layout.tp
+    s, b, h, t = seq_len / layout.cp, strategy.micro_batch_size, model.shape.hidden, layout.tp
     in_flight = chunks_in_flight(strategy, stage)
     per_layer = activation_bytes_per_layer(model, strategy, seq_len, hardware)
     activations = per_layer * layers_per_chunk(model.shape.layers, layout) * in_flight
@@ -332,7 +356,7 @@ def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: H
         activations += s * b * h * in_flight / (t if strategy.sp else 1)  # embedding dropout mask, 1 byte
     if stage == layout.pp - 1:
         activations += 4 * s * b * model.shape.vocab_size / t  # fp32 logits for the cross-entropy
-    optimizer = params * hardware.optimizer_bytes / (layout.dp if strategy.zero1 else 1)
+    optimizer = params * hardware.optimizer_bytes / (layout.dp * layout.cp if strategy.zero1 else 1)
     return MemoryBreakdown(
         stage="first" if stage == 0 else "last",
         weights=params * hardware.weight_bytes,
@@ -387,7 +411,8 @@ def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int,
     overhead = layers * hardware.layer_overhead_s
     if not hardware.memory_bw:
         return overhead
-    nbytes = strategy.micro_batch_size * seq_len * model.shape.hidden * hardware.weight_bytes * REPLICATED_PASSES
+    nbytes = strategy.micro_batch_size * seq_len / layout.cp * model.shape.hidden * hardware.weight_bytes
+    nbytes *= REPLICATED_PASSES
     return overhead + layers * nbytes / (layout.tp if strategy.sp else 1) / hardware.memory_bw
 
 
@@ -445,10 +470,11 @@ def predict(
     t, p, v, m = layout.tp, layout.pp, layout.vpp, strategy.micro_batches
     shape, b = model.shape, strategy.micro_batch_size
     rate = hardware.peak_flops * costs.efficiency
-    compute_s = m * stage_step_flops(model, strategy, seq_len) / t / rate
+    cp = layout.cp
+    compute_s = m * stage_step_flops(model, strategy, seq_len) / t / cp / rate
     compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
 
-    act_bytes = b * seq_len * shape.hidden * hardware.weight_bytes  # one [b, s, h] activation
+    act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
     collectives_per_layer = 6 if strategy.recompute == "full" else 4
     layers_on_rank = layers_per_chunk(shape.layers, layout) * v
     tp_bw = group_bandwidth(hardware, t)
@@ -465,7 +491,8 @@ def predict(
         pp_comm_s = 2 * (v * m + p - 1) * p2p_s
 
     dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
-    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s)
+    cp_comm_s = m * layers_on_rank * cp_exposed_per_layer_s(model, strategy, hardware, seq_len, rate)
+    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s + cp_comm_s)
     units = hardware.compute_units
     if units and layout.world_size > 1:
         compute_s *= hardware.busy_slowdown
@@ -479,8 +506,9 @@ def predict(
         compute_s = shared
         tp_comm_s *= share
         pp_comm_s *= share
+        cp_comm_s *= share
     memory = peak_memory(model, strategy, seq_len, hardware)
-    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + bubble_s
+    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + bubble_s
     tokens = strategy.global_batch * seq_len
     model_flops = training_flops_per_token(shape, seq_len) * tokens
     hw_flops = hardware_flops_per_step(model, strategy, seq_len)
@@ -498,15 +526,39 @@ def predict(
         hardware_flops_per_step=hw_flops,
         mfu=model_flops / total_s / world_peak,
         hfu=hw_flops / total_s / world_peak,
+        cp_comm_s=cp_comm_s,
     )
+
+
+def cp_exposed_per_layer_s(
+    model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int, rate: float
+) -> float:
+    """Context-parallel K/V exchange of one layer and micro-batch left on the critical path (module docstring)."""
+    layout = strategy.layout
+    cp, t, b = layout.cp, layout.tp, strategy.micro_batch_size
+    if cp == 1:
+        return 0.0
+    bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
+    kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
+    forwards = 2 if strategy.recompute == "full" else 1
+    if strategy.cp_comm == "allgather":
+        gather = ring_all_gather_s(kv_elements * cp * hardware.weight_bytes, cp, bw, hardware.latency_s)
+        return (forwards + 1) * gather
+    send = kv_elements * hardware.weight_bytes / bw + hardware.latency_s
+    send_grad = kv_elements * GRAD_BYTES / bw + hardware.latency_s
+    block_forward = 4 * b * (seq_len / cp) * (seq_len / (2 * cp)) * model.shape.hidden / t / rate
+    forward = (cp - 1) * max(0.0, send - block_forward)
+    backward = (cp - 1) * max(0.0, send + send_grad - 2.5 * block_forward) + send_grad  # the last dK/dV: home
+    return forwards * forward + backward
 
 
 def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel) -> float:
     """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages."""
     layout = strategy.layout
-    t, p, d = layout.tp, layout.pp, layout.dp
+    t, p = layout.tp, layout.pp
+    d = layout.dp * layout.cp  # weights are replicated over dp x cp, gradients reduced over both
     params = max(stage_params(model, layout, st) for st in {0, p - 1})
-    bw = group_bandwidth(hardware, t * p * d)
+    bw = group_bandwidth(hardware, layout.world_size)
     exposed = 0.0
     if d > 1 and strategy.zero1:
         # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
@@ -529,6 +581,8 @@ class SearchSpace:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    cp: int | None = None
+    cp_comm: tuple[str, ...] = ("ring", "allgather")
     max_vpp: int = 4
     max_micro_batch_size: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_MODES
@@ -541,20 +595,26 @@ def _divisors(n: int) -> list[int]:
 
 
 def _candidate_layouts(gpus: int, space: SearchSpace) -> list[ParallelLayout]:
-    """Every ``tp x pp x dp = gpus`` (vpp = 1) the search space allows."""
+    """Every ``tp x cp x pp x dp = gpus`` (vpp = 1) the search space allows."""
     out = []
     for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if all(want is None or want == got for want, got in ((space.tp, tp), (space.pp, pp), (space.dp, dp))):
-                out.append(ParallelLayout(tp=tp, pp=pp, dp=dp))
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                pins = ((space.tp, tp), (space.cp, cp), (space.pp, pp), (space.dp, dp))
+                if all(want is None or want == got for want, got in pins):
+                    out.append(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp))
     return out
 
 
-def layout_problem(model: ModelSpec, layout: ParallelLayout, global_batch: int) -> str | None:
+def layout_problem(
+    model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_len: int | None = None
+) -> str | None:
     """Why ``layout`` cannot run ``model`` (the trainer's own checks, one line), or None."""
     if global_batch % layout.dp:
         return f"dp={layout.dp} does not divide the global batch {global_batch}"
+    if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
+        return f"cp={layout.cp} does not cut seq_len={seq_len} into 2*cp equal chunks"
     try:
         model.shape.check_layout(layout)
     except LayoutError as exc:
@@ -562,9 +622,15 @@ def layout_problem(model: ModelSpec, layout: ParallelLayout, global_batch: int) 
     return None
 
 
-def valid_layouts(model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace) -> list[ParallelLayout]:
-    """Every ``tp x pp x dp = gpus`` (vpp = 1) that shards the model and splits the batch."""
-    return [layout for layout in _candidate_layouts(gpus, space) if layout_problem(model, layout, global_batch) is None]
+def valid_layouts(
+    model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace, seq_len: int | None = None
+) -> list[ParallelLayout]:
+    """Every ``tp x cp x pp x dp = gpus`` (vpp = 1) that shards the model and splits the batch (and sequence)."""
+    return [
+        layout
+        for layout in _candidate_layouts(gpus, space)
+        if layout_problem(model, layout, global_batch, seq_len) is None
+    ]
 
 
 def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_len: int, space: SearchSpace):
@@ -578,9 +644,10 @@ def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_
                 continue
             chunked = dataclasses.replace(layout, vpp=v)
             for recompute in space.recompute:
-                for zero1 in space.zero1 if layout.dp > 1 else (False,):
-                    for sp in space.sp if layout.tp > 1 and seq_len % layout.tp == 0 else (False,):
-                        yield Strategy(chunked, b, m, recompute, zero1, sp)
+                for zero1 in space.zero1 if layout.dp * layout.cp > 1 else (False,):
+                    for sp in space.sp if layout.tp > 1 and seq_len % (layout.tp * layout.cp) == 0 else (False,):
+                        for comm in space.cp_comm if layout.cp > 1 else ("ring",):
+                            yield Strategy(chunked, b, m, recompute, zero1, sp, comm)
 
 
 def plan(
@@ -596,9 +663,9 @@ def plan(
     """Strategies that fit in memory, fastest first (tokens/s, then less memory). Raises ``PlanError``."""
     space = space or SearchSpace()
     check_inputs(gpus=gpus, global_batch=global_batch, seq_len=seq_len, space=space)
-    layouts = valid_layouts(model, gpus, global_batch, space)
+    layouts = valid_layouts(model, gpus, global_batch, space, seq_len)
     if not layouts:
-        raise PlanError(no_layout_message(model, gpus, global_batch, space))
+        raise PlanError(no_layout_message(model, gpus, global_batch, space, seq_len))
     planned, closest = [], None
     for layout in layouts:
         for strategy in strategies(model, layout, global_batch, seq_len, space):
@@ -618,22 +685,26 @@ def check_inputs(*, gpus: int, global_batch: int, seq_len: int, space: SearchSpa
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}={value!r} must be a positive integer")
-    for name in ("tp", "pp", "dp"):
+    for name in ("tp", "cp", "pp", "dp"):
         want = getattr(space, name)
         if want is not None and (want < 1 or gpus % want):
             raise PlanError(f"{name}={want} does not divide gpus={gpus}; try {name} in {_divisors(gpus)}")
+    if not space.cp_comm or any(c not in CP_COMMS for c in space.cp_comm):
+        raise PlanError(f"cp_comm={list(space.cp_comm)} must list ways from {', '.join(CP_COMMS)}")
     bad = [r for r in space.recompute if r not in RECOMPUTE_MODES]
     if bad or not space.recompute:
         raise PlanError(f"recompute={list(space.recompute)} must list modes from {', '.join(RECOMPUTE_MODES)}")
 
 
-def no_layout_message(model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace) -> str:
+def no_layout_message(
+    model: ModelSpec, gpus: int, global_batch: int, space: SearchSpace, seq_len: int | None = None
+) -> str:
     candidates = sorted(range(max(1, gpus - 64), gpus + 65), key=lambda n: (abs(n - gpus), n))
-    nearest = [n for n in candidates if n != gpus and valid_layouts(model, n, global_batch, space)][:3]
+    nearest = [n for n in candidates if n != gpus and valid_layouts(model, n, global_batch, space, seq_len)][:3]
     fix = f"try {' or '.join(map(str, sorted(nearest)))} GPUs" if nearest else "change the GPU count or the batch"
     problems = []
     for layout in _candidate_layouts(gpus, space):
-        problem = layout_problem(model, layout, global_batch)
+        problem = layout_problem(model, layout, global_batch, seq_len)
         if problem is not None and problem not in problems:
             problems.append(problem)
     why = "; ".join(problems[:2]) + (f" (and {len(problems) - 2} more)" if len(problems) > 2 else "")

@@ -51,13 +51,18 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
 
     ours, theirs = side("ours"), side("peer")
     rounds = paired_round_ratios(ours["step_s_all"], theirs["step_s_all"], cfg.bench.steps_per_round) if theirs else []
-    pipeline = sorted((r for r in per_rank if r["tp_rank"] == 0 and r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    pipeline = sorted(
+        (r for r in per_rank if r["tp_rank"] == 0 and r["dp_rank"] == 0 and r.get("cp_rank", 0) == 0),
+        key=lambda r: r["pp_rank"],
+    )
     timelines = [Timeline(tuple(r["records"][i] for r in pipeline)) for i in range(len(pipeline[0]["records"]))]
     durations = _mean_durations(timelines)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)
     row = {
         "layout": layout_name(p),
         "tp": p.tp,
+        "cp": p.cp,
+        "cp_comm": p.cp_comm if p.cp > 1 else None,
         "pp": p.pp,
         "dp": p.dp,
         "vpp": p.vpp,
@@ -71,6 +76,7 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         "peak_tflops_per_rank": peak_tflops,
         "ours": ours,
         "peer_name": peer,
+        "peer_note": per_rank[0].get("peer_note"),  # why there is no peer, where we tried one
         "peer": theirs,
         "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None,
         "ratio_per_round": rounds,  # the spread says how far the ratio above can be trusted on a noisy machine
@@ -137,3 +143,6 @@ def add_ideal(rows: dict[str, dict]) -> None:
             row["fraction_of_ideal"] = row["ours"]["tokens_per_s"] / ideal
             # > 1: the stages together computed longer than the single rank did (stage imbalance is not in it)
             row["compute_vs_single"] = sum(row["compute_s_per_stage"]) / sum(single["compute_s_per_stage"])
+        if row.get("cp", 1) > 1 and row["tp"] == row["dp"] == row["pp"] == 1 and single:
+            row["cp_ideal_tokens_per_s"] = single["ours"]["tokens_per_s"] * row["cp"]
+            row["fraction_of_ideal"] = row["ours"]["tokens_per_s"] / row["cp_ideal_tokens_per_s"]

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from modelpar.parallel.collectives import profiler_range
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline.actions import (
     RECV_B,
@@ -253,22 +254,26 @@ class PipelineRuntime:
                 recv = input_recv(batch[0], self.pp, self.last_stage)
                 if recv is not None:
                     observer.begin(f"wait {recv}", waiting=True)
-                    self._wait_through(state.batch_of[recv], state, clock)
+                    with profiler_range(f"wait {recv}"):
+                        self._wait_through(state.batch_of[recv], state, clock)
                     observer.end()
                 observer.begin(str(batch[0]))
                 start = clock.mark() if timing else None
-                self._compute(batch[0], state, micro_batches, targets)
+                with profiler_range(str(batch[0])):  # a trace names each action (0F1, 1B0, ...)
+                    self._compute(batch[0], state, micro_batches, targets)
                 if timing:
                     marks[batch[0]] = (start, clock.mark())
                 observer.end()
             else:
-                self._post(batch, state, clock)
+                with profiler_range(" ".join(map(str, batch))):
+                    self._post(batch, state, clock)
         if state.batches:
             observer.begin(f"wait {' '.join(map(str, state.batches[-1].actions))}", waiting=True)
             self._wait_through(state.batches[-1], state, clock)
             observer.end()
         observer.begin("loss broadcast", waiting=True)
-        loss = self._broadcast_loss(state)
+        with profiler_range("broadcast:loss"):
+            loss = self._broadcast_loss(state)
         observer.end()
         records: tuple[TimedAction, ...] = ()
         if timing:

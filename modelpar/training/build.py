@@ -9,7 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from modelpar.data import TokenFile, WindowSampler
+from modelpar.data import (
+    Blend,
+    BlendSampler,
+    DataError,
+    TokenFile,
+    WindowSampler,
+    WindowSet,
+    open_blend,
+    open_dataset,
+)
+from modelpar.model.activations import ActivationOffload
 from modelpar.model.compile import compile_blocks
 from modelpar.model.flops import half_block_training_flops, head_training_flops
 from modelpar.model.transformer import ModelChunk, build_chunk
@@ -17,7 +27,8 @@ from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, de
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
-from modelpar.training.config import TrainConfig
+from modelpar.pipeline.schedule import single_micro_batch
+from modelpar.training.config import RecipeError, TrainConfig
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -82,10 +93,16 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
             seed=cfg.trainer.seed,
             sequence_parallel=cfg.parallel.sp,
             recompute=cfg.parallel.recompute,
+            recompute_modules=cfg.parallel.recompute_modules,
+            cp_comm=cfg.parallel.cp_comm,
             device=device,
         )
         for c in partition.chunks_of(groups.pp_rank)
     ]
+    if cfg.parallel.offload_activations:
+        offload = ActivationOffload(exclude=[p for chunk in chunks for p in chunk.parameters()])
+        for chunk in chunks:
+            chunk.offload = offload
     if cfg.model.compile:
         compile_blocks(chunks, report=print if groups.rank == 0 else _quiet)
     tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
@@ -134,13 +151,24 @@ def _chunk_name(chunk: ModelChunk) -> str:
 
 
 def build_runtime(
-    cfg: TrainConfig, model: RankModel, groups: ParallelGroups, device: torch.device, dtype: torch.dtype
+    cfg: TrainConfig,
+    model: RankModel,
+    groups: ParallelGroups,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    rerun: bool = False,
 ) -> PipelineRuntime:
-    """This rank's pipeline runtime over its chunks; activations cross stages in the compute dtype."""
+    """This rank's pipeline runtime over its chunks; activations cross stages in the compute dtype.
+    ``rerun``: the runtime that repeats a step's first micro-batch (``training.sdc``)."""
     layout = groups.layout
     micro_batch_size = cfg.data.global_batch // layout.dp // cfg.parallel.microbatches
     first, last = model.chunks[0], model.chunks[-1]
-    schedule = build_schedule(cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches, layout.vpp)
+    m = cfg.parallel.microbatches
+    if rerun:  # one micro-batch, loss scaled by 1/m as in the step: the step's values, bit for bit
+        schedule = single_micro_batch(cfg.parallel.schedule, layout.pp, layout.vpp)
+    else:
+        schedule = build_schedule(cfg.parallel.schedule, layout.pp, m, layout.vpp)
     return PipelineRuntime(
         model.chunks,
         groups,
@@ -149,6 +177,7 @@ def build_runtime(
         loss_fn=last.loss if last.last else _no_loss,
         dtype=dtype,
         device=device,
+        loss_divisor=m,
     )
 
 
@@ -167,11 +196,37 @@ def build_rank_optimizer(cfg: TrainConfig, model: RankModel, groups: ParallelGro
     )
 
 
-def build_data(cfg: TrainConfig, data_path: str, groups: ParallelGroups) -> tuple[TokenFile, WindowSampler]:
-    """The token file and this dp replica's resumable sampler over it."""
-    tokens = TokenFile.open(data_path, cfg.model.vocab_size, cfg.data.seq_len)
-    sampler = WindowSampler(tokens.num_windows, cfg.data.global_batch, groups.dp_rank, groups.layout.dp, cfg.data.seed)
-    return tokens, sampler
+def build_data(
+    cfg: TrainConfig, data_path: str | Blend, groups: ParallelGroups
+) -> tuple[TokenFile | WindowSet, WindowSampler]:
+    """The windows (a token file, a shard directory or a blend) and this dp replica's resumable sampler."""
+    d, dp_rank, dp = cfg.data, groups.dp_rank, groups.layout.dp
+    if isinstance(data_path, Blend):
+        windows, sizes = open_blend(data_path, cfg.model.vocab_size, d.seq_len)
+        return windows, BlendSampler(sizes, data_path.weights, d.global_batch, dp_rank, dp, d.seed)
+    tokens = open_dataset(data_path, cfg.model.vocab_size, d.seq_len)
+    return tokens, WindowSampler(tokens.num_windows, d.global_batch, dp_rank, dp, d.seed)
+
+
+def resolve_eos_id(cfg: TrainConfig, data_path: str) -> int | None:
+    """The id ending a document, for ``data.document_mask`` (None when off): ``data.eos_id``, else the EOS of
+    the tokenizer that prepared ``data_path``. Raises ``RecipeError`` (one line) when there is none."""
+    if not cfg.data.document_mask:
+        return None
+    if cfg.data.eos_id >= 0:
+        return cfg.data.eos_id
+    from modelpar.data.prepare import tokenizer_for
+
+    try:
+        eos = tokenizer_for(data_path).eos_id
+    except (DataError, OSError, ValueError):
+        eos = None
+    if eos is None:
+        raise RecipeError(
+            f"data.document_mask=true needs an EOS id, and {data_path} names no tokenizer that has one; "
+            "set data.eos_id or prepare the data with `modelpar-data prepare`"
+        )
+    return eos
 
 
 def _quiet(line: str) -> None:

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from modelpar.backends.gloo_cpu import AFFINITY_MODES, COLLECTIVE_ALGORITHMS, GLOO_THREAD_MODES
+from modelpar.model.activations import RECOMPUTE, RECOMPUTE_MODULES
 from modelpar.model.config import ModelConfig, ModelConfigError
-from modelpar.model.transformer import RECOMPUTE
 from modelpar.optim import ZERO_STAGES
+from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES
 from modelpar.training.outliers import OUTLIER_ACTIONS
+from modelpar.training.sdc import SDC_ACTIONS
 
 # the shipped recipes: recipes/ in a checkout, the package data `modelpar_recipes` in an installed wheel
 RECIPES = str(importlib.resources.files("modelpar_recipes"))
@@ -51,10 +53,16 @@ class ParallelConfig:
     partition: str = "flops"
     stage_layers: list[float] = field(default_factory=list)  # layers per chunk (4 or 4.5) when partition=explicit
     collectives: str = "auto"  # auto | native | exchange (modelpar.backends.gloo_cpu)
-    recompute: str = "none"  # none | full: keep only each block's input and rerun its forward in backward
+    recompute: str = "none"  # none | selective | full (keep only each block's input, rerun it in backward)
+    # with recompute=selective, what is rerun: attention | mlp (that half of each block) | elementwise (all but
+    # matmul and attention outputs); modelpar/model/activations.py
+    recompute_modules: list[str] = field(default_factory=lambda: ["elementwise"])
+    offload_activations: bool = False  # saved activations of the blocks wait for backward in host memory
+    cp: int = 1  # context parallel: each sequence split over cp ranks (2 of 2*cp chunks each, load-balanced)
+    cp_comm: str = "ring"  # ring: K/V blocks passed around the cp ring, overlapped | allgather: K/V gathered
 
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, cp=self.cp)
 
 
 @dataclass
@@ -72,15 +80,26 @@ class OptimConfig:
 
 
 @dataclass
+class BlendEntry:
+    path: str = ""  # a token file or shard directory
+    weight: float = 1.0  # its share of the windows drawn (weights need not sum to 1)
+
+
+@dataclass
 class DataConfig:
-    path: str = ""  # a .npy of uint16/uint32 token ids; empty: the default corpus (Python's stdlib source)
-    val_path: str = ""
+    # a .npy of uint16/uint32 token ids or a shard directory (modelpar-data prepare --output DIR); empty: the
+    # default corpus (Python's stdlib source) unless data.blend lists datasets
+    path: str = ""
+    val_path: str = ""  # empty: the held-out split prepared with the data (DIR/val), else data.path itself
+    blend: list[BlendEntry] = field(default_factory=list)  # [{path: a, weight: 0.7}, {path: b, weight: 0.3}]
     seq_len: int = 128
     global_batch: int = 16
     seed: int = 1234
     corpus_max_bytes: int = 4_000_000
     cache_dir: str = "data/cache"
     allow_changed: bool = False  # resume on a data file other than the checkpoint's (its fingerprint differs)
+    document_mask: bool = False  # a token attends only to earlier tokens of its own document (packed windows)
+    eos_id: int = -1  # the id that ends a document; -1: the token file's tokenizer's (modelpar-data prepare)
 
 
 @dataclass
@@ -113,8 +132,16 @@ class TrainerConfig:
     grad_outlier_action: str = "warn"  # off | warn | skip | halt
     grad_outlier_cosine: float = 0.5  # named when its cosine to the others' mean is < 0 and this far below the median
     grad_outlier_norm: float = 10.0  # named above this x the median replica's gradient norm
+    # silent data corruption: every N steps rerun the first micro-batch and compare bit for bit (0: never)
+    sdc_check_every: int = 0
+    sdc_action: str = "halt"  # a mismatch: halt | skip (the step's update) | warn
+    save_error: str = "continue"  # a checkpoint save that fails (disk full, I/O error): continue | halt
     timeline_step: int = 0  # > 0: draw the pipeline timeline of this step to <out_dir>/timeline.png
     tensorboard: bool = False  # also write scalars to <out_dir>/tensorboard (needs the tensorboard package)
+    wandb: bool = False  # also log to Weights & Biases (extra [wandb]); offline into <out_dir>/wandb without a network
+    wandb_project: str = "modelpar"
+    profile_steps: list[int] = field(default_factory=list)  # [a, b]: a torch.profiler trace per rank of steps a..b
+    memory_snapshot: bool = False  # with profile_steps on CUDA: also a CUDA memory snapshot per rank
 
 
 @dataclass
@@ -156,14 +183,41 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             raise RecipeError(f"{key}={value} must be >= 1")
     if d.seq_len > m.max_seq_len:
         raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if p.recompute == "selective":
+        unknown = [m for m in p.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown or not p.recompute_modules:
+            raise RecipeError(
+                f"parallel.recompute_modules={list(p.recompute_modules)} must list some of "
+                f"{', '.join(RECOMPUTE_MODULES)} for parallel.recompute=selective"
+            )
+        if m.compile:
+            raise RecipeError("parallel.recompute=selective with model.compile=true is untested; use one of them")
     if p.vpp > 1 and p.schedule != "interleaved":
         raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
     if p.schedule == "interleaved" and p.vpp < 2:
         raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
     layout = p.layout()
     layout.check_model(layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden)
-    if p.sp and p.tp > 1 and d.seq_len % p.tp:
-        raise RecipeError(f"parallel.sp=true needs data.seq_len={d.seq_len} divisible by parallel.tp={p.tp}")
+    if p.cp > 1 and d.seq_len % (2 * p.cp):
+        fits = [c for c in range(1, d.seq_len // 2 + 1) if d.seq_len % (2 * c) == 0]
+        raise RecipeError(
+            f"parallel.cp={p.cp} needs data.seq_len={d.seq_len} divisible by 2*cp={2 * p.cp} (each cp rank holds "
+            f"2 of 2*cp chunks); try cp in {fits[:8]} or data.seq_len={-(-d.seq_len // (2 * p.cp)) * 2 * p.cp}"
+        )
+    if p.sp and p.tp > 1 and d.seq_len % (p.tp * p.cp):
+        per_cp = f" / cp={p.cp} = {d.seq_len / p.cp:g} tokens per cp rank" if p.cp > 1 else ""
+        raise RecipeError(
+            f"parallel.sp=true needs data.seq_len={d.seq_len}{per_cp} divisible by parallel.tp={p.tp}"
+        )
+    if p.cp > 1 and m.compile:
+        raise RecipeError(
+            f"parallel.cp={p.cp} with model.compile=true is not supported (the ring attention is not traced); "
+            "set model.compile=false or parallel.cp=1"
+        )
+    if d.document_mask and m.compile:
+        raise RecipeError("data.document_mask=true with model.compile=true is not supported; set model.compile=false")
+    if d.eos_id >= m.vocab_size:
+        raise RecipeError(f"data.eos_id={d.eos_id} is not a token id of model.vocab_size={m.vocab_size}")
     if d.global_batch % p.dp:
         raise RecipeError(f"data.global_batch={d.global_batch} is not divisible by parallel.dp={p.dp}")
     per_replica = d.global_batch // p.dp
@@ -182,6 +236,8 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"parallel.stage_layers={list(p.stage_layers)} must list pp*vpp={p.pp * p.vpp} whole or half (e.g. 4.5) "
             f"counts >= 0 summing to model.layers={m.layers}"
         )
+    _check_blend(d)
+    _check_profile(cfg.trainer)
     if cfg.trainer.timeout_s <= 0:
         raise RecipeError(f"trainer.timeout_s={cfg.trainer.timeout_s} must be > 0 (seconds before a stuck rank fails)")
     _check_numbers(cfg)
@@ -190,11 +246,13 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
 
 # Every option that takes one of a few values, in one place: where the values come from, and the recipe key.
 # (str fields rather than Enums so that a bad value gets this module's one-line message, not Hydra's.)
+SAVE_ERROR_ACTIONS = ("continue", "halt")
 CHOICES: dict[str, tuple] = {
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.collectives": COLLECTIVE_ALGORITHMS,
     "parallel.recompute": RECOMPUTE,
     "parallel.partition": PARTITIONS,
+    "parallel.cp_comm": CP_COMMS,
     "optim.zero": ZERO_STAGES,
     "trainer.cpu_affinity": AFFINITY_MODES,
     "trainer.gloo_threads": GLOO_THREAD_MODES,
@@ -205,6 +263,8 @@ CHOICES: dict[str, tuple] = {
     "trainer.drift_action": DRIFT_ACTIONS,
     "trainer.files": FILE_ACCESS,
     "trainer.grad_outlier_action": OUTLIER_ACTIONS,
+    "trainer.sdc_action": SDC_ACTIONS,
+    "trainer.save_error": SAVE_ERROR_ACTIONS,
 }
 _UNKNOWN = ("parallel.schedule", "parallel.collectives")  # registries: "unknown" rather than "must be"
 
@@ -217,6 +277,30 @@ def _check_choices(cfg: TrainConfig) -> None:
             listed = ", ".join(map(str, allowed))
             verb = "is unknown; choose one of" if key in _UNKNOWN else "must be one of"
             raise RecipeError(f"{key}={value!r} {verb} {listed}")
+
+
+def _check_blend(d: DataConfig) -> None:
+    if not d.blend:
+        return
+    if d.path:
+        raise RecipeError(f"data.path={d.path!r} and data.blend are both set; give the datasets in data.blend only")
+    for i, entry in enumerate(d.blend):
+        if not entry.path:
+            raise RecipeError(f"data.blend[{i}].path is empty; name a token file or shard directory")
+        if not math.isfinite(entry.weight) or entry.weight < 0:
+            raise RecipeError(f"data.blend[{i}].weight={entry.weight} must be a finite number >= 0")
+    if sum(entry.weight for entry in d.blend) <= 0:
+        raise RecipeError("data.blend weights sum to 0; give at least one dataset a positive weight")
+
+
+def _check_profile(t: TrainerConfig) -> None:
+    steps = list(t.profile_steps)
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= t.steps):
+        raise RecipeError(
+            f"trainer.profile_steps={steps} must be [first, last] with 1 <= first <= last <= trainer.steps={t.steps}"
+        )
+    if t.memory_snapshot and not steps:
+        raise RecipeError("trainer.memory_snapshot=true needs trainer.profile_steps=[first, last] (the steps recorded)")
 
 
 SEED_LIMIT = 2**32  # numpy's seed range, which the trainer seeds too
@@ -253,6 +337,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         ("trainer.straggler_factor", t.straggler_factor, t.straggler_factor > 1, "> 1 (x the median rank)"),
         ("trainer.grad_outlier_cosine", t.grad_outlier_cosine, 0 < t.grad_outlier_cosine <= 2, "in (0, 2]"),
         ("trainer.grad_outlier_norm", t.grad_outlier_norm, t.grad_outlier_norm > 1, "> 1 (x the median replica)"),
+        ("trainer.sdc_check_every", t.sdc_check_every, t.sdc_check_every >= 0, ">= 0 (0: never)"),
         ("trainer.timeline_step", t.timeline_step, t.timeline_step >= 0, ">= 0 (0: no timeline)"),
         ("eval.windows", cfg.eval.windows, cfg.eval.windows >= 1, ">= 1"),
     )

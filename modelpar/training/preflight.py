@@ -16,22 +16,28 @@ import torch
 
 from modelpar.checkpoint.signing import check_checkpoint, load_key, read_signed_index
 from modelpar.checkpoint.store import CheckpointError, checkpoint_dirs, latest_checkpoint, read_index
-from modelpar.data import DataError, TokenFile, default_corpus
+from modelpar.data import Blend, DataError, default_corpus, eval_split, open_blend, open_dataset
 from modelpar.data.fingerprint import check_same_data
 from modelpar.parallel.layout import LayoutError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
-from modelpar.training.build import build_partition
+from modelpar.training.build import build_partition, resolve_eos_id
 from modelpar.training.config import RecipeError, TrainConfig, validate
 
 # what a user can fix in the recipe, the data or the checkpoint: reported in one line, never as a traceback
 USER_ERRORS = (RecipeError, LayoutError, DataError, ScheduleError, PartitionError, CheckpointError, ValueError)
 
 
-def resolve_data(cfg: TrainConfig) -> tuple[str, str]:
-    """Training and validation token files; the default corpus is built (once) when no path is given."""
-    if cfg.data.path:
-        return cfg.data.path, cfg.data.val_path or cfg.data.path
-    info = default_corpus(cfg.data.cache_dir, max_bytes=cfg.data.corpus_max_bytes)
+def resolve_data(cfg: TrainConfig) -> tuple[str | Blend, str]:
+    """Training data (a token file, shard directory or ``Blend``) and a validation set; the default corpus is
+    built (once) when neither ``data.path`` nor ``data.blend`` is given. A shard directory's validation set is
+    its held-out split; a blend's is that of its first dataset (``modelpar-eval`` scores each one's)."""
+    d = cfg.data
+    if d.blend:
+        blend = Blend.of([(entry.path, entry.weight) for entry in d.blend])
+        return blend, d.val_path or eval_split(blend.paths[0])
+    if d.path:
+        return d.path, d.val_path or eval_split(d.path)
+    info = default_corpus(d.cache_dir, max_bytes=d.corpus_max_bytes)
     return str(info.path), str(info.val_path)
 
 
@@ -103,17 +109,21 @@ def check_device(cfg: TrainConfig) -> None:
         )
 
 
-def preflight(cfg: TrainConfig) -> tuple[str, str, str | None]:
+def preflight(cfg: TrainConfig) -> tuple[str | Blend, str, str | None]:
     """Every check that needs no rank: recipe, device, layout, schedule, data, checkpoint."""
     check_recipe(cfg)
     check_device(cfg)
     train_path, val_path = resolve_data(cfg)
-    tokens = TokenFile.open(train_path, cfg.model.vocab_size, cfg.data.seq_len)
+    if isinstance(train_path, Blend):
+        tokens, _ = open_blend(train_path, cfg.model.vocab_size, cfg.data.seq_len)
+    else:
+        tokens = open_dataset(train_path, cfg.model.vocab_size, cfg.data.seq_len)
     if tokens.num_windows < cfg.data.global_batch:
         raise DataError(
             f"{train_path} has {tokens.num_windows} windows of {cfg.data.seq_len + 1} tokens, fewer than "
             f"data.global_batch={cfg.data.global_batch}; use more data or a smaller batch"
         )
+    resolve_eos_id(cfg, train_path)  # data.document_mask needs an EOS id: named here, before any rank
     resume_from = resolve_resume(cfg)
     if resume_from is not None:
         saved = read_index(resume_from, verify=False).get("data_fingerprint")

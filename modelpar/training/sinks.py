@@ -1,4 +1,4 @@
-"""Where step metrics go: one ``MetricsSink`` interface, with jsonl, console, tqdm and TensorBoard sinks.
+"""Where step metrics go: one ``MetricsSink`` interface, with jsonl, console, tqdm, TensorBoard and W&B sinks.
 
 The loop hands every step's ``StepMetrics`` to each sink on the logging rank; nothing in the step knows them.
 """
@@ -6,6 +6,9 @@ The loop hands every step's ``StepMetrics`` to each sink on the logging rank; no
 from __future__ import annotations
 
 import json
+import netrc
+import os
+import secrets
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
@@ -99,6 +102,55 @@ class TensorBoardSink:
         self.writer.close()
 
 
+class WandbSink:
+    """Scalars under ``train/`` in a Weights & Biases run whose config is the recipe and the layout.
+
+    ``WANDB_MODE`` is the user's if set; otherwise the run is online only with credentials (``WANDB_API_KEY`` or
+    ``wandb login``) and kept offline in ``<out_dir>/wandb`` without them (``wandb sync`` uploads it later).
+    The run id lives in ``<out_dir>/wandb/run-id``, so a resumed training run continues the same W&B run.
+    """
+
+    KEYS = (*TensorBoardSink.KEYS, "step_time_s", "skipped_total")
+
+    def __init__(self, cfg: TrainConfig, out_dir: Path):
+        try:
+            import wandb  # an optional package: the [wandb] extra
+        except ImportError as exc:
+            raise RuntimeError("trainer.wandb=true needs the wandb package: pip install 'modelpar[wandb]'") from exc
+        folder = out_dir / "wandb"
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / "run-id"
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(4))
+        layout = cfg.parallel.layout()
+        config = asdict(cfg) | {"layout": {"name": str(layout), "world_size": layout.world_size, **asdict(layout)}}
+        self.run = wandb.init(
+            project=cfg.trainer.wandb_project,
+            dir=str(out_dir),
+            id=id_file.read_text().strip(),
+            resume="allow",
+            config=config,
+            mode=os.environ.get("WANDB_MODE") or ("online" if _wandb_credentials() else "offline"),
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def write(self, m: StepMetrics) -> None:
+        values = {f"train/{key}": getattr(m, key) for key in self.KEYS if getattr(m, key) is not None}
+        self.run.log(values, step=m.step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def open_sinks(cfg: TrainConfig, out_dir: Path, start_step: int) -> list[MetricsSink]:
     """The sinks a recipe asks for, on the logging rank."""
     t = cfg.trainer
@@ -106,4 +158,6 @@ def open_sinks(cfg: TrainConfig, out_dir: Path, start_step: int) -> list[Metrics
     sinks.append(ProgressSink(t.steps, start_step) if t.progress else ConsoleSink(t.log_every, t.steps))
     if t.tensorboard:
         sinks.append(TensorBoardSink(out_dir))
+    if t.wandb:
+        sinks.append(WandbSink(cfg, out_dir))
     return sinks

@@ -23,12 +23,14 @@ import torch
 from modelpar.data import TokenFile, WindowSampler
 from modelpar.optim import DataParallelOptimizer, lr_at, set_lr
 from modelpar.parallel import collectives
+from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import PipelineRuntime, StepResult
-from modelpar.training.build import RankModel
+from modelpar.training.build import RankModel, resolve_eos_id
 from modelpar.training.config import TrainConfig
 from modelpar.training.health import HealthError, LossGuard
 from modelpar.training.outliers import GradientOutlierCheck
+from modelpar.training.sdc import SilentCorruptionCheck
 
 
 @dataclass
@@ -71,6 +73,10 @@ class TrainStep:
     flops_per_step: float
     hooks: tuple[StepHook, ...] = ()
     outliers: GradientOutlierCheck | None = None  # with trainer.grad_outlier_action != off and dp >= 3
+    sdc: SilentCorruptionCheck | None = None  # with trainer.sdc_check_every > 0
+
+    def __post_init__(self) -> None:
+        self.eos_id = resolve_eos_id(self.cfg, str(self.tokens.path))  # None without data.document_mask
 
     def __call__(self, step: int) -> tuple[StepMetrics, StepResult]:
         cfg = self.cfg
@@ -82,12 +88,27 @@ class TrainStep:
         for p, _ in self.model.params:
             p.grad = None
         self.optimizer.expect_micro_batches(m)  # buckets all-reduce during the last backward
-        with self._autocast():
-            result = self.runtime.step(list(inputs.chunk(m)), list(targets.chunk(m)))
+        checking_sdc = self.sdc is not None and (step + 1) % cfg.trainer.sdc_check_every == 0
+        micro_inputs, micro_targets, documents = self._micro_batches(inputs, targets, m)
+        self._tell_documents(documents, lambda: self.runtime.current.micro_batch)
+        if checking_sdc:
+            self.sdc.arm()
+        try:
+            with self._autocast():
+                result = self.runtime.step(micro_inputs, micro_targets)
+        except BaseException:
+            if checking_sdc:
+                self.sdc.disarm()
+            raise
         # the local gradients, before the dp average is written back: is this replica's like the others'?
         replica_stats = self.outliers.stats() if self.outliers is not None else None
         self.optimizer.reduce_gradients(self._reduce_over_tp_and_embedding, defer_flags=True)
         norm = self.optimizer.clip_grad_norm(cfg.optim.grad_clip)
+        corruption = None
+        if checking_sdc:  # the first micro-batch again, compared bit for bit (one extra micro-batch)
+            self._tell_documents(documents, lambda: 0)
+            with self._autocast():
+                corruption = self.sdc.rerun(micro_inputs[0], micro_targets[0], step)
         loss = result.loss_tensor
         for hook in self.hooks:
             loss = hook.loss(step, loss)
@@ -103,6 +124,8 @@ class TrainStep:
         skipped = self.guard.check(step, loss_value, norm_value)  # same inputs on every rank: the same decision
         if replica_stats is not None and skipped is None:
             skipped = self._judge_replicas(values[2 + n_flags :], step)
+        if corruption is not None and skipped is None:
+            skipped = self._judge_corruption(corruption)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
         if skipped is None:
             set_lr(self.optimizer, lr)
@@ -141,17 +164,47 @@ class TrainStep:
             print(f"modelpar-train: {message}", flush=True)
         return None
 
+    def _judge_corruption(self, message: str) -> str | None:
+        """The silent-corruption check's verdict (gathered: the same on every rank) acted on."""
+        action = self.cfg.trainer.sdc_action
+        if action == "halt":
+            raise HealthError(message + "; halting (trainer.sdc_action=halt)")
+        if action == "skip":
+            self.guard.skipped += 1
+            return message
+        if self.groups.rank == 0:
+            print(f"modelpar-train: {message}", flush=True)
+        return None
+
+    def _micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor, m: int):
+        """This rank's micro-batches of tokens and targets (under cp: its two chunks of every sequence) and,
+        with ``data.document_mask``, the document ids [b, s] of each micro-batch's whole sequences (else None)."""
+        documents = None
+        if self.cfg.data.document_mask:
+            documents = document_ids(inputs, self.eos_id).chunk(m)
+        cp = self.model.chunks[0].cp
+        inputs, targets = split_for_context(inputs, cp), split_for_context(targets, cp)
+        return list(inputs.chunk(m)), list(targets.chunk(m)), documents
+
+    def _tell_documents(self, documents, micro_batch) -> None:
+        """Point the attention layers at the document ids of the micro-batch ``micro_batch()`` computes now."""
+        if documents is None:
+            return
+        for chunk in self.model.chunks:
+            chunk.documents.source = lambda: documents[micro_batch()]
+
     def _global_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The dp mean of the loss, from one all-reduce over the world (tp and pp ranks of a replica hold the
+        """The mean loss over dp x cp, from one all-reduce over the world (tp and pp ranks of a replica hold the
         same loss; only one of them contributes it, the others a zero multiple, so a NaN anywhere still
-        reaches every rank and all skip together)."""
+        reaches every rank and all skip together). Each cp rank's loss is the mean over its equal share of
+        every sequence's tokens, so their mean is the global batch's."""
         g = self.groups
         if g.layout.world_size == 1:
             return loss
         primary = g.tp_rank == 0 and g.pp_rank == 0
         contribution = (loss if primary else loss * 0.0).reshape(1).to(torch.float64)
         collectives.all_reduce(contribution, None)
-        return (contribution / g.layout.dp).reshape(())
+        return (contribution / (g.layout.dp * g.layout.cp)).reshape(())
 
     def _reduce_over_tp_and_embedding(self) -> None:
         """Sums that commute with the dp average: tp-partial gradients, then the tied embedding's two copies."""

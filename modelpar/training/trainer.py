@@ -51,6 +51,7 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.training.outliers import GradientOutlierCheck
+from modelpar.training.profile import StepProfiler
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
 from modelpar.training.step import StepMetrics, TrainStep
@@ -91,7 +92,9 @@ class Trainer:
         t = cfg.trainer
         self.guard = LossGuard(t.nonfinite, t.spike_factor, t.spike_action)
         self.flight = FlightRecorder(
-            self.out_dir / "flight", self.rank, f"pp {g.pp_rank} tp {g.tp_rank} dp {g.dp_rank}"
+            self.out_dir / "flight",
+            self.rank,
+            f"pp {g.pp_rank} tp {g.tp_rank} dp {g.dp_rank}" + (f" cp {g.cp_rank}" if self.layout.cp > 1 else ""),
         )
         self.runtime.observer = self.flight
         collectives.set_collective_observer(self.flight)
@@ -300,14 +303,18 @@ class Trainer:
     def fit(self) -> None:
         t = self.cfg.trainer
         sinks = open_sinks(self.cfg, self.out_dir, self.step) if self.rank == 0 else []
+        profiler = StepProfiler.of(self.cfg, self.out_dir, self.rank, self.device)
         try:
             while self.step < t.steps:
+                profiler.starting(self.step + 1)
                 m = self.train_step()
+                profiler.finished(self.step)
                 for sink in sinks:
                     sink.write(m)
                 if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
                     self.save_or_report()
         finally:
+            profiler.close()
             for sink in sinks:
                 sink.close()
         collectives.set_collective_observer(None)

@@ -108,6 +108,13 @@ LAYOUTS = [
         recompute="full",
     ),
     dict(dp=2, pp=2, zero_=1, schedule="gpipe", recompute="full"),
+    # selective recompute: matmul and attention outputs kept, the rest rerun; or the MLP half rerun whole
+    dict(tp=2, pp=2, recompute="selective"),
+    dict(tp=2, sp=True, recompute="selective", recompute_modules=["mlp", "elementwise"]),
+    dict(pp=2, schedule="zb-h1", microbatches=4, recompute="selective", recompute_modules=["attention"]),
+    # saved activations through the host-memory hooks
+    dict(tp=2, pp=2, offload_activations=True),
+    dict(dp=2, recompute="full", offload_activations=True),
 ]
 
 
@@ -211,3 +218,19 @@ def test_optimizer_state_follows_a_checkpoint_into_another_layout(token_path, re
     params = assemble(results)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _offloaded_bytes(cfg: TrainConfig, data_path: str) -> tuple[int, int]:
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    trainer.train_step()
+    offload = trainer.model.chunks[0].offload
+    return offload.bytes_offloaded, offload.tensors_offloaded
+
+
+def test_the_trainer_offloads_saved_activations(token_path, tmp_path):
+    cfg = make_config(tmp_path, offload_activations=True)
+    ((moved, count),) = run_on_ranks(1, _offloaded_bytes, cfg, token_path)
+    # per micro-batch (2) and layer at least the MLP's gate|up output (b=4, s=16, 2 x ffn 48, fp32: 24 KiB)
+    assert count >= 2 * TINY.layers and moved >= 2 * TINY.layers * 4 * 16 * 96 * 4, (moved, count)

@@ -1,6 +1,6 @@
 """Tensor-parallel layers: each holds this rank's shard of its weights and names the logical tensors."""
 
-from modelpar.model.layers.attention import ParallelAttention
+from modelpar.model.layers.attention import DocumentIds, ParallelAttention
 from modelpar.model.layers.embedding import VocabParallelEmbedding, padded_vocab_size, vocab_range
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.loss import IGNORE_INDEX, VocabParallelCrossEntropy, vocab_parallel_loss
@@ -12,6 +12,7 @@ __all__ = [
     "IGNORE_INDEX",
     "ColumnParallelLinear",
     "ColumnPart",
+    "DocumentIds",
     "ParallelAttention",
     "ParallelSwiGLU",
     "RMSNorm",

@@ -1,6 +1,9 @@
-"""Tensor-parallel causal self-attention with RoPE and grouped-query heads."""
+"""Tensor-parallel causal self-attention with RoPE and grouped-query heads, context-parallel over the sequence
+and optionally document-causal (a token sees only earlier tokens of its own document)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from einops import rearrange
@@ -9,6 +12,7 @@ from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, local_positions
 from modelpar.parallel.regions import TensorParallelGroup
 
 # A plain dict, not functools.lru_cache: torch.compile traces through an lru_cache wrapper (so every compiled
@@ -36,6 +40,22 @@ def cached_rope_tables(
     return tables
 
 
+class DocumentIds:
+    """Where a chunk's attention layers find the document ids of the micro-batch being computed.
+
+    ``source()`` returns ids [b, s] of the whole sequence (every cp rank the same), or None for plain causal
+    attention; no source (the default) is plain causal attention. The training step sets it when
+    ``data.document_mask`` is on; a backward that reruns a forward (recompute) asks it again for the same
+    micro-batch.
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], torch.Tensor | None] | None = None
+
+    def current(self) -> torch.Tensor | None:
+        return None if self.source is None else self.source()
+
+
 class ParallelAttention(nn.Module):
     """Heads split over the tp ranks: q, k, v fused in one column-parallel weight, output row-parallel::
 
@@ -48,6 +68,9 @@ class ParallelAttention(nn.Module):
     - hkv divides tp: replicated, rank r holds the one kv head its query heads use, ``r // (t/hkv)``. The
       t/hkv ranks sharing it each compute only their query heads' part of its gradient
       (``ShardInfo.grad_is_partial``); ``reduce_tensor_parallel_grads`` sums them.
+
+    Under context parallelism (``cp``) x holds this cp rank's two chunks of the sequence
+    (``modelpar.parallel.context``): RoPE uses their global positions and attention runs over the cp group.
     """
 
     def __init__(
@@ -60,10 +83,14 @@ class ParallelAttention(nn.Module):
         *,
         sequence_parallel: bool = False,
         backend: str = "torch",
+        cp: ContextParallelGroup | None = None,
+        documents: DocumentIds | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        self.cp = cp or ContextParallelGroup()
+        self.documents = documents
         self.head_dim = d = hidden // heads
         self.rope_theta, self.backend = rope_theta, backend
         self.heads = heads // tp.size
@@ -82,13 +109,23 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [b, s, h] (or [b, s/t, h] with sequence parallel) -> same shape. Positions start at 0."""
+        """x: [b, s, h] (or [b, s/t, h] with sequence parallel; s/cp under cp) -> same shape. Positions start
+        at 0 (under cp: the global positions of this rank's chunks)."""
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = (rearrange(t, "b s (n d) -> b s n d", d=d) for t in (q, k, v))
-        cos, sin = cached_rope_tables(q.shape[1], d, self.rope_theta, q.device)
+        cp = self.cp
+        seq = q.shape[1] * cp.size
+        cos, sin = cached_rope_tables(seq, d, self.rope_theta, q.device)
+        if cp.size > 1:
+            positions = local_positions(seq, cp.size, cp.rank, q.device)
+            cos, sin = cos[positions], sin[positions]
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
-        out = attention(q, k, v, causal=True, backend=self.backend)
+        documents = self.documents.current() if self.documents is not None else None
+        if cp.size == 1 and documents is None:
+            out = attention(q, k, v, causal=True, backend=self.backend)
+        else:
+            out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend)
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:

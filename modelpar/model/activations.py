@@ -1,0 +1,144 @@
+"""What a block keeps for its backward: recompute policies and activation offload.
+
+``parallel.recompute``:
+
+    none        every op keeps what it saves for backward
+    full        each block keeps only its input; backward reruns the whole block (collectives included)
+    selective   ``parallel.recompute_modules`` names what is rerun instead of kept:
+                  attention    the attention half (norm, qkv, RoPE, attention, output projection) keeps only its
+                               input and is rerun in backward
+                  mlp          the MLP half (norm, gate|up, SwiGLU, down) likewise
+                  elementwise  in the halves not rerun whole, matmul and attention outputs are kept and every
+                               other op (norms, RoPE, SwiGLU's product, residual adds) is rerun: memory of the
+                               cheap ops for almost no FLOPs (PyTorch's selective activation checkpoint, with a
+                               save list as torchtitan's op policy)
+
+Recomputation reruns tensor-parallel collectives inside the rerun region in backward, in the same order on
+every tp rank, as full recompute does. Gradients are bit-identical to no recompute on one device.
+
+``parallel.offload_activations=true`` moves what autograd saves in the blocks to host memory (pinned, with
+non-blocking copies on CUDA) and back when backward needs it, through ``torch.autograd.graph`` saved-tensor
+hooks; parameters and tensors under 16 KiB stay where they are. On a CPU run there is no other memory to move
+to: the tensors are copied into separate host buffers all the same, so the path is exercised and counted
+(``ActivationOffload.bytes_offloaded``), with no saving.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("attention", "mlp", "elementwise")
+DEFAULT_SELECTIVE = ("elementwise",)
+
+_aten = torch.ops.aten
+# ops whose outputs ``elementwise`` keeps: the expensive ones (matmuls, attention kernels)
+SAVED_OPS = frozenset(
+    op
+    for name, overload in (
+        ("mm", "default"),
+        ("addmm", "default"),
+        ("bmm", "default"),
+        ("baddbmm", "default"),
+        ("_scaled_dot_product_flash_attention", "default"),
+        ("_scaled_dot_product_flash_attention_for_cpu", "default"),
+        ("_scaled_dot_product_efficient_attention", "default"),
+        ("_scaled_dot_product_cudnn_attention", "default"),
+        ("_flash_attention_forward", "default"),
+        ("_efficient_attention_forward", "default"),
+    )
+    if (op := getattr(getattr(_aten, name, None), overload, None)) is not None
+)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class RecomputePolicy:
+    """How a block runs its halves under ``mode`` (none | selective | full) and ``modules``."""
+
+    def __init__(self, mode: str = "none", modules: Iterable[str] = ()):
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute={mode!r} must be one of {RECOMPUTE}")
+        modules = tuple(modules) if mode == "selective" else ()
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(f"recompute_modules: unknown {unknown}; choose from {list(RECOMPUTE_MODULES)}")
+        if mode == "selective" and not modules:
+            raise ValueError(f"recompute=selective needs recompute_modules, some of {list(RECOMPUTE_MODULES)}")
+        self.mode, self.modules = mode, frozenset(modules)
+
+    def __repr__(self) -> str:
+        return f"RecomputePolicy({self.mode!r}, {sorted(self.modules)})"
+
+    def run_half(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``fn(x)`` for the block half ``name`` (attention | mlp), rerun in backward as the policy says."""
+        if self.mode != "selective" or not torch.is_grad_enabled():
+            return fn(x)
+        if name in self.modules:
+            return checkpoint(fn, x, use_reentrant=False)
+        if "elementwise" in self.modules:
+            context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+            return checkpoint(fn, x, use_reentrant=False, context_fn=context)
+        return fn(x)
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that keep saved activations in host memory until backward (see the module doc).
+
+    ``exclude``: tensors never moved (the parameters); tensors under ``min_bytes`` stay too (their copies
+    would cost more than they free). ``bytes_offloaded`` / ``tensors_offloaded`` count what was moved since the
+    last ``reset()``.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), min_bytes: int = 16 * 1024):
+        self._excluded = {_storage_key(t) for t in exclude}
+        self.min_bytes = min_bytes
+        self.bytes_offloaded = 0
+        self.tensors_offloaded = 0
+
+    def reset(self) -> None:
+        self.bytes_offloaded = self.tensors_offloaded = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        size = t.numel() * t.element_size()
+        small = t.untyped_storage().nbytes() < self.min_bytes  # a view of a large buffer is worth moving
+        if isinstance(t, torch.nn.Parameter) or small or _storage_key(t) in self._excluded:
+            return t
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        else:
+            host = t.detach().clone()
+        self.bytes_offloaded += size
+        self.tensors_offloaded += 1
+        return (t.device, host)
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.untyped_storage().data_ptr())
+
+
+__all__ = [
+    "DEFAULT_SELECTIVE",
+    "RECOMPUTE",
+    "RECOMPUTE_MODULES",
+    "SAVED_OPS",
+    "ActivationOffload",
+    "RecomputePolicy",
+]

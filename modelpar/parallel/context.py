@@ -1,0 +1,432 @@
+"""Context parallelism: the sequence split over the ``cp`` ranks, and attention across the split.
+
+Load-balanced causal split: the sequence is cut into ``2*cp`` chunks and cp rank ``r`` holds chunks ``r`` and
+``2cp-1-r``, so every rank has as many early (cheap) as late (expensive) queries::
+
+    cp=2, seq 8:   chunks   0:[0 1]  1:[2 3]  2:[4 5]  3:[6 7]
+                   rank 0 holds [0 1 6 7], rank 1 holds [2 3 4 5]
+
+Everything else in a block (norms, projections, MLP) is per token and needs nothing; attention needs every
+earlier key, two ways (``parallel.cp_comm``):
+
+- ring: K/V blocks (kv heads only) travel around the cp ring with ``batch_isend_irecv``; the next block's
+  transfer is posted before the current block is computed. Each block gives a partial output and its
+  log-sum-exp, merged as ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a e^(lse_a-lse) + o_b e^(lse_b-lse)``.
+  Backward recomputes each block's probabilities from the merged lse (FlashAttention-2's backward, one block
+  at a time) and passes the dK/dV partial sums around the ring with the K/V they belong to. With the balanced
+  split, the block from a lower rank is seen by all local queries through its first chunk only, the block from
+  a higher rank by the second local chunk only: half of each off-diagonal block is skipped, never computed.
+- all-gather: K/V of every cp rank gathered (kv heads only), local queries attend to them with the causal
+  mask of their global positions; the gradient is reduce-scattered back.
+
+Both compute exactly the attention of the whole sequence (with document masking: only earlier tokens of the
+same document, ``documents`` being per-token document ids of the whole sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+from modelpar_kernels import attention, attention_block_backward, attention_block_forward
+
+from modelpar.parallel.collectives import all_gather, blocking, comm_tag, current_tag, reduce_scatter, send_recv
+
+CP_COMMS = ("ring", "allgather")
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallelGroup:
+    """The cp group attention talks over: process group, its global ranks (ring order), this rank's index.
+
+    ``ContextParallelGroup()`` is no context parallelism (size 1): every helper below is the identity.
+    """
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+    ranks: tuple[int, ...] = field(default=(0,))
+    comm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.size > 1 and (self.group is None or len(self.ranks) != self.size):
+            raise ValueError(f"context parallelism over {self.size} ranks needs a process group and its ranks")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"cp rank {self.rank} is outside a group of {self.size}")
+        if self.comm not in CP_COMMS:
+            raise ValueError(f"cp_comm={self.comm!r} must be one of {CP_COMMS}")
+
+    @classmethod
+    def of(cls, groups, comm: str = "ring") -> ContextParallelGroup:
+        """The cp part of a ``modelpar.parallel.groups.ParallelGroups``."""
+        if groups.layout.cp == 1:
+            return cls(comm=comm)
+        return cls(group=groups.cp_group, rank=groups.cp_rank, size=groups.layout.cp, ranks=groups.cp_ranks, comm=comm)
+
+
+def local_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions [seq/cp] of cp rank ``rank``'s tokens: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``."""
+    if seq % (2 * cp):
+        raise ValueError(f"context parallelism needs the sequence length {seq} divisible by 2*cp={2 * cp}")
+    c = seq // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    return torch.cat([first, first + (2 * cp - 1 - 2 * rank) * c])
+
+
+def split_for_context(x: torch.Tensor, cp: ContextParallelGroup, dim: int = 1) -> torch.Tensor:
+    """This cp rank's two chunks of ``x`` along ``dim`` (``[b, s, ...] -> [b, s/cp, ...]``); no communication."""
+    if cp.size == 1:
+        return x
+    index = local_positions(x.shape[dim], cp.size, cp.rank, x.device)
+    return x.index_select(dim, index)
+
+
+def merge_from_context(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``split_for_context``: every cp rank's part (in cp rank order) back in sequence order."""
+    cp = len(parts)
+    seq = parts[0].shape[dim] * cp
+    order = torch.cat([local_positions(seq, cp, r) for r in range(cp)])
+    out = torch.cat(parts, dim)
+    return out.index_select(dim, torch.argsort(order).to(out.device))
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-token document ids [b, s] of packed windows ``tokens`` [b, s] (inputs): an EOS token opens the next
+    document, being the context its first token is predicted from (as a BOS would be), so no prediction sees
+    another document's tokens."""
+    return torch.cumsum((tokens == eos_id).to(torch.int32), dim=1)
+
+
+# -- one block of attention with its log-sum-exp ---------------------------------------------------------------
+
+
+def _visible(q_pos, k_pos, q_doc, k_doc) -> torch.Tensor:
+    """Boolean [b or 1, 1, sq, sk]: key visible to query (earlier or same position, same document)."""
+    keep = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if q_doc is not None:
+        keep = keep & (k_doc[:, None, None, :] == q_doc[:, None, :, None])
+    return keep
+
+
+def _additive(keep: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """How one block is masked: ``keep`` (boolean, broadcast to [b, h, sq, sk]) for the torch paths, or the
+    rows' and columns' document ids for the Triton kernel; ``causal``: the block on the diagonal (sq == sk)."""
+
+    causal: bool
+    keep: torch.Tensor | None = None
+    q_docs: torch.Tensor | None = None
+    k_docs: torch.Tensor | None = None
+
+
+def block_forward(q, k, v, mask: _Mask, backend: str = "torch"):
+    """Attention of q [b, hq, sq, d] on k, v [b, hkv, sk, d] -> (out [b, hq, sq, d], lse [b, hq, sq], natural
+    log, fp32 or wider). Rows with no visible key get lse = -inf and a zero output."""
+    if backend == "triton":
+        out, lse = attention_block_forward(
+            *(t.transpose(1, 2) for t in (q, k, v)), mask.causal, mask.q_docs, mask.k_docs
+        )
+        return out.transpose(1, 2), lse.to(_accumulation_dtype(q.dtype))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    keep, causal = mask.keep, mask.causal and mask.keep is None
+    scale = q.shape[-1] ** -0.5
+    if q.device.type == "cpu":  # the aten flash op returns the lse on CPU
+        additive = None if keep is None else _additive(keep, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=additive, scale=scale
+        )
+    else:
+        out, lse = _block_forward_math(q, k, v, keep, causal)
+    lse = lse.to(_accumulation_dtype(q.dtype))
+    if keep is not None:
+        lse = torch.where(keep.any(-1), lse, float("-inf"))
+    return out, lse
+
+
+def block_backward(dout, q, k, v, out, lse, mask: _Mask, backend: str = "torch"):
+    """Gradients (dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) of one block, given the rows' *merged* output and
+    lse (FlashAttention-2's backward, one block of it)."""
+    if backend == "triton":
+        dq, dk, dv = attention_block_backward(
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.float(), mask.causal, mask.q_docs, mask.k_docs
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    group = q.shape[1] // k.shape[1]
+    dq, dk, dv = _block_backward_torch(
+        dout, q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), out, lse, mask
+    )
+    return dq, *(rearrange(t, "b (h g) n d -> b h g n d", g=group).sum(2) for t in (dk, dv))
+
+
+def _block_backward_torch(dout, q, k, v, out, lse, mask: _Mask):
+    keep, causal = mask.keep, mask.causal and mask.keep is None
+    scale = q.shape[-1] ** -0.5
+    if q.device.type == "cpu":
+        additive = None if keep is None else _additive(keep, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=additive, scale=scale
+        )
+    return _block_backward_math(dout, q, k, v, out, lse, keep, causal)
+
+
+def _block_forward_math(q, k, v, keep, causal):
+    """``block_forward`` in plain matmuls (equal heads), for devices without an lse-returning attention op."""
+    acc = _accumulation_dtype(q.dtype)
+    scores = _mask_scores(torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5, keep, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
+
+
+def _block_backward_math(dout, q, k, v, out, lse, keep, causal):
+    """``block_backward`` in plain matmuls (equal heads): FlashAttention-2's backward of one block."""
+    acc = _accumulation_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5
+    q32, k32, v32, dout32 = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    scores = _mask_scores(torch.matmul(q32, k32.transpose(-1, -2)) * scale, keep, causal)
+    probs = torch.exp(scores - lse[..., None])
+    dv = torch.matmul(probs.transpose(-1, -2), dout32)
+    dp = torch.matmul(dout32, v32.transpose(-1, -2))
+    ds = probs * (dp - (dout32 * out.to(acc)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k32) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _mask_scores(scores, keep, causal):
+    if causal:
+        sq, sk = scores.shape[-2:]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
+    return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+
+
+def merge_partial(out, lse, part_out, part_lse):
+    """Merge a partial attention (``part_out`` [b, h, n, d], ``part_lse`` [b, h, n]) into the running (fp32)
+    ``out``, ``lse`` of the same rows; returns the merged pair. A partial row with lse -inf adds nothing."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
+    merged = out * torch.exp(lse - safe)[..., None] + part_out.to(out.dtype) * torch.exp(part_lse - safe)[..., None]
+    return merged, new_lse
+
+
+# -- the ring -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Which local query rows meet which rows of the visiting K/V block, and how they are masked."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+def _ring_block(rank: int, source: int, local: int) -> _Block:
+    """The part of (queries of ``rank``) x (K/V of ``source``) that the causal mask leaves (balanced split)."""
+    half = local // 2
+    if source == rank:
+        return _Block(slice(0, local), slice(0, local), True)  # both chunks in order: plain causal
+    if source < rank:
+        return _Block(slice(0, local), slice(0, half), False)  # its early chunk, seen by every local query
+    return _Block(slice(half, local), slice(0, local), False)  # only the local late chunk sees it, all of it
+
+
+class _RingAttention(torch.autograd.Function):
+    """q [b, hq, L, d], k, v [b, hkv, L, d] of this cp rank (L = s/cp) -> out [b, hq, L, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp, documents, backend):
+        ctx.cp, ctx.tag, ctx.backend = cp, current_tag(), backend
+        b, hq, local, d = q.shape
+        positions = [local_positions(local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
+        acc = _accumulation_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, local), float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, L, d]: what travels
+        for step in range(cp.size):
+            pending = _pass_on(kv, cp) if step < cp.size - 1 else None  # overlapped with this block
+            source = (cp.rank - step) % cp.size
+            blk, mask = _block_and_mask(cp.rank, source, local, positions, documents, backend)
+            if mask is not None:  # None: a block no query sees, skipped
+                q_rows = q[:, :, blk.rows]
+                part_out, part_lse = block_forward(q_rows, kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], mask, backend)
+                out[:, :, blk.rows], lse[:, :, blk.rows] = merge_partial(
+                    out[:, :, blk.rows], lse[:, :, blk.rows], part_out, part_lse
+                )
+            if pending is not None:
+                kv = pending.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
+        ctx.has_documents = documents is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        documents = documents if ctx.has_documents else None
+        cp, backend = ctx.cp, ctx.backend
+        b, hq, local, d = q.shape
+        positions = [local_positions(local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
+        dout = dout.contiguous()
+        acc = _accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        arriving = None  # the dK/dV partial sums of the visiting block, from the previous rank
+        with comm_tag(ctx.tag):
+            for step in range(cp.size):
+                pending = _pass_on(kv, cp) if step < cp.size - 1 else None
+                source = (cp.rank - step) % cp.size
+                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+                blk, mask = _block_and_mask(cp.rank, source, local, positions, documents, backend)
+                if mask is not None:
+                    rows = blk.rows
+                    dq_blk, dk_blk, dv_blk = block_backward(
+                        dout[:, :, rows].contiguous(),
+                        q[:, :, rows].contiguous(),
+                        kv[0][:, :, blk.cols].contiguous(),
+                        kv[1][:, :, blk.cols].contiguous(),
+                        out[:, :, rows].contiguous(),
+                        lse[:, :, rows].contiguous(),
+                        mask,
+                        backend,
+                    )
+                    dq[:, :, rows] += dq_blk.to(acc)
+                    dkv[0, :, :, blk.cols] = dk_blk.to(acc)
+                    dkv[1, :, :, blk.cols] = dv_blk.to(acc)
+                if arriving is not None:
+                    dkv += arriving.wait()
+                # onwards with the K/V they belong to; after the last step each rank receives its own
+                arriving = _pass_on(dkv, cp)
+                if pending is not None:
+                    kv = pending.wait()
+            dkv = arriving.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Partial outputs, lse and dK/dV sums are kept (and travel) in fp32, or wider for wider inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _block_and_mask(rank, source, local, positions, documents, backend):
+    """The block of (this rank's queries) x (``source``'s K/V) and its mask; None for the mask when no query
+    of the block sees any of its keys (documents that do not meet), so the block is skipped."""
+    blk = _ring_block(rank, source, local)
+    if documents is None:
+        return blk, _Mask(blk.causal)
+    q_pos, k_pos = positions[rank][blk.rows], positions[source][blk.cols]
+    q_docs, k_docs = documents[:, q_pos], documents[:, k_pos]
+    if backend == "triton":
+        meet = blk.causal or any(bool(torch.isin(qd, kd).any()) for qd, kd in zip(q_docs, k_docs, strict=True))
+        return blk, _Mask(blk.causal, q_docs=q_docs, k_docs=k_docs) if meet else None
+    keep = _visible(q_pos, k_pos, q_docs, k_docs)
+    return blk, _Mask(blk.causal, keep=keep) if bool(keep.any()) else None
+
+
+class _Transfer:
+    """One ring transfer in flight: ``wait()`` returns the tensor received from the previous rank."""
+
+    def __init__(self, tensor: torch.Tensor, cp: ContextParallelGroup):
+        self.received = torch.empty_like(tensor)
+        self.sent = tensor  # kept alive until the transfer completes
+        self.cp = cp
+        nxt, prev = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
+        self.works = send_recv(tensor, self.received, nxt, prev, cp.group)
+
+    def wait(self) -> torch.Tensor:
+        with blocking("send_recv", self.cp.group):
+            for work in self.works:
+                work.wait()
+        return self.received
+
+
+def _pass_on(tensor: torch.Tensor, cp: ContextParallelGroup) -> _Transfer:
+    return _Transfer(tensor, cp)
+
+
+# -- all-gather -----------------------------------------------------------------------------------------------
+
+
+class _GatherOverContext(torch.autograd.Function):
+    """All-gather along ``dim`` over cp forward (rank order); reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, cp, dim):
+        ctx.cp, ctx.dim, ctx.tag = cp, dim, current_tag()
+        return all_gather(x, cp.group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with comm_tag(ctx.tag):
+            return reduce_scatter(grad, ctx.cp.group, ctx.dim), None, None
+
+
+def _allgather_attention(q, k, v, cp, documents):
+    """q [b, hq, L, d], k, v [b, hkv, L, d] -> out [b, hq, L, d]: local queries on the gathered K/V."""
+    local = q.shape[2]
+    kv = _GatherOverContext.apply(torch.stack([k, v]), cp, 3)  # [2, b, hkv, cp*L, d], cp rank order
+    positions = [local_positions(local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
+    q_pos, k_pos = positions[cp.rank], torch.cat(positions)
+    keep = _visible(
+        q_pos,
+        k_pos,
+        None if documents is None else documents[:, q_pos],
+        None if documents is None else documents[:, k_pos],
+    )
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=keep, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallelGroup,
+    documents: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Causal attention of this cp rank's queries over the whole sequence.
+
+    q: [b, s/cp, hq, d]; k, v: [b, s/cp, hkv, d] (this rank's two chunks, see ``split_for_context``);
+    ``documents``: None, or document ids [b, s] of the whole sequence (a query sees only its own document).
+    Returns [b, s/cp, hq, d]. With cp size 1 this is plain (document-)causal attention. ``backend`` "triton":
+    the flash kernel computes the ring's blocks (and cp=1); the all-gather runs masked SDPA either way.
+    """
+    if cp.size == 1 and backend == "triton":
+        return attention(q, k, v, True, backend="triton", documents=documents)
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    if cp.size == 1:
+        out = _local_attention(q, k, v, documents)
+    elif cp.comm == "ring":
+        out = _RingAttention.apply(q, k, v, cp, documents, backend)
+    else:
+        out = _allgather_attention(q, k, v, cp, documents)
+    return rearrange(out, "b h s d -> b s h d")
+
+
+def _local_attention(q, k, v, documents):
+    keep = None
+    if documents is not None:
+        pos = torch.arange(q.shape[2], device=q.device)
+        keep = _visible(pos, pos, documents, documents)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, is_causal=keep is None, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+__all__ = [
+    "CP_COMMS",
+    "ContextParallelGroup",
+    "context_parallel_attention",
+    "document_ids",
+    "local_positions",
+    "merge_from_context",
+    "split_for_context",
+]

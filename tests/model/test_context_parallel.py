@@ -1,0 +1,161 @@
+"""Context-parallel attention computes the attention of the whole sequence: outputs and dq/dk/dv on every cp
+rank's chunks equal the single-device attention's, for the ring and the all-gather, with and without
+document masking."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modelpar.parallel.context import (
+    ContextParallelGroup,
+    context_parallel_attention,
+    document_ids,
+    local_positions,
+    merge_from_context,
+    split_for_context,
+)
+from modelpar.parallel.layout import ParallelLayout
+from modelpar.testing import current_groups, run_on_ranks
+
+
+def test_balanced_split_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r():
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert local_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    x = torch.arange(24).view(1, 24)
+    parts = [split_for_context(x, ContextParallelGroup(size=1)) for _ in range(1)]
+    assert torch.equal(parts[0], x)
+    parts = [x.index_select(1, local_positions(24, 3, r)) for r in range(3)]
+    assert torch.equal(merge_from_context(parts), x)
+    with pytest.raises(ValueError, match="divisible by 2\\*cp=4"):
+        local_positions(10, 2, 0)
+
+
+def test_each_eos_opens_a_new_document():
+    tokens = torch.tensor([[5, 0, 7, 7, 0, 0, 3], [1, 2, 3, 4, 5, 6, 0]])
+    assert document_ids(tokens, eos_id=0).tolist() == [[0, 1, 1, 1, 2, 3, 3], [0, 0, 0, 0, 0, 0, 1]]
+
+
+def reference_attention(q, k, v, documents):
+    """Full-sequence attention, the single-device way: SDPA, causal (and same-document) mask."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    s = q.shape[1]
+    keep = torch.ones(s, s, dtype=torch.bool).tril()
+    if documents is not None:
+        keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _inputs(seq, heads, kv_heads, with_documents):
+    gen = torch.Generator().manual_seed(3)
+    b, d = 2, 8
+    q = torch.randn(b, seq, heads, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, seq, kv_heads, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, seq, kv_heads, d, generator=gen, dtype=torch.float64)
+    dout = torch.randn(b, seq, heads, d, generator=gen, dtype=torch.float64)
+    documents = None
+    if with_documents:  # documents of uneven lengths, one crossing every chunk boundary, one within a chunk
+        tokens = torch.randint(1, 9, (b, seq), generator=gen)
+        tokens[0, [2, 3, seq // 2 + 1]] = 0
+        tokens[1, [seq - 3]] = 0
+        documents = document_ids(tokens, eos_id=0)
+    return q, k, v, dout, documents
+
+
+def cp_matches_full_attention(comm, seq, heads, kv_heads, with_documents):
+    from modelpar.parallel.collectives import record_comm
+
+    groups = current_groups()
+    cp = ContextParallelGroup.of(groups, comm)
+    q, k, v, dout, documents = _inputs(seq, heads, kv_heads, with_documents)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*full, documents)
+    ref.backward(dout)
+    local = [split_for_context(t, cp).requires_grad_(True) for t in (q, k, v)]
+    with record_comm() as log:
+        out = context_parallel_attention(*local, cp, documents)
+        out.backward(split_for_context(dout, cp))
+    torch.testing.assert_close(out, split_for_context(ref, cp), rtol=1e-10, atol=1e-10)
+    for name, mine, whole in zip("qkv", local, full, strict=True):
+        torch.testing.assert_close(mine.grad, split_for_context(whole.grad, cp), rtol=1e-10, atol=1e-10, msg=name)
+    return log.count("send_recv"), log.total_bytes("send_recv"), log.count("all_gather")
+
+
+@pytest.mark.parametrize("comm", ["ring", "allgather"])
+@pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
+def test_cp2_attention_matches_full_attention(comm, with_documents):
+    results = run_on_ranks(
+        2, cp_matches_full_attention, comm, 12, 4, 2, with_documents, layout=ParallelLayout(cp=2)
+    )
+    sends, sent_bytes, gathers = results[0]
+    if comm == "ring":
+        # forward: K/V (kv heads only) once; backward: K/V once and dK/dV twice (onwards, then home)
+        kv_bytes = 2 * 2 * 2 * 6 * 8 * 8  # [k|v, b, kv heads, s/cp, d] in fp64
+        assert (sends, gathers) == (4, 0)
+        assert sent_bytes == 4 * kv_bytes
+    else:
+        assert (sends, gathers) == (0, 1)
+
+
+@pytest.mark.parametrize("comm", ["ring", "allgather"])
+def test_cp4_attention_matches_full_attention_with_documents(comm):
+    run_on_ranks(4, cp_matches_full_attention, comm, 16, 2, 1, True, layout=ParallelLayout(cp=4))
+
+
+def ring_block_sizes():
+    """(rows, cols) of every block the ring computes on this rank, forward and backward."""
+    import modelpar.parallel.context as context
+
+    seen = []
+    forward, backward = context.block_forward, context.block_backward
+
+    def counting_forward(q, k, *args):
+        seen.append(("F", q.shape[2], k.shape[2]))
+        return forward(q, k, *args)
+
+    def counting_backward(dout, q, k, *args):
+        seen.append(("B", q.shape[2], k.shape[2]))
+        return backward(dout, q, k, *args)
+
+    context.block_forward, context.block_backward = counting_forward, counting_backward
+    try:
+        cp_matches_full_attention("ring", 16, 2, 2, False)
+    finally:
+        context.block_forward, context.block_backward = forward, backward
+    return seen
+
+
+def test_ring_skips_the_masked_half_of_every_off_diagonal_block():
+    for rank, seen in enumerate(run_on_ranks(4, ring_block_sizes, layout=ParallelLayout(cp=4))):
+        local = 4
+        # one causal diagonal block, then three half blocks (rows x cols = L*L/2), forward and backward
+        assert seen[0] == ("F", local, local) and seen[4] == ("B", local, local), rank
+        assert all(r * c == local * local // 2 for _, r, c in seen[1:4] + seen[5:]), (rank, seen)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "masked"])
+def test_plain_matmul_block_equals_the_aten_flash_block(causal):
+    """The block functions' device-independent path (used where no lse-returning op exists) against the CPU op,
+    including rows that see no key of the block (lse -inf, zero output)."""
+    from modelpar.parallel.context import _block_backward_math, _block_forward_math, _Mask, block_backward, block_forward
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    keep = None
+    if not causal:
+        q_docs = torch.tensor([[0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1]])
+        keep = (q_docs == 0)[:, None, :, None].expand(2, 1, 6, 6)  # keys all of document 0: only its queries see
+    mask = _Mask(causal, keep=keep)
+    out, lse = block_forward(q, k, v, mask)
+    out_m, lse_m = _block_forward_math(q, k, v, keep, causal and keep is None)
+    if keep is not None:
+        lse_m = torch.where(keep.any(-1), lse_m, float("-inf"))
+        assert bool(torch.isinf(lse).any())  # some rows see nothing here
+    torch.testing.assert_close(out, out_m)
+    torch.testing.assert_close(lse, lse_m)
+    merged_lse = torch.where(torch.isinf(lse), 0.0, lse)  # as if another block had given those rows their keys
+    got = block_backward(dout, q, k, v, out, merged_lse, mask)
+    want = _block_backward_math(dout, q, k, v, out, merged_lse, keep, causal and keep is None)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,88 @@
+"""The planner's context parallelism: activations and compute divided by cp, the ring's K/V exchange hidden
+behind block compute where the sequence is long, the all-gather's exposed, and a 128k recipe it ranks first."""
+
+import dataclasses
+
+import pytest
+
+from modelpar.cli.plan import main
+from modelpar.parallel.layout import ParallelLayout
+from modelpar.perf.plan import HARDWARE, ModelSpec, SearchSpace, Strategy, load_model, plan, predict, stage_memory
+
+H100 = HARDWARE["h100-80gb"]
+LLAMA_8B = ModelSpec(load_model("llama-8b").shape, flash_attention=True)
+
+
+def cp_strategy(cp=1, comm="ring", tp=1, dp=1, recompute="none", zero1=False) -> Strategy:
+    return Strategy(ParallelLayout(tp=tp, cp=cp, dp=dp), 1, 4, recompute, zero1, False, comm)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_divides_activations_and_compute_by_cp(cp):
+    seq = 32768
+    one = predict(cp_strategy(), LLAMA_8B, H100, seq_len=seq)
+    split = predict(cp_strategy(cp), LLAMA_8B, H100, seq_len=seq)
+    assert split.memory.activations == pytest.approx(one.memory.activations / cp)
+    assert split.compute_s == pytest.approx(one.compute_s / cp, rel=0.01)
+    assert one.cp_comm_s == 0.0 and split.cp_comm_s >= 0.0
+
+
+def test_allgather_stores_the_gathered_kv_and_exposes_its_communication():
+    seq = 65536
+    ring = predict(cp_strategy(8, "ring"), LLAMA_8B, H100, seq_len=seq)
+    gather = predict(cp_strategy(8, "allgather"), LLAMA_8B, H100, seq_len=seq)
+    kv = 2 * 1 * seq * 7 / 8 * LLAMA_8B.shape.kv_heads * LLAMA_8B.shape.head_dim * 2  # bf16, per layer
+    per_layer = (gather.memory.activations - ring.memory.activations) / LLAMA_8B.shape.layers
+    assert per_layer == pytest.approx(kv)  # without pipelining one micro-batch's activations are held
+    assert ring.cp_comm_s < gather.cp_comm_s  # long blocks hide the ring's transfers
+
+
+def test_ring_transfers_are_exposed_where_blocks_are_too_short_to_hide_them():
+    short = predict(cp_strategy(8, "ring"), LLAMA_8B, H100, seq_len=2048)
+    long = predict(cp_strategy(8, "ring"), LLAMA_8B, H100, seq_len=131072)
+    short_share = short.cp_comm_s / short.total_s
+    long_share = long.cp_comm_s / long.total_s
+    assert short_share > long_share
+
+
+def test_zero1_shards_the_optimizer_over_dp_times_cp():
+    base = stage_memory(LLAMA_8B, cp_strategy(cp=4, dp=2), 8192, H100, 0)
+    sharded = stage_memory(LLAMA_8B, cp_strategy(cp=4, dp=2, zero1=True), 8192, H100, 0)
+    assert sharded.optimizer == pytest.approx(base.optimizer / 8)
+
+
+def test_at_128k_the_plan_needs_cp_and_the_shipped_recipe_is_its_first_choice():
+    planned = plan(LLAMA_8B, H100, gpus=64, global_batch=32, seq_len=131072)
+    best = planned[0].strategy
+    assert best.layout.cp > 1
+    without_cp = plan(LLAMA_8B, H100, gpus=64, global_batch=32, seq_len=131072, space=SearchSpace(cp=1))
+    assert planned[0].prediction.tokens_per_s > without_cp[0].prediction.tokens_per_s
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.training.config import RECIPES, register_schema
+
+    register_schema()
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="llama-8b-128k-64gpu", overrides=["data.path=x.npy", "trainer.out_dir=unused"]))
+    p = cfg.parallel
+    assert (p.tp, p.cp, p.pp, p.dp, p.cp_comm, p.sp) == (
+        best.layout.tp, best.layout.cp, best.layout.pp, best.layout.dp, best.cp_comm, best.sp,
+    )  # fmt: skip
+    assert (cfg.data.seq_len, cfg.data.global_batch, cfg.data.document_mask) == (131072, 32, True)
+
+
+def test_cli_names_cp_in_the_table_and_the_overrides(capsys):
+    argv = ["--model", "llama-8b", "--gpus", "64", "--global-batch", "32", "--seq-len", "131072", "--top", "3"]
+    assert main([*argv, "--flash-attention"]) == 0
+    out = capsys.readouterr().out
+    assert "cp comm" in out.splitlines()[1]
+    assert "parallel.cp=" in out.splitlines()[-1] and "parallel.cp_comm=ring" in out.splitlines()[-1]
+    assert main([*argv, "--cp", "3"]) == 2
+    assert "cp=3 does not divide gpus=64" in capsys.readouterr().err
+
+
+def test_cp_that_cannot_cut_the_sequence_is_not_planned():
+    space = dataclasses.replace(SearchSpace(), cp=4)
+    with pytest.raises(ValueError, match="cp=4 does not cut seq_len=8196 into 2\\*cp equal chunks"):
+        plan(LLAMA_8B, H100, gpus=8, global_batch=8, seq_len=8196, space=space)
