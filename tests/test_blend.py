@@ -155,8 +155,10 @@ def test_blend_is_written_in_a_recipe_override(tmp_path):
     register_schema()
     override = f"data.blend=[{{path: {tmp_path}/a, weight: 0.7}}, {{path: {tmp_path}/b, weight: 0.3}}]"
     with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="train", overrides=[override, f"trainer.out_dir={tmp_path}"]))
+        overrides = ["data=blend", override, f"trainer.out_dir={tmp_path}"]
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=overrides))
     assert cfg.data.blend == [BlendEntry(f"{tmp_path}/a", 0.7), BlendEntry(f"{tmp_path}/b", 0.3)]
+    assert cfg.data.path == "" and cfg.data.seq_len == 1024
 
 
 # --- training on a blend ---------------------------------------------------------------------------------------

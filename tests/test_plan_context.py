@@ -27,13 +27,11 @@ def test_ring_divides_activations_and_compute_by_cp(cp):
     assert one.cp_comm_s == 0.0 and split.cp_comm_s >= 0.0
 
 
-def test_allgather_stores_the_gathered_kv_and_exposes_its_communication():
+def test_allgather_exposes_its_communication_where_the_ring_hides_it():
     seq = 65536
     ring = predict(cp_strategy(8, "ring"), LLAMA_8B, H100, seq_len=seq)
     gather = predict(cp_strategy(8, "allgather"), LLAMA_8B, H100, seq_len=seq)
-    kv = 2 * 1 * seq * 7 / 8 * LLAMA_8B.shape.kv_heads * LLAMA_8B.shape.head_dim * 2  # bf16, per layer
-    per_layer = (gather.memory.activations - ring.memory.activations) / LLAMA_8B.shape.layers
-    assert per_layer == pytest.approx(kv)  # without pipelining one micro-batch's activations are held
+    assert ring.memory.activations == gather.memory.activations  # gathered K/V live only while a layer runs
     assert ring.cp_comm_s < gather.cp_comm_s  # long blocks hide the ring's transfers
 
 

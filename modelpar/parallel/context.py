@@ -16,8 +16,9 @@ earlier key, two ways (``parallel.cp_comm``):
   at a time) and passes the dK/dV partial sums around the ring with the K/V they belong to. With the balanced
   split, the block from a lower rank is seen by all local queries through its first chunk only, the block from
   a higher rank by the second local chunk only: half of each off-diagonal block is skipped, never computed.
-- all-gather: K/V of every cp rank gathered (kv heads only), local queries attend to them with the causal
-  mask of their global positions; the gradient is reduce-scattered back.
+- all-gather: K/V of every cp rank gathered up front (kv heads only), the local queries attend to the same
+  blocks as the ring's; backward gathers K/V again (rather than keeping cp x the K/V per layer) and
+  reduce-scatters their gradient back to the ranks that own them.
 
 Both compute exactly the attention of the whole sequence (with document masking: only earlier tokens of the
 same document, ``documents`` being per-token document ids of the whole sequence).
@@ -239,68 +240,93 @@ def _ring_block(rank: int, source: int, local: int) -> _Block:
     return _Block(slice(half, local), slice(0, local), False)  # only the local late chunk sees it, all of it
 
 
+class _Blocks:
+    """This cp rank's queries against the K/V of every cp rank, one source block at a time (ring and all-gather
+    share it): the forward's running (out, lse) merge, and each block's share of the backward."""
+
+    def __init__(self, q, cp, documents, backend):
+        self.q, self.cp, self.documents, self.backend = q, cp, documents, backend
+        b, hq, self.local, _ = q.shape
+        self.positions = [local_positions(self.local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
+        self.acc = _accumulation_dtype(q.dtype)
+        self.out = torch.zeros(q.shape, dtype=self.acc, device=q.device)
+        self.lse = torch.full((b, hq, self.local), float("-inf"), dtype=self.acc, device=q.device)
+
+    def forward(self, source: int, kv: torch.Tensor) -> None:
+        """Merge the block of ``source``'s K/V (kv: [2, b, hkv, L, d]) into the running output."""
+        blk, mask = _block_and_mask(self.cp.rank, source, self.local, self.positions, self.documents, self.backend)
+        if mask is None:  # a block no query sees is skipped
+            return
+        rows = blk.rows
+        part_out, part_lse = block_forward(
+            self.q[:, :, rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], mask, self.backend
+        )
+        self.out[:, :, rows], self.lse[:, :, rows] = merge_partial(
+            self.out[:, :, rows], self.lse[:, :, rows], part_out, part_lse
+        )
+
+    def backward(self, source, kv, dout, out, lse, dq, dkv) -> None:
+        """Add the block's dq into ``dq`` and write its dK/dV into ``dkv`` [2, b, hkv, L, d] (zeros where unseen);
+        ``out``, ``lse``: the merged forward's."""
+        blk, mask = _block_and_mask(self.cp.rank, source, self.local, self.positions, self.documents, self.backend)
+        if mask is None:
+            return
+        rows = blk.rows
+        dq_blk, dk_blk, dv_blk = block_backward(
+            dout[:, :, rows].contiguous(),
+            self.q[:, :, rows].contiguous(),
+            kv[0][:, :, blk.cols].contiguous(),
+            kv[1][:, :, blk.cols].contiguous(),
+            out[:, :, rows].contiguous(),
+            lse[:, :, rows].contiguous(),
+            mask,
+            self.backend,
+        )
+        dq[:, :, rows] += dq_blk.to(dq.dtype)
+        dkv[0, :, :, blk.cols] += dk_blk.to(dkv.dtype)
+        dkv[1, :, :, blk.cols] += dv_blk.to(dkv.dtype)
+
+
+def _save(ctx, q, k, v, out, lse, documents, cp, backend):
+    ctx.cp, ctx.tag, ctx.backend, ctx.has_documents = cp, current_tag(), backend, documents is not None
+    ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
+
+
+def _saved(ctx):
+    q, k, v, out, lse, documents = ctx.saved_tensors
+    return q, k, v, out, lse, documents if ctx.has_documents else None
+
+
 class _RingAttention(torch.autograd.Function):
     """q [b, hq, L, d], k, v [b, hkv, L, d] of this cp rank (L = s/cp) -> out [b, hq, L, d]."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp, documents, backend):
-        ctx.cp, ctx.tag, ctx.backend = cp, current_tag(), backend
-        b, hq, local, d = q.shape
-        positions = [local_positions(local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
-        acc = _accumulation_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((b, hq, local), float("-inf"), dtype=acc, device=q.device)
+        blocks = _Blocks(q, cp, documents, backend)
         kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, L, d]: what travels
         for step in range(cp.size):
             pending = _pass_on(kv, cp) if step < cp.size - 1 else None  # overlapped with this block
-            source = (cp.rank - step) % cp.size
-            blk, mask = _block_and_mask(cp.rank, source, local, positions, documents, backend)
-            if mask is not None:  # None: a block no query sees, skipped
-                q_rows = q[:, :, blk.rows]
-                part_out, part_lse = block_forward(q_rows, kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], mask, backend)
-                out[:, :, blk.rows], lse[:, :, blk.rows] = merge_partial(
-                    out[:, :, blk.rows], lse[:, :, blk.rows], part_out, part_lse
-                )
+            blocks.forward((cp.rank - step) % cp.size, kv)
             if pending is not None:
                 kv = pending.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
-        ctx.has_documents = documents is not None
+        out = blocks.out.to(q.dtype)
+        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, documents = ctx.saved_tensors
-        documents = documents if ctx.has_documents else None
-        cp, backend = ctx.cp, ctx.backend
-        b, hq, local, d = q.shape
-        positions = [local_positions(local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
+        q, k, v, out, lse, documents = _saved(ctx)
+        cp = ctx.cp
+        blocks = _Blocks(q, cp, documents, ctx.backend)
         dout = dout.contiguous()
-        acc = _accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         arriving = None  # the dK/dV partial sums of the visiting block, from the previous rank
         with comm_tag(ctx.tag):
             for step in range(cp.size):
                 pending = _pass_on(kv, cp) if step < cp.size - 1 else None
-                source = (cp.rank - step) % cp.size
-                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-                blk, mask = _block_and_mask(cp.rank, source, local, positions, documents, backend)
-                if mask is not None:
-                    rows = blk.rows
-                    dq_blk, dk_blk, dv_blk = block_backward(
-                        dout[:, :, rows].contiguous(),
-                        q[:, :, rows].contiguous(),
-                        kv[0][:, :, blk.cols].contiguous(),
-                        kv[1][:, :, blk.cols].contiguous(),
-                        out[:, :, rows].contiguous(),
-                        lse[:, :, rows].contiguous(),
-                        mask,
-                        backend,
-                    )
-                    dq[:, :, rows] += dq_blk.to(acc)
-                    dkv[0, :, :, blk.cols] = dk_blk.to(acc)
-                    dkv[1, :, :, blk.cols] = dv_blk.to(acc)
+                dkv = torch.zeros(kv.shape, dtype=blocks.acc, device=q.device)
+                blocks.backward((cp.rank - step) % cp.size, kv, dout, out, lse, dq, dkv)
                 if arriving is not None:
                     dkv += arriving.wait()
                 # onwards with the K/V they belong to; after the last step each rank receives its own
@@ -309,6 +335,36 @@ class _RingAttention(torch.autograd.Function):
                     kv = pending.wait()
             dkv = arriving.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """q [b, hq, L, d], k, v [b, hkv, L, d] -> out: K/V of every cp rank gathered up front (kv heads only), the
+    same blocks as the ring computed on them; backward reduce-scatters the gathered dK/dV."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp, documents, backend):
+        blocks = _Blocks(q, cp, documents, backend)
+        gathered = all_gather(torch.stack([k, v]).unsqueeze(0), cp.group)  # [cp, 2, b, hkv, L, d]
+        for source in range(cp.size):
+            blocks.forward(source, gathered[source])
+        out = blocks.out.to(q.dtype)
+        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, documents = _saved(ctx)
+        cp = ctx.cp
+        blocks = _Blocks(q, cp, documents, ctx.backend)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
+        with comm_tag(ctx.tag):
+            gathered = all_gather(torch.stack([k, v]).unsqueeze(0), cp.group)  # again: not kept from forward
+            dkv = torch.zeros(gathered.shape, dtype=blocks.acc, device=q.device)
+            for source in range(cp.size):
+                blocks.backward(source, gathered[source], dout, out, lse, dq, dkv[source])
+            mine = reduce_scatter(dkv, cp.group)[0]  # [2, b, hkv, L, d]
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -352,38 +408,6 @@ def _pass_on(tensor: torch.Tensor, cp: ContextParallelGroup) -> _Transfer:
     return _Transfer(tensor, cp)
 
 
-# -- all-gather -----------------------------------------------------------------------------------------------
-
-
-class _GatherOverContext(torch.autograd.Function):
-    """All-gather along ``dim`` over cp forward (rank order); reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, cp, dim):
-        ctx.cp, ctx.dim, ctx.tag = cp, dim, current_tag()
-        return all_gather(x, cp.group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with comm_tag(ctx.tag):
-            return reduce_scatter(grad, ctx.cp.group, ctx.dim), None, None
-
-
-def _allgather_attention(q, k, v, cp, documents):
-    """q [b, hq, L, d], k, v [b, hkv, L, d] -> out [b, hq, L, d]: local queries on the gathered K/V."""
-    local = q.shape[2]
-    kv = _GatherOverContext.apply(torch.stack([k, v]), cp, 3)  # [2, b, hkv, cp*L, d], cp rank order
-    positions = [local_positions(local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
-    q_pos, k_pos = positions[cp.rank], torch.cat(positions)
-    keep = _visible(
-        q_pos,
-        k_pos,
-        None if documents is None else documents[:, q_pos],
-        None if documents is None else documents[:, k_pos],
-    )
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=keep, enable_gqa=q.shape[1] != k.shape[1])
-
-
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -397,17 +421,16 @@ def context_parallel_attention(
     q: [b, s/cp, hq, d]; k, v: [b, s/cp, hkv, d] (this rank's two chunks, see ``split_for_context``);
     ``documents``: None, or document ids [b, s] of the whole sequence (a query sees only its own document).
     Returns [b, s/cp, hq, d]. With cp size 1 this is plain (document-)causal attention. ``backend`` "triton":
-    the flash kernel computes the ring's blocks (and cp=1); the all-gather runs masked SDPA either way.
+    the flash kernel computes every block.
     """
     if cp.size == 1 and backend == "triton":
         return attention(q, k, v, True, backend="triton", documents=documents)
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
     if cp.size == 1:
         out = _local_attention(q, k, v, documents)
-    elif cp.comm == "ring":
-        out = _RingAttention.apply(q, k, v, cp, documents, backend)
     else:
-        out = _allgather_attention(q, k, v, cp, documents)
+        function = _RingAttention if cp.comm == "ring" else _AllGatherAttention
+        out = function.apply(q, k, v, cp, documents, backend)
     return rearrange(out, "b h s d -> b s h d")
 
 

@@ -32,13 +32,14 @@ Step time, from the per-rank FLOPs of ``modelpar.model.flops`` (plus recomputed 
     cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
                  as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
                  (4*b*(s/cp)*(s/2cp)*h FLOPs forward, 2.5x that backward) where it is shorter; all-gather: an
-                 all-gather of K/V forward and a reduce-scatter backward, exposed
+                 all-gather of K/V forward, another and a reduce-scatter of dK/dV backward, exposed
     bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s)
     total_s    = the sum of the above
 
 Context parallelism (cp) divides every per-token quantity by cp: FLOPs (the balanced causal split gives each
 rank equal attention work), activations and their [b, s, h] communication; the attention-score term keeps the
-full s (local queries see every earlier key), and all-gather also stores the gathered K/V of the layer.
+full s (local queries see every earlier key). The all-gather's gathered K/V live only while a layer runs
+(backward gathers them again), so they are working memory, not stored activations.
 Gradients are reduced (ZeRO-1: sharded) over dp x cp.
 
 Ranks sharing one machine's cores (``compute_units`` > 0, a CPU): with more than one rank, compute_s times
@@ -308,11 +309,7 @@ def activation_bytes_per_layer(model: ModelSpec, strategy: Strategy, seq_len: in
         per_token = (34 + (attention_scores if strategy.recompute == "none" else 0)) / t
     else:
         per_token = 10 + 24 / t + (attention_scores / t if strategy.recompute == "none" else 0)
-    cp = strategy.layout.cp
-    stored = s / cp * b * h * per_token * (hardware.weight_bytes / 2)
-    if cp > 1 and strategy.cp_comm == "allgather" and strategy.recompute != "full":
-        stored += 2 * b * s * (cp - 1) / cp * _kv_width(model, t) * hardware.weight_bytes  # the gathered K/V
-    return stored
+    return s / strategy.layout.cp * b * h * per_token * (hardware.weight_bytes / 2)
 
 
 def _kv_width(model: ModelSpec, tp: int) -> float:
@@ -541,9 +538,9 @@ def cp_exposed_per_layer_s(
     bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
     kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
     forwards = 2 if strategy.recompute == "full" else 1
-    if strategy.cp_comm == "allgather":
+    if strategy.cp_comm == "allgather":  # gathered each forward, again in backward, then dK/dV reduce-scattered
         gather = ring_all_gather_s(kv_elements * cp * hardware.weight_bytes, cp, bw, hardware.latency_s)
-        return (forwards + 1) * gather
+        return (forwards + 2) * gather
     send = kv_elements * hardware.weight_bytes / bw + hardware.latency_s
     send_grad = kv_elements * GRAD_BYTES / bw + hardware.latency_s
     block_forward = 4 * b * (seq_len / cp) * (seq_len / (2 * cp)) * model.shape.hidden / t / rate

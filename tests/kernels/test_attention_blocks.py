@@ -1,6 +1,6 @@
 """The flash kernel's document mask and its blocks: document-causal attention equals masked SDPA, a block's
 (out, lse) merge into the whole attention, a block's backward from the merged lse sums to the whole gradient,
-and the ring over 2 ranks on the kernel equals full attention."""
+and the ring and the all-gather over 2 ranks on the kernel equal full attention."""
 
 import pytest
 import torch
@@ -77,11 +77,11 @@ def test_blocks_merge_into_the_whole_attention_and_their_backwards_sum_to_its_gr
     assert_close(torch.cat([grads[1][2], grads[0][2]], 1), leaves[2].grad, ATTENTION_FP32_TOL, "dv")
 
 
-def _ring_on_the_kernel(with_documents):
+def _cp_on_the_kernel(comm, with_documents):
     from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, split_for_context
     from modelpar.testing import current_groups
 
-    cp = ContextParallelGroup.of(current_groups(), "ring")
+    cp = ContextParallelGroup.of(current_groups(), comm)
     gen = torch.Generator().manual_seed(2)
     q, k, v, grad = (torch.randn(1, 24, h, 16, generator=gen) for h in (2, 1, 1, 2))
     docs = _documents(1, 24, gen) if with_documents else None
@@ -96,11 +96,15 @@ def _ring_on_the_kernel(with_documents):
         assert_close(mine.grad, split_for_context(ref.grad, cp), ATTENTION_FP32_TOL, f"d{name}")
 
 
-@pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
-def test_ring_on_the_kernel_matches_full_attention_on_2_ranks(with_documents):
+@pytest.mark.parametrize(
+    "comm, with_documents",
+    [("ring", False), ("ring", True), ("allgather", True)],
+    ids=["ring", "ring-docs", "allgather-docs"],
+)
+def test_cp_on_the_kernel_matches_full_attention_on_2_ranks(comm, with_documents):
     from modelpar.parallel.layout import ParallelLayout
     from modelpar.testing import run_on_ranks
 
     if DEVICE != "cpu":
         pytest.skip("emulated ranks run on CPU")
-    run_on_ranks(2, _ring_on_the_kernel, with_documents, layout=ParallelLayout(cp=2))
+    run_on_ranks(2, _cp_on_the_kernel, comm, with_documents, layout=ParallelLayout(cp=2))

@@ -79,7 +79,7 @@ def cp_matches_full_attention(comm, seq, heads, kv_heads, with_documents):
     torch.testing.assert_close(out, split_for_context(ref, cp), rtol=1e-10, atol=1e-10)
     for name, mine, whole in zip("qkv", local, full, strict=True):
         torch.testing.assert_close(mine.grad, split_for_context(whole.grad, cp), rtol=1e-10, atol=1e-10, msg=name)
-    return log.count("send_recv"), log.total_bytes("send_recv"), log.count("all_gather")
+    return log.count("send_recv"), log.total_bytes("send_recv"), log.count("all_gather"), log.count("reduce_scatter")
 
 
 @pytest.mark.parametrize("comm", ["ring", "allgather"])
@@ -88,14 +88,14 @@ def test_cp2_attention_matches_full_attention(comm, with_documents):
     results = run_on_ranks(
         2, cp_matches_full_attention, comm, 12, 4, 2, with_documents, layout=ParallelLayout(cp=2)
     )
-    sends, sent_bytes, gathers = results[0]
+    sends, sent_bytes, gathers, scatters = results[0]
     if comm == "ring":
         # forward: K/V (kv heads only) once; backward: K/V once and dK/dV twice (onwards, then home)
         kv_bytes = 2 * 2 * 2 * 6 * 8 * 8  # [k|v, b, kv heads, s/cp, d] in fp64
-        assert (sends, gathers) == (4, 0)
+        assert (sends, gathers, scatters) == (4, 0, 0)
         assert sent_bytes == 4 * kv_bytes
-    else:
-        assert (sends, gathers) == (0, 1)
+    else:  # K/V gathered forward and again backward (not kept), dK/dV reduce-scattered
+        assert (sends, gathers, scatters) == (0, 2, 1)
 
 
 @pytest.mark.parametrize("comm", ["ring", "allgather"])
