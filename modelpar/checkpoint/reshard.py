@@ -14,13 +14,24 @@ import torch
 from modelpar.checkpoint.store import Piece, load_pieces
 from modelpar.model.layers import ShardInfo
 from modelpar.model.transformer import ModelChunk
+from modelpar.optim.fsdp import full_local, is_sharded, load_local, local
 from modelpar.optim.param_info import ParamsWithInfo
 from modelpar.optim.state import MOMENTS
 
 
 def model_pieces(chunks: list[ModelChunk]) -> dict[Piece, torch.Tensor]:
-    """This rank's regions of every logical tensor, for ``save_checkpoint``."""
-    return {piece: shard.tensor for piece, shard in _pieces_and_shards(chunks)}
+    """This rank's regions of every logical tensor, for ``save_checkpoint``. Parameters sharded over dp
+    (ZeRO-2/3) are gathered first (collective over dp x cp: every rank there holds the same pieces)."""
+    whole: dict[int, torch.Tensor] = {}
+    out = {}
+    for piece, shard in _pieces_and_shards(chunks):
+        if is_sharded(shard.param):
+            if id(shard.param) not in whole:
+                whole[id(shard.param)] = full_local(shard.param.detach())
+            out[piece] = whole[id(shard.param)][shard.local_rows]
+        else:
+            out[piece] = shard.tensor
+    return out
 
 
 def optimizer_pieces(chunks: list[ModelChunk], optimizer) -> tuple[dict[Piece, torch.Tensor], float | None]:
@@ -75,7 +86,9 @@ def resharded_optimizer_state(
     loaded = load_pieces(ckpt, index, list(wanted), table="optimizer_tensors")
     moments: dict[tuple[str, int], torch.Tensor] = {}
     for key, (kind, shard) in wanted.items():
-        full = moments.setdefault((kind, id(shard.param)), torch.zeros_like(shard.param, device="cpu"))
+        full = moments.setdefault(
+            (kind, id(shard.param)), torch.zeros(shard.param.shape, dtype=shard.param.dtype, device="cpu")
+        )  # whole tp-local moments (a dp-sharded optimizer slices its own shard)
         full[shard.local_rows] = loaded[key].to(full.dtype)
     out = {}
     for param, info in params:
@@ -87,9 +100,19 @@ def resharded_optimizer_state(
 
 
 def load_model_from_checkpoint(chunks: list[ModelChunk], ckpt: Path, index: dict) -> None:
-    """Load every logical tensor region this rank holds, whatever layout wrote the checkpoint."""
-    wanted = model_pieces(chunks)
-    loaded = load_pieces(ckpt, index, list(wanted))
+    """Load every logical tensor region this rank holds, whatever layout wrote the checkpoint (into this
+    rank's dp shard of each parameter under ZeRO-2/3)."""
+    pieces = list(_pieces_and_shards(chunks))
+    loaded = load_pieces(ckpt, index, [piece for piece, _ in pieces])
+    whole: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     with torch.no_grad():
-        for piece, target in wanted.items():
-            target.copy_(loaded[piece])
+        for piece, shard in pieces:
+            if not is_sharded(shard.param):
+                shard.tensor.copy_(loaded[piece])
+                continue
+            param, buffer = whole.setdefault(
+                id(shard.param), (shard.param, torch.zeros(shard.param.shape, dtype=shard.param.dtype))
+            )
+            buffer[shard.local_rows] = loaded[piece]
+        for param, buffer in whole.values():
+            load_local(param.detach(), buffer.to(local(param).device))

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from modelpar_kernels import resolve_backend
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from modelpar.model.activations import DEFAULT_SELECTIVE, ActivationOffload, RecomputePolicy
@@ -298,6 +299,12 @@ class ModelChunk(nn.Module):
         """
         partial = [s for s in self.logical_shards().values() if s.grad_is_partial]
         if not partial:
+            return
+        if isinstance(partial[0].param, DTensor):  # dp-sharded (ZeRO-2/3): the same rows on every tp rank
+            with comm_tag("grad_sync"):
+                for shard in partial:
+                    if shard.param.grad is not None:
+                        all_reduce(shard.param.grad.to_local(), self.tp.group)
             return
         buffers = []
         for shard in partial:

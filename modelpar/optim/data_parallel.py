@@ -29,7 +29,8 @@ from modelpar.optim.state import MOMENTS, load_optimizer_state_tensors, optimize
 from modelpar.optim.zero import ZeroOneAdamW
 from modelpar.parallel.groups import ParallelGroups
 
-ZERO_STAGES = (0, 1)  # optim.zero: 0 replicated, 1 optimizer state sharded over dp (x cp)
+# optim.zero: 0 replicated, 1 optimizer state sharded over dp (x cp), 2 and gradients, 3 and weights (FSDP2)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _nothing() -> None:
@@ -209,4 +210,8 @@ def build_optimizer(
         return ReplicatedAdamW(params_with_info, groups, bucket_bytes=bucket_bytes, **adam)
     if zero == 1:
         return ZeroOneOptimizer(params_with_info, groups, **adam)
+    if zero in (2, 3):  # the parameters were sharded by ``modelpar.optim.fsdp.shard_chunks``
+        from modelpar.optim.fsdp import FullyShardedAdamW
+
+        return FullyShardedAdamW(params_with_info, groups, **adam)
     raise ValueError(f"optim.zero={zero} is not a supported ZeRO stage; choose one of {ZERO_STAGES}")

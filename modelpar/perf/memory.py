@@ -80,3 +80,19 @@ def _unpack(packed):
 def _storage_key(t: torch.Tensor) -> tuple:
     storage = t.untyped_storage()
     return (t.device.type, storage.data_ptr(), storage.nbytes())
+
+
+def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of weights, gradients and optimizer state (its dp shard of each under ZeRO-2/3;
+    ZeRO-1's sharded state lives in its own optimizer, whose ``state`` this reads the same way)."""
+
+    def nbytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {
+        "weights": sum(nbytes(p) for p in params),
+        "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(nbytes(v) for v in state if v.dim() > 0),  # AdamW's moments (its step count aside)
+    }

@@ -22,8 +22,9 @@ from modelpar.data import (
 from modelpar.model.activations import ActivationOffload
 from modelpar.model.compile import compile_blocks
 from modelpar.model.flops import half_block_training_flops, head_training_flops
-from modelpar.model.transformer import ModelChunk, build_chunk
+from modelpar.model.transformer import Block, ModelChunk, build_chunk
 from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, default_decay
+from modelpar.optim.fsdp import shard_chunks
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
@@ -105,6 +106,8 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
             chunk.offload = offload
     if cfg.model.compile:
         compile_blocks(chunks, report=print if groups.rank == 0 else _quiet)
+    if cfg.optim.zero >= 2:  # gradients (and at 3 weights) sharded over dp x cp by FSDP2, block by block
+        shard_chunks(chunks, groups, cfg.optim.zero, Block)
     tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []

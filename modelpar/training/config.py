@@ -183,6 +183,25 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             raise RecipeError(f"{key}={value} must be >= 1")
     if d.seq_len > m.max_seq_len:
         raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.optim.zero >= 2:  # FSDP2 (modelpar/optim/fsdp.py): what it is not combined with, in one line each
+        z = f"optim.zero={cfg.optim.zero}"
+        if p.schedule == "zb-h1":
+            raise RecipeError(
+                f"{z} cannot run parallel.schedule=zb-h1 (its split weight pass runs outside FSDP2's "
+                "hooks); use 1f1b or interleaved, or optim.zero<=1"
+            )
+        if m.kv_heads < p.tp:
+            raise RecipeError(
+                f"{z} needs model.kv_heads={m.kv_heads} >= parallel.tp={p.tp} (replicated kv heads "
+                "are summed over tp before the dp average); lower tp or use optim.zero<=1"
+            )
+        if cfg.trainer.sdc_check_every:
+            raise RecipeError(
+                f"{z} with trainer.sdc_check_every is not supported (the rerun needs unreduced "
+                "gradients); set trainer.sdc_check_every=0 or optim.zero<=1"
+            )
+        if m.compile:
+            raise RecipeError(f"{z} with model.compile=true is untested; set model.compile=false")
     if p.recompute == "selective":
         unknown = [m for m in p.recompute_modules if m not in RECOMPUTE_MODULES]
         if unknown or not p.recompute_modules:
@@ -206,9 +225,7 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         )
     if p.sp and p.tp > 1 and d.seq_len % (p.tp * p.cp):
         per_cp = f" / cp={p.cp} = {d.seq_len / p.cp:g} tokens per cp rank" if p.cp > 1 else ""
-        raise RecipeError(
-            f"parallel.sp=true needs data.seq_len={d.seq_len}{per_cp} divisible by parallel.tp={p.tp}"
-        )
+        raise RecipeError(f"parallel.sp=true needs data.seq_len={d.seq_len}{per_cp} divisible by parallel.tp={p.tp}")
     if p.cp > 1 and m.compile:
         raise RecipeError(
             f"parallel.cp={p.cp} with model.compile=true is not supported (the ring attention is not traced); "

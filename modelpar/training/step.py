@@ -22,6 +22,7 @@ import torch
 
 from modelpar.data import TokenFile, WindowSampler
 from modelpar.optim import DataParallelOptimizer, lr_at, set_lr
+from modelpar.optim.fsdp import is_sharded, local
 from modelpar.parallel import collectives
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
@@ -216,6 +217,16 @@ class TrainStep:
         """The embedding on the first stage and its copy on the last stage get the sum of both gradients."""
         tied = self.model.tied
         if not tied:
+            return
+        if is_sharded(tied[0]):  # ZeRO-2/3: both stages hold the same dp shard of it; sum the local shards
+            grads = [local(p.grad) for p in tied if p.grad is not None]
+            flat = torch.cat([g.flatten() for g in grads]) if len(grads) == len(tied) else None
+            if flat is None:
+                raise RuntimeError("a tied embedding copy has no gradient under ZeRO-2/3")
+            with collectives.comm_tag("tied_embedding"):
+                collectives.all_reduce(flat, self.groups.embedding_group)
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(piece.view_as(g))
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
         flat = torch.cat([g.flatten() for g in grads])

@@ -34,6 +34,7 @@ from modelpar.checkpoint.store import (
 from modelpar.data import DataError
 from modelpar.data.fingerprint import check_same_data, fingerprint
 from modelpar.model.flops import training_flops_per_token
+from modelpar.optim.fsdp import local
 from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import StepResult, measured_timeline
@@ -116,8 +117,8 @@ class Trainer:
             outliers=GradientOutlierCheck(
                 [p for p, _ in self.model.params], g, t.grad_outlier_cosine, t.grad_outlier_norm
             )
-            if t.grad_outlier_action != "off" and self.layout.dp >= 3
-            else None,
+            if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2
+            else None,  # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
             sdc=SilentCorruptionCheck(
                 self.model.chunks,
                 [p for p, _ in self.model.params],
@@ -176,17 +177,20 @@ class Trainer:
     def _find_drift(self) -> list[str]:
         """Values that must agree: everything across dp replicas, tp-replicated rows, the tied embedding."""
         g = self.groups
+        sharded = self.cfg.optim.zero >= 2  # dp replicas hold different shards by design: only tp compares
         named = [(info.name, p) for p, info in self.model.params]
-        problems = find_drift(named, g.dp_group, list(g.dp_ranks))
+        problems = [] if sharded else find_drift(named, g.dp_group, list(g.dp_ranks))
         replicated = []
         for chunk in self.model.chunks:
             for name, shard in chunk.logical_shards().items():
-                if shard.replicated_over_tp:
-                    replicated.append((name, shard.tensor))
+                if shard.replicated_over_tp:  # under ZeRO-2/3 the tp ranks of a dp rank hold the same shard
+                    replicated.append((name, local(shard.param.detach()) if sharded else shard.tensor))
         problems += find_drift(replicated, g.tp_group, list(g.tp_ranks))
         if self.model.tied and g.embedding_group is not None:
             problems += find_drift(
-                [("embed_tokens.weight", self.model.tied[0])], g.embedding_group, list(g.embedding_ranks)
+                [("embed_tokens.weight", local(self.model.tied[0].detach()))],
+                g.embedding_group,
+                list(g.embedding_ranks),
             )
         return problems
 

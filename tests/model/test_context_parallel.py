@@ -85,9 +85,7 @@ def cp_matches_full_attention(comm, seq, heads, kv_heads, with_documents):
 @pytest.mark.parametrize("comm", ["ring", "allgather"])
 @pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
 def test_cp2_attention_matches_full_attention(comm, with_documents):
-    results = run_on_ranks(
-        2, cp_matches_full_attention, comm, 12, 4, 2, with_documents, layout=ParallelLayout(cp=2)
-    )
+    results = run_on_ranks(2, cp_matches_full_attention, comm, 12, 4, 2, with_documents, layout=ParallelLayout(cp=2))
     sends, sent_bytes, gathers, scatters = results[0]
     if comm == "ring":
         # forward: K/V (kv heads only) once; backward: K/V once and dK/dV twice (onwards, then home)
@@ -138,7 +136,13 @@ def test_ring_skips_the_masked_half_of_every_off_diagonal_block():
 def test_plain_matmul_block_equals_the_aten_flash_block(causal):
     """The block functions' device-independent path (used where no lse-returning op exists) against the CPU op,
     including rows that see no key of the block (lse -inf, zero output)."""
-    from modelpar.parallel.context import _block_backward_math, _block_forward_math, _Mask, block_backward, block_forward
+    from modelpar.parallel.context import (
+        _block_backward_math,
+        _block_forward_math,
+        _Mask,
+        block_backward,
+        block_forward,
+    )
 
     gen = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64) for _ in range(4))
@@ -159,3 +163,48 @@ def test_plain_matmul_block_equals_the_aten_flash_block(causal):
     want = _block_backward_math(dout, q, k, v, out, merged_lse, keep, causal and keep is None)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _loss_and_grads(comm, with_documents):
+    """The tiny model's loss and every logical tensor's gradient on one batch: on the single device when called
+    outside emulated ranks' layout, else at cp (the cp ranks' gradients averaged, as dp x cp reduction does)."""
+    import torch.distributed as dist
+
+    from modelpar.model.config import ModelConfig
+    from modelpar.model.transformer import build_model
+
+    config = ModelConfig(vocab_size=37, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=40, max_seq_len=32)
+    groups = current_groups() if dist.is_initialized() else None
+    model = build_model(config, groups, seed=3, cp_comm=comm)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(1, 37, (2, 17), generator=gen)
+    tokens[0, [4, 5, 11]] = 0
+    tokens[1, [9]] = 0
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if with_documents:
+        documents = document_ids(inputs, eos_id=0)
+        model.documents.source = lambda: documents
+    loss = model.loss(model(split_for_context(inputs, model.cp)), split_for_context(targets, model.cp))
+    loss.backward()
+    grads = {name: shard.grad.clone() for name, shard in model.logical_shards().items()}
+    if model.cp.size > 1:
+        for tensor in (loss.detach(), *grads.values()):
+            dist.all_reduce(tensor, group=model.cp.group)
+            tensor /= model.cp.size
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize(
+    "comm, with_documents",
+    [("ring", False), ("ring", True), ("allgather", True)],
+    ids=["ring", "ring-docs", "allgather-docs"],
+)
+def test_model_at_cp2_gives_the_single_device_loss_and_gradients(comm, with_documents):
+    """Global RoPE positions, the split of tokens and targets, and (document-)causal attention across the split:
+    the cp ranks' mean loss and mean gradients are the single-device model's on the whole batch."""
+    want_loss, want = _loss_and_grads(comm, with_documents)
+    for loss, grads in run_on_ranks(2, _loss_and_grads, comm, with_documents, layout=ParallelLayout(cp=2)):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")

@@ -112,6 +112,15 @@ LAYOUTS = [
     dict(tp=2, pp=2, recompute="selective"),
     dict(tp=2, sp=True, recompute="selective", recompute_modules=["mlp", "elementwise"]),
     dict(pp=2, schedule="zb-h1", microbatches=4, recompute="selective", recompute_modules=["attention"]),
+    # ZeRO-2 / ZeRO-3 on FSDP2: gradients (and weights) sharded over dp, block by block
+    dict(dp=2, zero_=2),
+    dict(dp=2, zero_=3),
+    dict(dp=2, tp=2, zero_=3),
+    dict(dp=2, tp=2, sp=True, zero_=2),
+    dict(dp=2, pp=2, zero_=3),
+    dict(dp=2, pp=2, vpp=2, schedule="interleaved", microbatches=2, zero_=3),
+    dict(dp=4, zero_=3, recompute="full"),
+    dict(dp=2, pp=2, zero_=3, recompute="selective"),
     # saved activations through the host-memory hooks
     dict(tp=2, pp=2, offload_activations=True),
     dict(dp=2, recompute="full", offload_activations=True),
@@ -135,7 +144,11 @@ def test_layout_matches_single_device(layout, token_path, reference, tmp_path):
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2), dict(dp=2, pp=2, zero_=1)], ids=["tp2-pp2", "dp2-pp2-zero1"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2, pp=2), dict(dp=2, pp=2, zero_=1), dict(dp=2, pp=2, zero_=3)],
+    ids=["tp2-pp2", "dp2-pp2-zero1", "dp2-pp2-zero3"],
+)
 def test_resume_continues_bit_for_bit(token_path, tmp_path, layout):
     cfg = _with_zero(tmp_path / "a", layout)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
@@ -199,8 +212,18 @@ def _with_zero(cfg: TrainConfig, layout: dict) -> TrainConfig:
         (dict(tp=2, pp=2), dict(dp=2, zero_=1)),
         (dict(dp=2, pp=2, zero_=1), dict(tp=2)),  # ZeRO-1's dp segments gathered into logical moments
         (dict(pp=2, partition="explicit", stage_layers=[1.5, 2.5]), dict(pp=2)),  # block 1 cut in two, then whole
+        (dict(dp=4, zero_=3), dict()),  # ZeRO-3 dp shards gathered into whole tensors and moments
+        (dict(tp=2, pp=2), dict(dp=2, pp=2, zero_=3)),  # and scattered back into dp shards
     ],
-    ids=["tp2pp2-to-single", "tp2pp2-to-tp4", "tp2pp2-to-dp2zero1", "dp2pp2zero1-to-tp2", "pp2-halves-to-pp2"],
+    ids=[
+        "tp2pp2-to-single",
+        "tp2pp2-to-tp4",
+        "tp2pp2-to-dp2zero1",
+        "dp2pp2zero1-to-tp2",
+        "pp2-halves-to-pp2",
+        "dp4zero3-to-single",
+        "tp2pp2-to-dp2pp2zero3",
+    ],
 )
 def test_optimizer_state_follows_a_checkpoint_into_another_layout(token_path, reference, tmp_path, source, layout):
     """Save at step 2 under one layout, resume under another: step 3 lands where the uninterrupted run does,

@@ -1,0 +1,73 @@
+"""ZeRO-2 and ZeRO-3 on FSDP2: what each rank holds, and what the recipe check refuses.
+
+Parity with the single-device model (losses and gradients, resume, resharding) is in
+tests/training/test_layouts.py with the other layouts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from modelpar.testing import run_on_ranks
+from modelpar.training.config import RecipeError, validate
+from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
+
+
+def _state_bytes(cfg, data_path: str) -> dict[str, int]:
+    """Model-state bytes on this rank at the optimizer step (gradients reduced, not yet dropped)."""
+    from modelpar.perf.memory import model_state_bytes
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    params = [p for p, _ in trainer.model.params]
+    seen = {}
+    inner = trainer.optimizer.optimizer
+    handle = inner.register_step_pre_hook(lambda *_: seen.update(model_state_bytes(params, inner)))
+    trainer.train_step()
+    trainer.train_step()  # the moments exist from the first step on
+    handle.remove()
+    return seen
+
+
+def _zero(tmp_path, zero: int):
+    cfg = make_config(tmp_path, dp=4, microbatches=1)
+    return replace(cfg, optim=replace(cfg.optim, zero=zero))
+
+
+def test_zero3_holds_a_quarter_of_the_model_state_at_dp4(token_path, tmp_path):  # noqa: F811
+    plain = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z0", 0), token_path)
+    sharded = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z3", 3), token_path)
+    for z0, z3 in zip(plain, sharded, strict=True):
+        total0, total3 = sum(z0.values()), sum(z3.values())
+        assert total3 <= 0.30 * total0, (z0, z3)  # ideal 0.25; dim-0 shards of small tensors round up
+        assert z3["gradients"] + z3["optimizer"] <= 0.30 * (z0["gradients"] + z0["optimizer"])
+        assert z3["weights"] <= 0.30 * z0["weights"]
+
+
+def test_zero2_shards_gradients_and_optimizer_state(token_path, tmp_path):  # noqa: F811
+    plain = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z0", 0), token_path)
+    sharded = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z2", 2), token_path)
+    for z0, z2 in zip(plain, sharded, strict=True):
+        assert z2["gradients"] + z2["optimizer"] <= 0.30 * (z0["gradients"] + z0["optimizer"]), (z0, z2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"parallel.schedule": "zb-h1", "parallel.pp": 2, "parallel.microbatches": 2},
+            "cannot run parallel.schedule=zb-h1",
+        ),
+        ({"parallel.tp": 4}, "needs model.kv_heads=2 >= parallel.tp=4"),
+        ({"trainer.sdc_check_every": 10}, "trainer.sdc_check_every is not supported"),
+    ],
+)
+def test_what_fsdp2_is_not_combined_with_is_refused_in_one_line(tmp_path, change, message):
+    cfg = make_config(tmp_path, dp=2)
+    cfg = replace(cfg, optim=replace(cfg.optim, zero=3))
+    for key, value in change.items():
+        group, name = key.split(".")
+        cfg = replace(cfg, **{group: replace(getattr(cfg, group), **{name: value})})
+    with pytest.raises(RecipeError, match=message):
+        validate(cfg)
