@@ -214,7 +214,7 @@ def test_train_and_eval_commands_take_a_blend(tmp_path):
     np.save(code, np.random.default_rng(1).integers(0, 256, size=3000, dtype=np.uint16))
     blend = f"data.blend=[{{path: {tmp_path / 'web'}, weight: 0.7}}, {{path: {code}, weight: 0.3}}]"
     model = [f"model.{k}={getattr(TINY, k)}" for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden")]
-    common = [blend, *model, "model.vocab_size=256", "data.seq_len=16", "data.global_batch=8", "parallel=pp2"]
+    common = [blend, *model, "model.vocab_size=256", "data.seq_len=16", "data.global_batch=8", "parallel=single"]
     run = tmp_path / "run"
     train = subprocess.run(
         [sys.executable, "-m", "modelpar.cli.train", *common, "trainer.steps=2", "trainer.progress=false",
@@ -225,7 +225,7 @@ def test_train_and_eval_commands_take_a_blend(tmp_path):
     assert "sample (prompt | continuation)" in train.stdout
     evaluated = subprocess.run(
         [sys.executable, "-m", "modelpar.cli.eval", *common, f"eval.checkpoint={run / 'checkpoints'}",
-         "eval.windows=4", "parallel.microbatches=2", f"hydra.run.dir={tmp_path / 'eval'}"],
+         "eval.windows=4", f"hydra.run.dir={tmp_path / 'eval'}"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr

@@ -71,3 +71,29 @@ def test_what_fsdp2_is_not_combined_with_is_refused_in_one_line(tmp_path, change
         cfg = replace(cfg, **{group: replace(getattr(cfg, group), **{name: value})})
     with pytest.raises(RecipeError, match=message):
         validate(cfg)
+
+
+def _bf16_losses(cfg, data_path: str) -> tuple[list[float], set[str]]:
+    """Losses over the run, and the dtypes the first block's weights have while it computes."""
+    from modelpar.model.transformer import Block
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    seen: set[str] = set()
+    block = next(m for m in trainer.model.chunks[0].modules() if isinstance(m, Block))
+    block.register_forward_pre_hook(lambda mod, args: seen.update(str(p.dtype) for p in mod.parameters()))
+    losses = [trainer.train_step().loss for _ in range(cfg.trainer.steps)]
+    return losses, seen
+
+
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+def test_zero3_bf16_gathers_bf16_weights_and_tracks_the_replicated_run(token_path, tmp_path, reduce_dtype):  # noqa: F811
+    base = make_config(tmp_path / "z0", dp=2)
+    base = replace(base, trainer=replace(base.trainer, dtype="bf16"))
+    sharded = replace(base, optim=replace(base.optim, zero=3, reduce_dtype=reduce_dtype))
+    sharded = replace(sharded, trainer=replace(sharded.trainer, out_dir=str(tmp_path / "z3")))
+    (ref, ref_seen), _ = run_on_ranks(2, _bf16_losses, base, token_path)
+    (got, seen), _ = run_on_ranks(2, _bf16_losses, sharded, token_path)
+    assert ref_seen == {"torch.float32"} and seen == {"torch.bfloat16"}  # fp32 masters, bf16 gathered copies
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a), (ref, got)  # bf16 rounding of weights and reductions

@@ -6,14 +6,17 @@ the FLOP counts work from. Parallelism lives in the layout, never here.
 
 A model's identity is the fields that change what its weights mean (``IDENTITY``): two configs that agree on
 them load each other's checkpoints. ``name``, ``kernels`` (how it runs), ``compile``, ``init_std`` (only the
-first draw) and ``max_seq_len`` (as long as the run's sequence fits) do not.
+first draw) and ``max_seq_len`` (as long as the run's sequence fits) do not. A mixture of experts adds its
+``moe`` shape (``MoEConfig.IDENTITY``) to the identity; a dense model's identity is unchanged by it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modelpar_kernels import BACKENDS
+
+from modelpar.parallel.layout import LayoutError
 
 IDENTITY = (
     "vocab_size",
@@ -30,6 +33,77 @@ IDENTITY = (
 
 class ModelConfigError(ValueError):
     """A model shape that cannot exist; the message is one line naming the field and a fix."""
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts in place of the MLP of chosen layers (``modelpar.model.moe``); ``experts=0``: dense.
+
+    ``router``: softmax (Mixtral: softmax over all experts, top-k renormalised) or sigmoid (DeepSeek-V3: sigmoid
+    scores, top-k chosen on score + a per-expert bias that is moved by ``bias_update_rate`` towards balance after
+    every step, no gradient; the chosen scores renormalised). ``aux_loss_coef``: the Switch load-balancing loss
+    ``E * sum_i f_i * P_i`` over the tokens of the global micro-batch; ``z_loss_coef``: the router z-loss.
+    ``capacity_factor`` 0 is dropless; > 0 caps each expert at ``ceil(factor * tokens * top_k / experts)`` of a
+    rank's tokens per micro-batch, the rest dropped (their MLP output is zero; the dropped fraction is reported).
+    MoE layers: ``layers`` if given, else every layer ``i`` with ``i % every == 0``.
+    """
+
+    IDENTITY = ("experts", "top_k", "ffn_hidden", "shared_experts", "router", "every", "layers")
+
+    experts: int = 0
+    top_k: int = 2
+    ffn_hidden: int = 0  # width of each expert's SwiGLU; 0: model.ffn_hidden
+    every: int = 1
+    layers: list[int] = field(default_factory=list)
+    shared_experts: int = 0  # dense SwiGLU experts of width ffn_hidden that every token also goes through
+    router: str = "softmax"
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float = 0.0
+    grouped_gemm: bool = True  # torch's grouped matmul where the shapes allow; false: one matmul per expert
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.enabled:
+            return False
+        return layer in self.layers if self.layers else layer % self.every == 0
+
+    def check(self, layers: int) -> None:
+        if not self.enabled:
+            if self.experts < 0:
+                raise ModelConfigError(f"model.moe.experts={self.experts} must be >= 0 (0: dense MLP)")
+            return
+        if not 1 <= self.top_k <= self.experts:
+            raise ModelConfigError(
+                f"model.moe.top_k={self.top_k} must be in 1..experts={self.experts}; lower top_k or add experts"
+            )
+        if self.router not in ROUTERS:
+            raise ModelConfigError(f"model.moe.router={self.router!r} is not one of {ROUTERS}")
+        for name in ("ffn_hidden", "shared_experts", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ModelConfigError(f"model.moe.{name}={getattr(self, name)} must be >= 0")
+        if self.every < 1:
+            raise ModelConfigError(f"model.moe.every={self.every} must be >= 1")
+        bad = [i for i in self.layers if not 0 <= i < layers]
+        if bad or len(set(self.layers)) != len(self.layers):
+            raise ModelConfigError(f"model.moe.layers={list(self.layers)} must be distinct layer ids in 0..{layers - 1}")
+        if self.capacity_factor < 0:
+            raise ModelConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
+        if self.bias_update_rate and self.router != "sigmoid":
+            raise ModelConfigError(
+                "model.moe.bias_update_rate is the sigmoid router's balancing bias; set model.moe.router=sigmoid "
+                "or bias_update_rate=0"
+            )
+
+    def identity(self) -> dict:
+        return {name: getattr(self, name) for name in self.IDENTITY} | {"layers": list(self.layers)}
 
 
 @dataclass
@@ -51,6 +125,7 @@ class ModelConfig:
     init_std: float = 0.02
     kernels: str = "auto"  # auto | triton | torch: how the model runs, not what it is
     compile: bool = False  # each block under torch.compile
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def check(self) -> None:
         """Raise ``ModelConfigError`` (one line) if no model has this shape. Called by the recipe's ``validate``
@@ -73,18 +148,32 @@ class ModelConfig:
             )
         if self.kernels not in BACKENDS:
             raise ModelConfigError(f"model.kernels={self.kernels!r} is not one of {BACKENDS}")
+        self.moe.check(self.layers)
 
     def check_layout(self, layout) -> None:
         """Raise ``LayoutError`` (one line, with a fix) if ``layout`` (a ``ParallelLayout``) cannot shard this model."""
         layout.check_model(layers=self.layers, heads=self.heads, kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden)
+        ep = getattr(layout, "ep", 1)
+        if self.moe.enabled and self.moe.experts % ep:
+            raise LayoutError(
+                f"parallel.ep={ep} does not divide model.moe.experts={self.moe.experts}; try ep in "
+                f"{[d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0]}"
+            )
+        if ep > 1 and not self.moe.enabled:
+            raise LayoutError(f"parallel.ep={ep} needs a mixture of experts (model.moe.experts > 0); set ep=1")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def expert_ffn_hidden(self) -> int:
+        return self.moe.ffn_hidden or self.ffn_hidden
+
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
-        return {name: getattr(self, name) for name in IDENTITY}
+        identity = {name: getattr(self, name) for name in IDENTITY}
+        return identity | {"moe": self.moe.identity()} if self.moe.enabled else identity
 
     # -- parameter counts (matmul weights; norms are negligible) ------------------------------------------
 
@@ -92,13 +181,26 @@ class ModelConfig:
         """Matmul weights of a block's attention half: the q, k, v and o projections."""
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
-    def mlp_params(self) -> int:
-        """Matmul weights of a block's MLP half: gate, up and down of the SwiGLU."""
-        return 3 * self.hidden * self.ffn_hidden
+    def mlp_params(self, layer: int | None = None) -> int:
+        """Matmul weights of a block's MLP half that a token goes through: gate, up and down of the SwiGLU; in
+        a MoE ``layer`` the router and the top-k routed plus the shared experts only (active parameters).
+        ``layer=None``: the mean over the layers."""
+        if layer is None:
+            return round(sum(self.mlp_params(i) for i in range(self.layers)) / self.layers)
+        if not self.moe.is_moe_layer(layer):
+            return 3 * self.hidden * self.ffn_hidden
+        m = self.moe
+        return self.hidden * m.experts + 3 * self.hidden * self.expert_ffn_hidden * (m.top_k + m.shared_experts)
 
-    def block_params(self) -> int:
-        """Matmul weights of one block: q, k, v, o projections and the gate/up/down SwiGLU."""
-        return self.attention_params() + self.mlp_params()
+    def expert_params(self) -> int:
+        """Matmul weights of all routed experts of the model (what expert parallelism splits over ep)."""
+        moe_layers = sum(self.moe.is_moe_layer(i) for i in range(self.layers))
+        return moe_layers * self.moe.experts * 3 * self.hidden * self.expert_ffn_hidden
+
+    def block_params(self, layer: int | None = None) -> int:
+        """Matmul weights of one block a token goes through: q, k, v, o projections and the (active) MLP."""
+        return self.attention_params() + self.mlp_params(layer)
 
     def matmul_params(self) -> int:
-        return self.layers * self.block_params() + self.vocab_size * self.hidden
+        """Active matmul weights of the model (for a MoE: the top-k routed experts of each MoE layer)."""
+        return sum(self.block_params(i) for i in range(self.layers)) + self.vocab_size * self.hidden

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from modelpar.optim.adamw import build_adamw
@@ -40,17 +40,31 @@ from modelpar.parallel.groups import ParallelGroups
 SHARDED_STAGES = (2, 3)
 
 
-def shard_chunks(chunks: list[torch.nn.Module], groups: ParallelGroups, zero: int, block_type: type) -> None:
-    """Apply FSDP2 to each block (``block_type``) of ``chunks``, then to each chunk, over dp x cp."""
+def shard_chunks(
+    chunks: list[torch.nn.Module],
+    groups: ParallelGroups,
+    zero: int,
+    block_type: type,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Apply FSDP2 to each block (``block_type``) of ``chunks``, then to each chunk, over dp x cp.
+
+    With a bf16 ``compute_dtype`` the weights are all-gathered in bf16 (half the bytes) from the sharded fp32
+    masters, and gradients are reduce-scattered in ``reduce_dtype`` before landing in fp32."""
     if zero not in SHARDED_STAGES:
         raise ValueError(f"zero={zero} is not a sharded stage {SHARDED_STAGES}")
     device = next(p for c in chunks for p in c.parameters()).device.type
     mesh = DeviceMesh.from_group(groups.dp_cp_group, device)
+    policy = MixedPrecisionPolicy()
+    if compute_dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, block_type):
-                fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3)
+                fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:

@@ -258,3 +258,16 @@ def send_recv(
     ops = [dist.P2POp(dist.isend, send, send_to, group), dist.P2POp(dist.irecv, recv, recv_from, group)]
     with _profiled("send_recv"):
         return dist.batch_isend_irecv(ops)
+
+
+def all_to_all(
+    tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Rows ``send_splits[r]`` of ``tensor`` (dim 0, in rank order) go to rank r; returns the rows received,
+    ``recv_splits[r]`` from rank r, in rank order (uneven splits). Records the bytes this rank sends."""
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+    _record("all_to_all", tensor, group)
+    with blocking("all_to_all", group):
+        dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=group)
+    return out

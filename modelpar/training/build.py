@@ -107,7 +107,10 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
     if cfg.model.compile:
         compile_blocks(chunks, report=print if groups.rank == 0 else _quiet)
     if cfg.optim.zero >= 2:  # gradients (and at 3 weights) sharded over dp x cp by FSDP2, block by block
-        shard_chunks(chunks, groups, cfg.optim.zero, Block)
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.optim.reduce_dtype]
+        shard_chunks(
+            chunks, groups, cfg.optim.zero, Block, compute_dtype=resolve_dtype(cfg, device), reduce_dtype=reduce_dtype
+        )
     tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []

@@ -77,6 +77,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     zero: int = 0
     bucket_mb: float = 25.0
+    # ZeRO-2/3 with trainer.dtype=bf16: the dtype gradients are reduce-scattered in (weights gather in bf16)
+    reduce_dtype: str = "fp32"  # fp32 | bf16
 
 
 @dataclass
@@ -271,6 +273,7 @@ CHOICES: dict[str, tuple] = {
     "parallel.partition": PARTITIONS,
     "parallel.cp_comm": CP_COMMS,
     "optim.zero": ZERO_STAGES,
+    "optim.reduce_dtype": ("fp32", "bf16"),
     "trainer.cpu_affinity": AFFINITY_MODES,
     "trainer.gloo_threads": GLOO_THREAD_MODES,
     "trainer.dtype": DTYPES,

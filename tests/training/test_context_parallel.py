@@ -120,3 +120,20 @@ def test_checkpoint_moves_between_cp_layouts(source, target, token_path, referen
     params = assemble(results)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_reshard_writes_a_cp_layout_with_the_same_logical_tensors(token_path, tmp_path):
+    from modelpar.checkpoint.store import Piece, load_pieces, read_index
+    from modelpar.cli.ckpt import main as ckpt_main
+
+    src_cfg = configure(tmp_path / "src", dict(cp=2), False)
+    src_cfg = replace(src_cfg, trainer=replace(src_cfg.trainer, steps=2))
+    run_on_ranks(2, train_and_collect, src_cfg, token_path, None, (2,))
+    src = tmp_path / "src" / "checkpoints" / "step-00000002"
+    assert ckpt_main(["reshard", str(src), str(tmp_path / "dst"), "--cp", "2", "--dp", "2"]) == 0
+    dst = next((tmp_path / "dst").glob("step-*"))
+    a, b = read_index(src), read_index(dst)
+    assert (a["layout"]["cp"], b["layout"]["cp"], b["layout"]["dp"]) == (2, 2, 2)
+    wanted = [Piece.whole(name, tuple(entry["global_shape"])) for name, entry in a["tensors"].items()]
+    before, after = load_pieces(src, a, wanted), load_pieces(dst, b, wanted)
+    assert all(torch.equal(before[p], after[p]) for p in wanted)
