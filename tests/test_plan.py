@@ -102,6 +102,24 @@ def test_model_states_cost_18_bytes_per_param_in_bf16_and_16_in_fp32(dtype, per_
 
 
 @pytest.mark.parametrize("dp", [2, 8])
+def test_zero_stages_shard_optimizer_then_gradients_then_weights(dp):
+    plain = stage_memory(LLAMA_8B, strategy(dp=dp), 2048, A100, stage=0)
+    z2 = stage_memory(LLAMA_8B, dataclasses.replace(strategy(dp=dp), zero=2), 2048, A100, stage=0)
+    z3 = stage_memory(LLAMA_8B, dataclasses.replace(strategy(dp=dp), zero=3), 2048, A100, stage=0)
+    assert z2.optimizer == pytest.approx(plain.optimizer / dp) and z2.grads == pytest.approx(plain.grads / dp)
+    assert z2.weights == plain.weights and z3.grads == z2.grads and z3.activations == plain.activations
+    block = (LLAMA_8B.shape.block_params() + 2 * LLAMA_8B.shape.hidden) * A100.weight_bytes
+    assert z3.weights == pytest.approx(plain.weights / dp + 2 * block)  # its shard plus two gathered blocks
+
+
+def test_zero3_pays_weight_gathers_per_micro_batch():
+    base = strategy(dp=8, m=4)
+    seconds = {z: predict(dataclasses.replace(base, zero=z), LLAMA_8B, A100, seq_len=2048).dp_comm_s for z in (2, 3)}
+    # stage 2: one gradient reduce-scatter per micro-batch; stage 3 adds two bf16 weight gathers (half the bytes)
+    assert seconds[3] == pytest.approx(2 * seconds[2], rel=0.01)
+
+
+@pytest.mark.parametrize("dp", [2, 8])
 def test_zero1_divides_optimizer_state_by_dp_and_nothing_else(dp):
     plain = stage_memory(LLAMA_8B, strategy(dp=dp), 2048, A100, stage=0)
     zero1 = stage_memory(LLAMA_8B, strategy(dp=dp, zero1=True), 2048, A100, stage=0)
@@ -262,7 +280,8 @@ def test_plan_returns_only_fitting_layouts_fastest_first():
 
 def test_every_preset_loads_and_plans_on_the_cpu_preset():
     assert set(model_presets()) >= {"tiny", "bench-tiny", "llama-125m", "llama-1b", "llama-8b", "llama-70b"}
-    best = plan(load_model("bench-tiny"), HARDWARE["cpu"], gpus=4, global_batch=16, seq_len=128)[0]
+    unsharded = SearchSpace(zero=(0, 1))  # weights and gradients whole: the same bytes in fp32
+    best = plan(load_model("bench-tiny"), HARDWARE["cpu"], gpus=4, global_batch=16, seq_len=128, space=unsharded)[0]
     assert best.prediction.memory.weights == pytest.approx(best.prediction.memory.grads)  # fp32 weights on CPU
 
 

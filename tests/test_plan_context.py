@@ -62,7 +62,9 @@ def test_at_128k_the_plan_needs_cp_and_the_shipped_recipe_is_its_first_choice():
 
     register_schema()
     with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="llama-8b-128k-64gpu", overrides=["data.path=x.npy", "trainer.out_dir=unused"]))
+        cfg = OmegaConf.to_object(
+            compose(config_name="llama-8b-128k-64gpu", overrides=["data.path=x.npy", "trainer.out_dir=unused"])
+        )
     p = cfg.parallel
     assert (p.tp, p.cp, p.pp, p.dp, p.cp_comm, p.sp) == (
         best.layout.tp, best.layout.cp, best.layout.pp, best.layout.dp, best.cp_comm, best.sp,

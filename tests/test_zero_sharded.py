@@ -52,6 +52,14 @@ def test_zero2_shards_gradients_and_optimizer_state(token_path, tmp_path):  # no
         assert z2["gradients"] + z2["optimizer"] <= 0.30 * (z0["gradients"] + z0["optimizer"]), (z0, z2)
 
 
+def test_hybrid_sharding_holds_half_at_dp4_in_pairs(token_path, tmp_path):  # noqa: F811
+    plain = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z0", 0), token_path)
+    cfg = _zero(tmp_path / "h", 3)
+    hybrid = run_on_ranks(4, _state_bytes, replace(cfg, optim=replace(cfg.optim, zero_group=2)), token_path)
+    for z0, h in zip(plain, hybrid, strict=True):
+        assert 0.45 * sum(z0.values()) <= sum(h.values()) <= 0.55 * sum(z0.values()), (z0, h)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -61,6 +69,10 @@ def test_zero2_shards_gradients_and_optimizer_state(token_path, tmp_path):  # no
         ),
         ({"parallel.tp": 4}, "needs model.kv_heads=2 >= parallel.tp=4"),
         ({"trainer.sdc_check_every": 10}, "trainer.sdc_check_every is not supported"),
+        (
+            {"optim.zero_group": 3},
+            r"optim.zero_group=3 needs optim.zero=2 or 3 and a divisor of dp x cp = 2 \(\[1, 2\]\)",
+        ),
     ],
 )
 def test_what_fsdp2_is_not_combined_with_is_refused_in_one_line(tmp_path, change, message):

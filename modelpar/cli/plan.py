@@ -142,7 +142,7 @@ def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
     out.append(f"parallel.microbatches={strategy.micro_batches}")
     out += ["parallel.sp=true"] * strategy.sp
     out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
-    out += ["optim.zero=1"] * strategy.zero1
+    out += [f"optim.zero={strategy.zero}"] * strategy.zero1
     return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
 
 
@@ -159,7 +159,7 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
     header = (
-        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero1':<5} {'sp':<3} {'cp comm':<9} "
+        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero':<4} {'sp':<3} {'cp comm':<9} "
         f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
     )
     yield header
@@ -169,7 +169,7 @@ def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
         comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s + p.cp_comm_s
         yield (
             f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
-            f"{'yes' if s.zero1 else 'no':<5} {'yes' if s.sp else 'no':<3} "
+            f"{s.zero:<4} {'yes' if s.sp else 'no':<3} "
             f"{s.cp_comm if s.layout.cp > 1 else '-':<9} {p.memory.total / GIB:>7.1f} "
             f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
             f"{comm / p.total_s:>5.1%}"

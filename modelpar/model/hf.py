@@ -1,9 +1,12 @@
-"""Hugging Face Llama interoperability: import a ``LlamaForCausalLM`` directory into a model chunk at any tp,
-and export one back to a directory that ``transformers.LlamaForCausalLM.from_pretrained`` loads.
+"""Hugging Face Llama and Mixtral interoperability: import a ``LlamaForCausalLM`` or ``MixtralForCausalLM``
+directory into a model chunk at any tp (and ep), and export one back to a directory that transformers loads.
 
 Only ``config.json`` and ``model.safetensors`` are read (safetensors, never pickle); each rank reads just the
 slices it holds. Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name),
 and HF's q/k projections already use the rotate-half RoPE layout of our kernels, so no permutation is needed.
+A Mixtral's MoE tensors are ``layers.<i>.mlp.gate.weight`` and ``layers.<i>.mlp.experts.<e>.w1|w2|w3.weight``
+for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file (what transformers writes and
+reads).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from modelpar.model.config import ModelConfig
+from modelpar.model.config import ModelConfig, MoEConfig
 from modelpar.model.transformer import ModelChunk
 
 WEIGHTS_NAME = "model.safetensors"
@@ -25,27 +28,48 @@ CONFIG_NAME = "config.json"
 
 
 def hf_name(logical: str) -> str:
-    """HF state-dict key of a logical tensor: ``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``."""
-    return logical if logical == "lm_head.weight" else f"model.{logical}"
+    """HF state-dict key of a logical tensor: ``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``; a
+    Mixtral router or expert ``layers.0.mlp.experts.5.w1.weight`` -> ``model.layers.0.block_sparse_moe...``."""
+    if logical == "lm_head.weight":
+        return logical
+    for moe_part in (".mlp.gate.", ".mlp.experts."):
+        logical = logical.replace(moe_part, moe_part.replace(".mlp.", ".block_sparse_moe."))
+    return f"model.{logical}"
 
 
 def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a Llama checkpoint; refuse features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"{path}: model_type={hf.get('model_type')!r}, only 'llama' is supported")
+    kind = hf.get("model_type")
+    if kind not in ("llama", "mixtral"):
+        raise ValueError(f"{path}: model_type={kind!r}, only 'llama' and 'mixtral' are supported")
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     unsupported = {
         "attention_bias": hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "head_dim": hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads,
+        "head_dim": (hf.get("head_dim") or hf["hidden_size"] // heads) != hf["hidden_size"] // heads,
         "rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
     }
+    moe = MoEConfig()
+    if kind == "mixtral":
+        unsupported |= {
+            "sliding_window": hf.get("sliding_window") is not None,
+            "router_jitter_noise": bool(hf.get("router_jitter_noise", 0.0)),
+        }
+        moe = MoEConfig(
+            experts=hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            ffn_hidden=hf["intermediate_size"],
+            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
+        )
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
-        raise ValueError(f"{path}: unsupported Llama variant ({', '.join(bad)}); modelpar implements plain Llama")
+        family = kind.capitalize()
+        raise ValueError(
+            f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}"
+        )
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],
@@ -58,11 +82,15 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02),
+        moe=moe,
     )
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """``config.json`` contents for ``LlamaForCausalLM``."""
+    """``config.json`` contents for ``LlamaForCausalLM``, or ``MixtralForCausalLM`` for a mixture of experts
+    that Mixtral can express (raises ``ValueError``, one line, for one it cannot)."""
+    if config.moe.enabled:
+        return _mixtral_config(config, dtype)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -82,6 +110,35 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "attention_bias": False,
         "mlp_bias": False,
         "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
+    moe = config.moe
+    every_layer = all(moe.is_moe_layer(i) for i in range(config.layers))
+    unsupported = {
+        "MoE in only some layers": not every_layer,
+        f"router={moe.router}": moe.router != "softmax",
+        "shared experts": moe.shared_experts > 0,
+    }
+    bad = [name for name, flag in unsupported.items() if flag]
+    if bad:
+        raise ValueError(
+            f"Mixtral cannot express this model ({', '.join(bad)}); export needs a softmax router in every "
+            "layer and no shared experts"
+        )
+    hf = config_to_hf(ModelConfig(**{**config.__dict__, "moe": MoEConfig()}), dtype)
+    del hf["mlp_bias"]
+    return hf | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": config.expert_ffn_hidden,
+        "num_local_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "output_router_logits": moe.aux_loss_coef > 0,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
     }
 
 

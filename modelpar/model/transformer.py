@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from modelpar.model.activations import DEFAULT_SELECTIVE, ActivationOffload, RecomputePolicy
 from modelpar.model.config import ModelConfig
 from modelpar.model.init import init_logical
+from modelpar.model.moe import MoELayer
 from modelpar.model.layers import (
     ColumnParallelLinear,
     ColumnPart,
@@ -39,6 +40,7 @@ from modelpar.model.layers import (
 )
 from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
 from modelpar.parallel.context import ContextParallelGroup
+from modelpar.parallel.experts import ExpertParallelGroup
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.parallel.regions import TensorParallelGroup
 
@@ -49,7 +51,9 @@ class Block(nn.Module):
     """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h].
 
     ``half="attention"`` or ``"mlp"`` builds only that half (a pipeline split inside the block); the other half
-    lives in the neighbouring chunk, and the residual stream between them is what crosses the stages.
+    lives in the neighbouring chunk, and the residual stream between them is what crosses the stages. Block
+    ``layer`` of a mixture-of-experts model (``config.moe.is_moe_layer``) has a ``MoELayer`` as its MLP, its
+    experts split over ``ep``.
     """
 
     def __init__(
@@ -63,6 +67,8 @@ class Block(nn.Module):
         cp: ContextParallelGroup | None = None,
         documents: DocumentIds | None = None,
         recompute: RecomputePolicy | None = None,
+        layer: int = 0,
+        ep: ExpertParallelGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -79,7 +85,10 @@ class Block(nn.Module):
             )
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
-            self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
+            if config.moe.is_moe_layer(layer):
+                self.mlp = MoELayer(config, tp, ep, **kw)
+            else:
+                self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.half != "mlp":
@@ -138,6 +147,7 @@ class ModelChunk(nn.Module):
         recompute: str = "none",
         recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
         cp: ContextParallelGroup | None = None,
+        ep: ExpertParallelGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -147,6 +157,7 @@ class ModelChunk(nn.Module):
         self.recompute = recompute
         self.offload: ActivationOffload | None = None  # set to move saved activations to host memory
         self.cp = cp or ContextParallelGroup()
+        self.ep = ep or ExpertParallelGroup()
         self.documents = DocumentIds()
         self.layer_ids = ids = tuple(layer_ids)
         if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
@@ -175,6 +186,8 @@ class ModelChunk(nn.Module):
                     cp=self.cp,
                     documents=self.documents,
                     recompute=policy,
+                    layer=i,
+                    ep=self.ep,
                     **kw,
                 )
                 for i in ids
@@ -200,6 +213,12 @@ class ModelChunk(nn.Module):
                 label_module(module, tag)
         for block in self.layers.values():
             label_module(block, "layer")
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """The mixture-of-experts MLPs of this chunk's blocks, by layer id."""
+        return {
+            int(i): block.mlp for i, block in self.layers.items() if isinstance(getattr(block, "mlp", None), MoELayer)
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids [b, s] (first chunk) or [b, s, h] / [b, s/t, h] -> [b, s, h] / [b, s/t, h] or logits."""
@@ -344,6 +363,14 @@ def context_parallel_group(groups=None, comm: str = "ring") -> ContextParallelGr
     return ContextParallelGroup.of(groups, comm)
 
 
+def expert_parallel_group(groups=None) -> ExpertParallelGroup:
+    """The ep group of a ``ParallelGroups`` (with the dp x cp ranks its routing statistics sum over); one rank
+    holding every expert otherwise."""
+    if groups is None or isinstance(groups, TensorParallelGroup):
+        return ExpertParallelGroup()
+    return ExpertParallelGroup.of(groups)
+
+
 def build_chunk(
     config: ModelConfig,
     groups,
@@ -377,6 +404,7 @@ def build_chunk(
         recompute=recompute,
         recompute_modules=recompute_modules,
         cp=context_parallel_group(groups, cp_comm),
+        ep=expert_parallel_group(groups),
         device=device,
         dtype=dtype,
     )

@@ -32,7 +32,11 @@ def _local_sum_of_squares(params_with_info: ParamsWithInfo, group: dist.ProcessG
 
 
 def clip_grad_norm(
-    params_with_info: ParamsWithInfo, max_norm: float, groups: ParallelGroups, zero_sharded: bool = False
+    params_with_info: ParamsWithInfo,
+    max_norm: float,
+    groups: ParallelGroups,
+    zero_sharded: bool = False,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale every gradient by ``max_norm / norm`` when the global norm exceeds it; return the norm before
     clipping as a 0-d fp32 tensor on the gradients' device. Nothing is read back to the host.
@@ -40,13 +44,22 @@ def clip_grad_norm(
     The squared norm is summed over the tp and pp groups of ``groups`` (a ``ParallelGroups``), each rank
     weighting a parameter by its ``norm_share``. Data-parallel replicas hold the same averaged gradients and are
     not summed, unless ``zero_sharded``: then ``params_with_info`` are ZeRO-1 shard segments
-    (``ZeroOneAdamW.shard_params_with_info()``) and the dp group is summed too. A non-finite norm (inf or nan)
+    (``ZeroOneAdamW.shard_params_with_info()``) and the dp group is summed too (``dp_group``, default dp x cp:
+    the group whose ranks hold different shards). A non-finite norm (inf or nan)
     is returned as is and nothing is scaled: the caller decides to skip the step. ``max_norm <= 0`` only measures.
     """
     total = _local_sum_of_squares(params_with_info, groups.tp_group)
+    experts = [(p, info) for p, info in params_with_info if info.expert_parallel]
+    if experts and len(groups.ep_ranks) > 1:  # each ep rank holds other experts: their squares add up over ep
+        dense = [(p, info) for p, info in params_with_info if not info.expert_parallel]
+        expert_total = _local_sum_of_squares(experts, groups.tp_group)
+        with collectives.comm_tag("grad_norm"):
+            collectives.all_reduce(expert_total, groups.ep_group)
+        total = _local_sum_of_squares(dense, groups.tp_group) + expert_total
     reduce_over = [(groups.tp_group, groups.tp_ranks), (groups.pp_group, groups.pp_ranks)]
-    if zero_sharded:
-        reduce_over.append((groups.dp_cp_group, groups.dp_cp_ranks))  # ZeRO-1 shards over dp x cp
+    if zero_sharded:  # ZeRO shards over dp x cp (or over the shard blocks of hybrid sharding)
+        group = groups.dp_cp_group if dp_group is None else dp_group
+        reduce_over.append((group, range(dist.get_world_size(group))))
     with collectives.comm_tag("grad_norm"):
         for group, ranks in reduce_over:
             if len(ranks) > 1:

@@ -124,28 +124,46 @@ class ReplicatedAdamW(DataParallelOptimizer):
 
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, *, bucket_bytes: int, **adam):
         super().__init__(params_with_info, groups)
-        params = [p for p, _ in self.params_with_info]
+        dense = [p for p, info in self.params_with_info if not info.expert_parallel]
+        experts = [p for p, info in self.params_with_info if info.expert_parallel]
         # weights are replicated over dp x cp: gradients average over both (dp_cp is dp when cp=1)
-        self.sync = GradientSynchronizer(params, groups.dp_cp_group, bucket_bytes=bucket_bytes)
+        self.sync = GradientSynchronizer(dense, groups.dp_cp_group, bucket_bytes=bucket_bytes)
+        self.syncs = [self.sync]
+        if experts:  # summed over the ranks holding the same experts, averaged over every token of dp x cp
+            group = groups.expert_dp_group if len(groups.expert_dp_ranks) > 1 else None
+            divisor = len(groups.dp_cp_ranks)
+            self.syncs.append(GradientSynchronizer(experts, group, bucket_bytes=bucket_bytes, divisor=divisor))
         self.optimizer = build_adamw(self.params_with_info, **adam)
 
     def final_backward(self) -> contextlib.AbstractContextManager:
-        return self.sync.final_backward()
+        if len(self.syncs) == 1:
+            return self.sync.final_backward()
+        stack = contextlib.ExitStack()
+        for sync in self.syncs:
+            stack.enter_context(sync.final_backward())
+        return stack
 
     def expect_micro_batches(self, micro_batches: int) -> None:
-        self.sync.expect_micro_batches(micro_batches)
+        for sync in self.syncs:
+            sync.expect_micro_batches(micro_batches)
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
-        read_back = not defer_flags or self.sync.dp_size == 1  # one replica: no flags to read
-        self.sync.wait(read_back=read_back)  # the buckets copied the gradients when they launched: tp etc. after
+        read_back = not defer_flags or all(not sync.buckets for sync in self.syncs)  # one replica: no flags to read
+        for sync in self.syncs:  # the buckets copied the gradients when they launched: tp etc. after
+            sync.wait(read_back=read_back)
         self._flags_pending = not read_back
         other_reductions()
 
     def _has_grad_flags(self) -> torch.Tensor:
-        return self.sync.flags()
+        return torch.cat([sync.flags() for sync in self.syncs if sync.buckets])
 
     def _drop_unused(self, values: list[float]) -> None:
-        self.sync.drop_unused(values)
+        start = 0
+        for sync in self.syncs:
+            if sync.buckets:
+                n = sum(len(bucket.params) for bucket in sync.buckets)
+                sync.drop_unused(values[start : start + n])
+                start += n
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params_with_info, max_norm, self.groups)

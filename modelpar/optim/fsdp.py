@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -48,15 +49,19 @@ def shard_chunks(
     *,
     compute_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    shard_group: int = 0,
 ) -> None:
     """Apply FSDP2 to each block (``block_type``) of ``chunks``, then to each chunk, over dp x cp.
 
     With a bf16 ``compute_dtype`` the weights are all-gathered in bf16 (half the bytes) from the sharded fp32
-    masters, and gradients are reduce-scattered in ``reduce_dtype`` before landing in fp32."""
+    masters, and gradients are reduce-scattered in ``reduce_dtype`` before landing in fp32. ``shard_group`` > 0
+    (``optim.zero_group``): hybrid sharding, shards over blocks of that many consecutive dp x cp ranks (a
+    node, say) and replicas across the blocks; gradients are reduce-scattered inside a block and all-reduced
+    across blocks."""
     if zero not in SHARDED_STAGES:
         raise ValueError(f"zero={zero} is not a sharded stage {SHARDED_STAGES}")
     device = next(p for c in chunks for p in c.parameters()).device.type
-    mesh = DeviceMesh.from_group(groups.dp_cp_group, device)
+    mesh = _mesh(groups, shard_group, device)
     policy = MixedPrecisionPolicy()
     if compute_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -65,6 +70,37 @@ def shard_chunks(
             if isinstance(module, block_type):
                 fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+
+
+def _mesh(groups: ParallelGroups, shard_group: int, device: str) -> DeviceMesh:
+    """The dp x cp group as a mesh: 1-D, or (replicate, shard) blocks of ``shard_group`` ranks. Collective over
+    the world (every rank creates every block's groups, in the same order)."""
+    size = len(groups.dp_cp_ranks)
+    if shard_group in (0, size):
+        return DeviceMesh.from_group(groups.dp_cp_group, device)
+    if size % shard_group:
+        raise ValueError(f"zero_group={shard_group} must divide dp x cp = {size}")
+    mine_shard = mine_replicate = mesh = None
+    rank = dist.get_rank()
+    for ranks in groups.layout.all_dp_cp_groups():
+        blocks = [ranks[i : i + shard_group] for i in range(0, len(ranks), shard_group)]
+        for block in blocks:
+            group = dist.new_group(block)
+            mine_shard = group if rank in block else mine_shard
+        for j in range(shard_group):
+            across = [block[j] for block in blocks]
+            group = dist.new_group(across)
+            mine_replicate = group if rank in across else mine_replicate
+        if rank in ranks:
+            mesh = torch.tensor(blocks)
+    return DeviceMesh.from_group([mine_replicate, mine_shard], device, mesh=mesh, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_rank_and_size(t: DTensor) -> tuple[int, int]:
+    """This rank's index along the mesh dimension ``t`` is sharded over, and that dimension's size."""
+    mesh = t.device_mesh
+    dim = mesh.ndim - 1  # the shard dimension is the last (1-D, or (replicate, shard))
+    return mesh.get_local_rank(dim), mesh.size(dim)
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -87,7 +123,7 @@ def load_local(target: torch.Tensor, whole: torch.Tensor) -> None:
         target.copy_(whole)
         return
     mine = target.to_local()
-    rank, size = target.device_mesh.get_local_rank(), target.device_mesh.size()
+    rank, size = shard_rank_and_size(target)
     rows = -(-whole.shape[0] // size)  # FSDP2 shards dim 0 as torch.chunk does
     mine.copy_(whole[rank * rows : rank * rows + mine.shape[0]])
 
@@ -98,6 +134,9 @@ class FullyShardedAdamW(DataParallelOptimizer):
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
         super().__init__(params_with_info, groups)
         self.optimizer = build_adamw(self.params_with_info, **adam)
+        first = next((p for p, _ in self.params_with_info if isinstance(p, DTensor)), None)
+        # the group whose ranks hold different shards: the norm sums over it (replicas hold the same values)
+        self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if first is not None else None
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()  # FSDP2 reduce-scattered each block's gradients in backward; tp sums follow
@@ -110,8 +149,7 @@ class FullyShardedAdamW(DataParallelOptimizer):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         shards = [(_LocalGrad(p), info) for p, info in self.params_with_info]
-        norm = clip_grad_norm(shards, max_norm, self.groups, zero_sharded=True)
-        return norm
+        return clip_grad_norm(shards, max_norm, self.groups, zero_sharded=True, dp_group=self.shard_group)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -123,18 +123,27 @@ class GradientSynchronizer:
     ``wait()`` overwrites ``param.grad`` with the average of what each bucket copied at launch, so other
     gradient reductions (tp, tied embeddings) belong after it.
 
-    With dp == 1 every call is a no-op. Gradients that no hook saw finish (nothing armed, or accumulated outside
+    ``divisor`` (default: the group's size): each gradient becomes the group's sum divided by it; expert
+    weights sum over their expert data-parallel ranks and divide by all of dp x cp (their local gradients
+    already hold the other ep ranks' tokens). With dp == 1 and no divisor every call is a no-op. Gradients that no hook saw finish (nothing armed, or accumulated outside
     autograd, as torch's split weight backward does) are averaged by ``wait()`` all the same, just not overlapped.
     """
 
     def __init__(
-        self, params: Iterable[torch.Tensor], dp_group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        params: Iterable[torch.Tensor],
+        dp_group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        divisor: int | None = None,
     ):
         params = [p for p in params if p.requires_grad]
         check_unique(params)
         self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
-        check_same_across(params, dp_group)
+        self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.divisor = divisor or self.dp_size
+        self._params = params
+        if dp_group is not None:
+            check_same_across(params, dp_group)
         self.buckets = _build_buckets(params, bucket_bytes) if self.dp_size > 1 else []
         self._where = {id(p): (b, pos) for b, bucket in enumerate(self.buckets) for pos, p in enumerate(bucket.params)}
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -173,7 +182,9 @@ class GradientSynchronizer:
         while self._next_launch < len(self.buckets):
             self._launch_next()
         for bucket in self.buckets:
-            bucket.unpack_average(self.dp_size, read_back)
+            bucket.unpack_average(self.divisor, read_back)
+        if not self.buckets and self.divisor != 1:  # one holder of these gradients: only the division is left
+            torch._foreach_div_([p.grad for p in self._params if p.grad is not None], float(self.divisor))
         self._accumulations_left.clear()
         self._next_launch = 0
 

@@ -21,11 +21,16 @@ class ParamInfo:
     weight, ``1/tp`` for a weight replicated over tp (a norm), 0.0 for the tied embedding's copy on the last
     pipeline stage. A 1-D tensor gives one share per row (dim 0) instead: a fused weight such as q/k/v whose
     k/v rows are replicated over tp while its q rows are sharded.
+
+    ``expert_parallel``: the parameter holds this rank's experts of a MoE layer, split over the ep group: its
+    gradient is averaged over the expert data-parallel ranks (those holding the same experts) instead of all
+    of dp x cp, and its norm is summed over ep.
     """
 
     name: str
     decay: bool
     norm_share: float | torch.Tensor = 1.0
+    expert_parallel: bool = False
 
 
 ParamsWithInfo = Sequence[tuple[torch.Tensor, ParamInfo]]

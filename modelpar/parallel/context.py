@@ -374,17 +374,20 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _block_and_mask(rank, source, local, positions, documents, backend):
     """The block of (this rank's queries) x (``source``'s K/V) and its mask; None for the mask when no query
-    of the block sees any of its keys (documents that do not meet), so the block is skipped."""
+    of the block sees any of its keys (documents that do not meet), so the block is skipped. Deciding that
+    reads the device: on an accelerator no block is skipped (the step keeps its one host sync) and the
+    kernel's mask gives such a block's rows lse -inf, which merges as nothing."""
     blk = _ring_block(rank, source, local)
     if documents is None:
         return blk, _Mask(blk.causal)
     q_pos, k_pos = positions[rank][blk.rows], positions[source][blk.cols]
     q_docs, k_docs = documents[:, q_pos], documents[:, k_pos]
+    decide = documents.device.type == "cpu" and not blk.causal  # the diagonal block always has its own tokens
     if backend == "triton":
-        meet = blk.causal or any(bool(torch.isin(qd, kd).any()) for qd, kd in zip(q_docs, k_docs, strict=True))
+        meet = not decide or any(bool(torch.isin(qd, kd).any()) for qd, kd in zip(q_docs, k_docs, strict=True))
         return blk, _Mask(blk.causal, q_docs=q_docs, k_docs=k_docs) if meet else None
     keep = _visible(q_pos, k_pos, q_docs, k_docs)
-    return blk, _Mask(blk.causal, keep=keep) if bool(keep.any()) else None
+    return blk, _Mask(blk.causal, keep=keep) if not decide or bool(keep.any()) else None
 
 
 class _Transfer:

@@ -54,6 +54,12 @@ class ParallelGroups:
     cp_ranks: tuple[int, ...] = ()
     dp_cp_group: dist.ProcessGroup | None = None
     dp_cp_ranks: tuple[int, ...] = ()
+    # expert parallelism: the ranks splitting the experts, and those holding the same experts (their gradients
+    # reduce there); with ep=1 these are this rank alone and the dp x cp group, no new group is made
+    ep_group: dist.ProcessGroup | None = None
+    ep_ranks: tuple[int, ...] = ()
+    expert_dp_group: dist.ProcessGroup | None = None
+    expert_dp_ranks: tuple[int, ...] = ()
 
     _cache = {}  # layout -> ParallelGroups of this process
 
@@ -74,6 +80,10 @@ class ParallelGroups:
         return self.cp_ranks.index(self.rank) if self.cp_ranks else 0
 
     @property
+    def ep_rank(self) -> int:
+        return self.ep_ranks.index(self.rank) if self.ep_ranks else 0
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -84,8 +94,8 @@ class ParallelGroups:
     @classmethod
     def build(cls, layout: ParallelLayout) -> ParallelGroups:
         """Create (or fetch cached) groups of ``layout`` on the initialised world."""
-        layout = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.vpp, layout.cp)
-        key = (layout.tp, layout.pp, layout.dp, layout.cp)
+        layout = ParallelLayout(layout.tp, layout.pp, layout.dp, layout.vpp, layout.cp, layout.ep)
+        key = (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep)
         if key in cls._cache:
             cached = cls._cache[key]
             return cached if cached.layout == layout else _with_layout(cached, layout)
@@ -105,6 +115,10 @@ class ParallelGroups:
             kinds.append(("cp", layout.all_cp_groups()))
             if layout.dp > 1:
                 kinds.append(("dp_cp", layout.all_dp_cp_groups()))
+        if layout.ep > 1:
+            kinds.append(("ep", layout.all_ep_groups()))
+            if layout.ep < layout.dp * layout.cp:
+                kinds.append(("expert_dp", layout.all_expert_dp_groups()))
         for kind, groups in kinds:
             for ranks in groups:
                 group = _new_group(kind, ranks)
@@ -125,7 +139,14 @@ class ParallelGroups:
             cp_ranks=mine["cp"][1] if "cp" in mine else (rank,),
             dp_cp_group=mine.get("dp_cp", mine.get("cp", mine["dp"]))[0],
             dp_cp_ranks=mine.get("dp_cp", mine.get("cp", mine["dp"]))[1],
+            ep_group=mine["ep"][0] if "ep" in mine else None,
+            ep_ranks=mine["ep"][1] if "ep" in mine else (rank,),
         )
+        if "ep" in mine:  # experts split over all of dp x cp: each is held once, nothing to reduce
+            expert_dp = mine.get("expert_dp", (None, (rank,)))
+        else:
+            expert_dp = (built.dp_cp_group, built.dp_cp_ranks)
+        built = replace(built, expert_dp_group=expert_dp[0], expert_dp_ranks=expert_dp[1])
         cls._cache[key] = built
         return built
 

@@ -13,6 +13,13 @@ then data-parallel replicas::
 With cp=1 the mapping is the ``tp x pp x dp`` one above. Weights are replicated over cp as over dp, so their
 gradients are reduced over the ``dp x cp`` ranks of a (pp, tp) coordinate (``dp_cp_ranks``).
 
+Expert parallelism (``ep``) adds no ranks: it is carved from the ``dp x cp`` ranks of each (pp, tp) coordinate,
+in rank order, as in Megatron-Core: consecutive blocks of ``ep`` of them split the experts (``ep_ranks``), and
+the ranks at the same position of every block hold the same experts (``expert_dp_ranks``, where expert
+gradients are reduced)::
+
+    dp=4, ep=2 (tp=pp=cp=1)     ranks 0 1 | 2 3      ep groups [0, 1], [2, 3]; expert dp groups [0, 2], [1, 3]
+
 A layout is plain data: it builds no process groups (see ``modelpar.parallel.groups.ParallelGroups``), so any
 number of layouts can coexist in one process.
 """
@@ -43,16 +50,17 @@ def _divisors(n: int) -> list[int]:
 @dataclass(frozen=True)
 class ParallelLayout:
     """``tp`` tensor-parallel x ``cp`` context-parallel x ``pp`` pipeline stages x ``dp`` replicas; ``vpp``
-    model chunks per stage."""
+    model chunks per stage; ``ep`` expert-parallel ranks inside ``dp x cp``."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "cp"):
+        for name in ("tp", "pp", "dp", "vpp", "cp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise LayoutError(f"{name}={value!r} must be a positive integer")
@@ -60,6 +68,11 @@ class ParallelLayout:
                 raise LayoutError(f"{name}={value} must be >= 1")
         if self.vpp > 1 and self.pp == 1:
             raise LayoutError(f"vpp={self.vpp} needs pipeline parallelism; set pp >= 2 or vpp=1")
+        if (self.dp * self.cp) % self.ep:
+            raise LayoutError(
+                f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are split over ranks carved from "
+                f"the data-parallel ones); try ep in {_divisors(self.dp * self.cp)}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -105,6 +118,17 @@ class ParallelLayout:
         c = self.coords(rank)
         return sorted(self.rank(d, c.pp, c.tp, k) for d in range(self.dp) for k in range(self.cp))
 
+    def ep_ranks(self, rank: int) -> list[int]:
+        """The ranks splitting the experts with ``rank``: its block of ``ep`` consecutive dp x cp ranks."""
+        same = self.dp_cp_ranks(rank)
+        block = same.index(rank) // self.ep
+        return same[block * self.ep : (block + 1) * self.ep]
+
+    def expert_dp_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same experts as ``rank`` (the same position in every ep block)."""
+        same = self.dp_cp_ranks(rank)
+        return same[same.index(rank) % self.ep :: self.ep]
+
     def embedding_ranks(self, rank: int) -> list[int]:
         """First and last pipeline stage of ``rank``'s pipeline (one rank when pp == 1)."""
         stages = self.pp_ranks(rank)
@@ -132,6 +156,13 @@ class ParallelLayout:
 
     def all_dp_cp_groups(self) -> list[list[int]]:
         return [self.dp_cp_ranks(self.rank(0, p, t, 0)) for p in range(self.pp) for t in range(self.tp)]
+
+    def all_ep_groups(self) -> list[list[int]]:
+        firsts = [r for g in self.all_dp_cp_groups() for r in g[:: self.ep]]
+        return [self.ep_ranks(r) for r in firsts]
+
+    def all_expert_dp_groups(self) -> list[list[int]]:
+        return [self.expert_dp_ranks(r) for g in self.all_dp_cp_groups() for r in g[: self.ep]]
 
     def all_embedding_groups(self) -> list[list[int]]:
         return [self.embedding_ranks(g[0]) for g in self.all_pp_groups()]
@@ -167,4 +198,5 @@ class ParallelLayout:
     def __str__(self) -> str:
         extra = f"-vpp{self.vpp}" if self.vpp > 1 else ""
         cp = f"-cp{self.cp}" if self.cp > 1 else ""
-        return f"tp{self.tp}{cp}-pp{self.pp}-dp{self.dp}{extra}"
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}{cp}-pp{self.pp}-dp{self.dp}{ep}{extra}"

@@ -19,8 +19,8 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
     """``base`` with the settings of ``spec``: dash-separated ``tpN cpN ppN dpN vppN mN sp`` and a schedule name
     (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``, ``uniform`` /
     ``params`` / ``flops`` / ``blocks`` for ``parallel.partition``, ``rc`` for ``parallel.recompute=full``,
-    ``ring`` / ``allgather`` for ``parallel.cp_comm``; ``single`` is tp=cp=pp=dp=1. E.g. ``tp2-pp2-1f1b``, ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``,
-    ``single-rc``.
+    ``ring`` / ``allgather`` for ``parallel.cp_comm``; ``single`` is tp=cp=pp=dp=1. E.g. ``tp2-pp2-1f1b``,
+    ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``, ``single-rc``, ``cp2-allgather``.
     Unset degrees are 1; the schedule defaults to 1f1b (interleaved when vpp > 1); m to ``base.microbatches``."""
     values: dict = dict(tp=1, cp=1, pp=1, dp=1, vpp=1, sp=False, schedule="", microbatches=base.microbatches)
     text = spec.strip().replace("zb-h1", "zbh1")
@@ -45,7 +45,8 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
         else:
             raise ValueError(
                 f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, cpN, ppN, dpN, vppN, mN, sp, rc, "
-                f"ring, allgather, native, exchange, uniform, params, flops, blocks or a schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
+                f"ring, allgather, native, exchange, uniform, params, flops, blocks or a schedule "
+                f"({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
             )
     values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
     return replace(base, **values)

@@ -191,9 +191,17 @@ class Strategy:
     micro_batch_size: int
     micro_batches: int
     recompute: str = "none"  # none | selective | full
-    zero1: bool = False
+    zero: int = 0  # optim.zero: 1 shards the optimizer state over dp x cp, 2 also gradients, 3 also weights
     sp: bool = False
     cp_comm: str = "ring"  # ring | allgather, when layout.cp > 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", int(self.zero))  # True/False from older callers: stage 1 / 0
+
+    @property
+    def zero1(self) -> bool:
+        """The optimizer state is sharded (any ZeRO stage)."""
+        return self.zero >= 1
 
     @property
     def global_batch(self) -> int:
@@ -207,7 +215,7 @@ class Strategy:
 
     def __str__(self) -> str:
         flags = [f"b{self.micro_batch_size}", f"m{self.micro_batches}", f"rc-{self.recompute}"]
-        flags += ["zero1"] * self.zero1 + ["sp"] * self.sp + [self.cp_comm] * (self.layout.cp > 1)
+        flags += [f"zero{self.zero}"] * self.zero1 + ["sp"] * self.sp + [self.cp_comm] * (self.layout.cp > 1)
         return f"{self.layout} {' '.join(flags)}"
 
 
@@ -278,6 +286,7 @@ class PlannedLayout:
             "micro_batches": s.micro_batches,
             "recompute": s.recompute,
             "zero1": s.zero1,
+            "zero": s.zero,
             "sp": s.sp,
             **self.prediction.as_dict(),
         }
@@ -353,11 +362,16 @@ def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: H
         activations += s * b * h * in_flight / (t if strategy.sp else 1)  # embedding dropout mask, 1 byte
     if stage == layout.pp - 1:
         activations += 4 * s * b * model.shape.vocab_size / t  # fp32 logits for the cross-entropy
-    optimizer = params * hardware.optimizer_bytes / (layout.dp * layout.cp if strategy.zero1 else 1)
+    d = layout.dp * layout.cp
+    optimizer = params * hardware.optimizer_bytes / (d if strategy.zero >= 1 else 1)
+    grads = params * GRAD_BYTES / (d if strategy.zero >= 2 else 1)
+    weights = params * hardware.weight_bytes / (d if strategy.zero >= 3 else 1)
+    if strategy.zero >= 3:  # FSDP2 holds the gathered weights of the block computing and of the one prefetched
+        weights += 2 * (model.shape.block_params() / t + 2 * h) * hardware.weight_bytes
     return MemoryBreakdown(
         stage="first" if stage == 0 else "last",
-        weights=params * hardware.weight_bytes,
-        grads=params * GRAD_BYTES,
+        weights=weights,
+        grads=grads,
         optimizer=optimizer,
         activations=activations,
         reserved=hardware.reserved_bytes,
@@ -557,7 +571,15 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
     params = max(stage_params(model, layout, st) for st in {0, p - 1})
     bw = group_bandwidth(hardware, layout.world_size)
     exposed = 0.0
-    if d > 1 and strategy.zero1:
+    if d > 1 and strategy.zero >= 2:
+        # FSDP2 reduce-scatters every block's gradients after each micro-batch's backward and, at stage 3,
+        # all-gathers its weights before each forward and backward; prefetching hides the dp_overlap share
+        m = strategy.micro_batches
+        moved = m * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+        if strategy.zero >= 3:
+            moved += 2 * m * ring_all_gather_s(params * hardware.weight_bytes, d, bw, hardware.latency_s)
+        exposed = (1 - costs.dp_overlap) * moved
+    elif d > 1 and strategy.zero1:
         # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
         exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
     elif d > 1:
@@ -583,7 +605,7 @@ class SearchSpace:
     max_vpp: int = 4
     max_micro_batch_size: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_MODES
-    zero1: tuple[bool, ...] = (False, True)
+    zero: tuple[int, ...] = (0, 1, 2, 3)  # optim.zero stages to try
     sp: tuple[bool, ...] = (False, True)
 
 
@@ -641,10 +663,18 @@ def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_
                 continue
             chunked = dataclasses.replace(layout, vpp=v)
             for recompute in space.recompute:
-                for zero1 in space.zero1 if layout.dp * layout.cp > 1 else (False,):
+                for zero in _zero_stages(model, layout, space):
                     for sp in space.sp if layout.tp > 1 and seq_len % (layout.tp * layout.cp) == 0 else (False,):
                         for comm in space.cp_comm if layout.cp > 1 else ("ring",):
-                            yield Strategy(chunked, b, m, recompute, zero1, sp, comm)
+                            yield Strategy(chunked, b, m, recompute, zero, sp, comm)
+
+
+def _zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[int, ...]:
+    """The ZeRO stages worth trying: none without dp x cp; 2 and 3 only where the trainer runs them (FSDP2
+    needs kv_heads >= tp)."""
+    if layout.dp * layout.cp == 1:
+        return (0,)
+    return tuple(z for z in space.zero if z < 2 or model.shape.kv_heads >= layout.tp)
 
 
 def plan(

@@ -109,16 +109,27 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
     if cfg.optim.zero >= 2:  # gradients (and at 3 weights) sharded over dp x cp by FSDP2, block by block
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.optim.reduce_dtype]
         shard_chunks(
-            chunks, groups, cfg.optim.zero, Block, compute_dtype=resolve_dtype(cfg, device), reduce_dtype=reduce_dtype
+            chunks,
+            groups,
+            cfg.optim.zero,
+            Block,
+            compute_dtype=resolve_dtype(cfg, device),
+            reduce_dtype=reduce_dtype,
+            shard_group=cfg.optim.zero_group,
         )
     tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
+    experts: set[int] = set()
+    for chunk in chunks:
+        for moe in chunk.moe_layers().values():
+            moe.micro_batches = cfg.parallel.microbatches  # each micro-batch's auxiliary loss counts 1/m
+            experts |= {id(p) for p in moe.expert_parameters()}
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []
     seen: set[int] = set()
     for chunk in chunks:
         shards = chunk.logical_shards()
         for name, param in chunk.named_parameters():
-            if id(param) in seen:
+            if id(param) in seen or not param.requires_grad:  # a router's balancing bias moves by rule, not AdamW
                 continue
             seen.add(id(param))
             logical = [(n, s) for n, s in shards.items() if s.param is param]
@@ -127,7 +138,12 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
                 tied.append(param)
                 if not chunk.first:
                     share = 0.0  # the first stage counts the tied weight; this is its copy
-            info = ParamInfo(name=f"{_chunk_name(chunk)}.{name}", decay=default_decay(name, param), norm_share=share)
+            info = ParamInfo(
+                name=f"{_chunk_name(chunk)}.{name}",
+                decay=default_decay(name, param),
+                norm_share=share,
+                expert_parallel=id(param) in experts and len(groups.ep_ranks) > 1,
+            )
             params.append((param, info))
     return RankModel(chunks, params, tied)
 

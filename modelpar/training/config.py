@@ -60,9 +60,11 @@ class ParallelConfig:
     offload_activations: bool = False  # saved activations of the blocks wait for backward in host memory
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 of 2*cp chunks each, load-balanced)
     cp_comm: str = "ring"  # ring: K/V blocks passed around the cp ring, overlapped | allgather: K/V gathered
+    ep: int = 1  # expert parallel: the experts split over ep of the dp x cp ranks (modelpar/parallel/experts.py)
+    etp: int = 1  # expert tensor parallel: only 1 (experts are replicated over tp, tokens split over it)
 
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, cp=self.cp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, cp=self.cp, ep=self.ep)
 
 
 @dataclass
@@ -79,6 +81,8 @@ class OptimConfig:
     bucket_mb: float = 25.0
     # ZeRO-2/3 with trainer.dtype=bf16: the dtype gradients are reduce-scattered in (weights gather in bf16)
     reduce_dtype: str = "fp32"  # fp32 | bf16
+    # ZeRO-2/3: shard over blocks of this many consecutive dp x cp ranks, replicate across them (0: all of dp x cp)
+    zero_group: int = 0
 
 
 @dataclass
@@ -204,6 +208,13 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             )
         if m.compile:
             raise RecipeError(f"{z} with model.compile=true is untested; set model.compile=false")
+    g, dpcp = cfg.optim.zero_group, p.dp * p.cp
+    if g and (cfg.optim.zero < 2 or g < 0 or dpcp % g):
+        fits = [d for d in range(1, dpcp + 1) if dpcp % d == 0]
+        raise RecipeError(
+            f"optim.zero_group={g} needs optim.zero=2 or 3 and a divisor of dp x cp = {dpcp} ({fits}); "
+            "0 shards over all of dp x cp"
+        )
     if p.recompute == "selective":
         unknown = [m for m in p.recompute_modules if m not in RECOMPUTE_MODULES]
         if unknown or not p.recompute_modules:
@@ -218,7 +229,17 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     if p.schedule == "interleaved" and p.vpp < 2:
         raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
     layout = p.layout()
-    layout.check_model(layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden)
+    m.check_layout(layout)  # the layout's shape rules and the experts' split over ep
+    if p.etp != 1:
+        raise RecipeError(
+            f"parallel.etp={p.etp}: expert tensor parallelism is not supported (experts are replicated over tp "
+            "and the tokens split over it); set parallel.etp=1 and raise parallel.ep to divide expert memory"
+        )
+    if p.ep > 1 and cfg.optim.zero:
+        raise RecipeError(
+            f"parallel.ep={p.ep} with optim.zero={cfg.optim.zero} is not supported (expert gradients reduce over "
+            "the expert data-parallel ranks only); use optim.zero=0"
+        )
     if p.cp > 1 and d.seq_len % (2 * p.cp):
         fits = [c for c in range(1, d.seq_len // 2 + 1) if d.seq_len % (2 * c) == 0]
         raise RecipeError(

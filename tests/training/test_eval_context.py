@@ -12,7 +12,9 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"]])
+@pytest.mark.parametrize(
+    "layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"]]
+)
 def test_eval_at_cp_gives_transformers_loss(imported, layout):  # noqa: F811
     root, want = imported
     proc = eval_cli(

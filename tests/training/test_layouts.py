@@ -120,6 +120,7 @@ LAYOUTS = [
     dict(dp=2, pp=2, zero_=3),
     dict(dp=2, pp=2, vpp=2, schedule="interleaved", microbatches=2, zero_=3),
     dict(dp=4, zero_=3, recompute="full"),
+    dict(dp=4, zero_=3, zero_group_=2),  # hybrid: shards over pairs of ranks, replicas across the pairs
     dict(dp=2, pp=2, zero_=3, recompute="selective"),
     # saved activations through the host-memory hooks
     dict(tp=2, pp=2, offload_activations=True),
@@ -130,9 +131,9 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_layout_matches_single_device(layout, token_path, reference, tmp_path):
     layout = dict(layout)
-    zero = layout.pop("zero_", 0)
+    zero, zero_group = layout.pop("zero_", 0), layout.pop("zero_group_", 0)
     cfg = make_config(tmp_path, **layout)
-    cfg = replace(cfg, optim=replace(cfg.optim, zero=zero))
+    cfg = replace(cfg, optim=replace(cfg.optim, zero=zero, zero_group=zero_group))
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     results = run_on_ranks(world, train_and_collect, cfg, token_path)
     ref_losses, ref_params = reference

@@ -30,7 +30,8 @@ from torch import nn
 class ShardInfo:
     """This rank's piece of one logical tensor.
 
-    ``param[local_rows]`` (rows along dim 0 of the local, possibly fused, parameter) holds
+    ``param[local_rows]`` (rows along dim 0 of the local, possibly fused, parameter; an int picks one entry of a
+    stacked parameter, e.g. one expert of a MoE layer's [experts, f, h] weight) holds
     ``global[index]``: the range ``offset .. offset + local_shape[dim]`` along ``dim`` (None: the whole tensor).
     ``replicated_over_tp``: other tp ranks hold the same values; ``primary`` marks the lowest such rank, the one
     that saves them. ``grad_is_partial``: the local gradient is only this rank's contribution and
@@ -42,7 +43,7 @@ class ShardInfo:
     """
 
     param: nn.Parameter
-    local_rows: slice
+    local_rows: slice | int
     global_shape: tuple[int, ...]
     dim: int | None = None
     offset: int = 0

@@ -1,0 +1,328 @@
+"""Mixture of experts in place of a block's MLP (Shazeer et al. 2017; Switch, Fedus et al. 2021; Mixtral;
+DeepSeek-V3), with the experts split over an expert-parallel group::
+
+    x [b, s, h] -> tokens [T, h] (under tp without SP: this tp rank's T/t of them)
+      -> router: logits [T, E] -> softmax (or sigmoid + balancing bias) -> top-k experts and weights [T, k]
+      -> permute: the T*k (token, expert) rows sorted by expert, once (dropped rows last, under a capacity)
+      -> dispatch: all-to-all over ep, rows to the rank holding their expert, then sorted by local expert
+      -> grouped GEMM: SwiGLU of each expert on its contiguous rows (w1 gate, w3 up, w2 down, as Mixtral)
+      -> combine: the inverse all-to-all, then y[t] = sum_k weight[t, k] * out[t, k] (an index_add)
+      (+ shared experts: a dense SwiGLU every token goes through, tp-sharded like the dense MLP)
+
+Experts are replicated over tp, not split (no expert tensor parallelism): each expert's GEMMs stay whole,
+which keeps grouped GEMMs efficient at small per-expert token counts and needs no all-reduce of the
+k*T*h routed outputs over tp; instead the tp ranks split the tokens, so no work is repeated and the experts'
+memory is divided by ep (up to dp x cp) rather than by tp. Their gradients are partial over tp (each tp rank
+saw its own tokens) and summed there like the router's.
+
+Auxiliary losses do not change the returned activations: their gradient is injected in backward
+(``_AuxLossGradient``), so they need no path to the pipeline's last stage. The load-balancing loss is the
+Switch form ``coef * E * sum_i f_i * P_i`` (f_i: fraction of the T*k routed rows sent to expert i; P_i: mean
+router probability of expert i), with f and P over the tokens of the global micro-batch (micro-batch j of
+every dp x cp and tp rank: at one micro-batch, the whole global batch), so it does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from modelpar_kernels import swiglu
+from torch import nn
+
+from modelpar.model.config import ModelConfig
+from modelpar.model.layers import ParallelSwiGLU, ShardInfo
+from modelpar.parallel import collectives
+from modelpar.parallel.experts import ExpertParallelGroup, all_to_all_tokens, gather_tokens, split_tokens
+from modelpar.parallel.regions import TensorParallelGroup
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate [f, h], up [f, h], down [h, f]: Mixtral's names per expert
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ w[e].T`` for contiguous row groups ending at ``offsets`` (torch's grouped
+    matmul; its backward is two more grouped matmuls). x: [n, in], w: [E, out, in] -> [n, out]."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, w.to(grad.dtype), offs=offsets)
+        grad_w = torch._grouped_mm(grad.t(), x.to(grad.dtype), offs=offsets).to(w.dtype)
+        return grad_x, grad_w, None
+
+
+def _grouped_ok(x: torch.Tensor, *widths: int) -> bool:
+    """torch's grouped matmul needs rows aligned to 16 bytes; without it (or the op) use the loop."""
+    return hasattr(torch, "_grouped_mm") and all(width * x.element_size() % 16 == 0 for width in widths)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+    """Each expert's linear layer on its rows: x [n, in] sorted by expert, ``counts[e]`` rows each ([E], sum n),
+    w [E, out, in] -> [n, out]. ``grouped=False`` (or shapes the grouped matmul refuses): one matmul per
+    expert, the reference."""
+    if grouped and _grouped_ok(x, w.shape[1], w.shape[2]):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return _GroupedMatmul.apply(x, w, offsets)
+    pieces = x.split(counts.tolist())
+    return torch.cat([F.linear(piece, w[e].to(x.dtype)) for e, piece in enumerate(pieces)])
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on ``y``; in backward, ``d(aux)/d(aux inputs) = 1`` starts the auxiliary loss's own gradient."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (a recomputed forward must not count its routing twice)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoELayer(nn.Module):
+    """A block's MLP half as a mixture of experts; x: [b, s, h] (or [b, s/t, h] under sequence parallel).
+
+    Holds the router ``gate.weight`` [E, h] (replicated over tp and ep), this ep rank's ``experts/ep`` experts
+    as ``w1``, ``w3`` [E/ep, f, h] and ``w2`` [E/ep, h, f] (logical ``experts.<global id>.w1.weight`` ...), the
+    sigmoid router's ``gate.e_score_correction_bias`` [E] (no gradient; moved by ``update_bias``) and optional
+    ``shared_experts``. Routing statistics of the forward passes since ``take_stats()`` accumulate on the device.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallelGroup,
+        ep: ExpertParallelGroup | None = None,
+        *,
+        sequence_parallel: bool = False,
+        backend: str = "torch",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        moe = config.moe
+        self.moe, self.tp, self.ep = moe, tp, ep or ExpertParallelGroup()
+        self.sequence_parallel, self.backend = sequence_parallel and tp.size > 1, backend
+        self.experts, self.top_k, self.hidden = moe.experts, moe.top_k, config.hidden
+        self.ffn_hidden = config.expert_ffn_hidden
+        if self.experts % self.ep.size:
+            raise ValueError(f"ep={self.ep.size} does not divide the {self.experts} experts")
+        self.local_experts = self.experts // self.ep.size
+        self.first_expert = self.ep.rank * self.local_experts
+        kw = dict(device=device, dtype=dtype)
+        e, f, h = self.local_experts, self.ffn_hidden, self.hidden
+        self.gate_weight = nn.Parameter(torch.zeros(self.experts, h, **kw))
+        self.w1 = nn.Parameter(torch.zeros(e, f, h, **kw))
+        self.w3 = nn.Parameter(torch.zeros(e, f, h, **kw))
+        self.w2 = nn.Parameter(torch.zeros(e, h, f, **kw))
+        self.score_bias = None
+        if moe.router == "sigmoid":
+            self.score_bias = nn.Parameter(torch.zeros(self.experts, device=device), requires_grad=False)
+        self.shared_experts = None
+        if moe.shared_experts:
+            self.shared_experts = ParallelSwiGLU(
+                h, moe.shared_experts * f, tp, sequence_parallel=sequence_parallel, backend=backend, **kw
+            )
+        self.micro_batches = 1  # the step's micro-batches: each one's auxiliary loss counts 1/m
+        self._stats: dict[str, torch.Tensor] | None = None
+
+    # -- forward -------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [b, s, h] or [b, s/t, h] -> the same shape."""
+        tokens = rearrange(x, "b s h -> (b s) h")
+        split = self.tp.size > 1 and not self.sequence_parallel
+        if split:
+            tokens = split_tokens(tokens, self.tp)
+        y = self._route_and_compute(tokens)
+        if split:
+            y = gather_tokens(y, self.tp)
+        y = y.view_as(x)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def _route_and_compute(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T, h] -> sum over the top-k experts of weight * expert(token) [T, h]."""
+        n_tokens, k, n_experts = tokens.shape[0], self.top_k, self.experts
+        logits = F.linear(tokens, self.gate_weight.to(tokens.dtype)).float()  # [T, E]
+        if self.score_bias is None:
+            scores = logits.softmax(-1)
+            chosen = scores.topk(k, dim=-1).indices
+        else:
+            scores = logits.sigmoid()
+            chosen = (scores + self.score_bias).topk(k, dim=-1).indices  # the bias chooses, never weighs
+        weights = scores.gather(1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True)  # [T, k]
+
+        expert_of_row = chosen.reshape(-1)  # row t*k + j: token t's j-th expert
+        counts = torch.bincount(expert_of_row, minlength=n_experts)  # [E], routed rows before any drop
+        kept_rows = n_tokens * k
+        if self.moe.capacity_factor > 0:
+            expert_of_row, kept_counts = self._apply_capacity(expert_of_row, counts, n_tokens)
+            kept_rows = int(kept_counts.sum())
+        else:
+            kept_counts = counts
+        order = expert_of_row.argsort(stable=True)[:kept_rows]  # rows grouped by expert, dropped rows cut off
+        routed = tokens[order // k]  # [kept, h]
+        out = self._experts(routed, kept_counts)  # [kept, h]
+        weighted = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        y = torch.zeros(tokens.shape, dtype=out.dtype, device=tokens.device).index_add_(0, order // k, weighted)
+        if not _in_backward():
+            self._record(counts, kept_counts, n_tokens)
+        aux = self._aux_loss(logits, scores, counts, n_tokens)
+        return y if aux is None else _AuxLossGradient.apply(y, aux)
+
+    def _apply_capacity(self, expert_of_row: torch.Tensor, counts: torch.Tensor, n_tokens: int):
+        """Keep each expert's first ``capacity`` rows (in token order); the others get expert id E (sorted
+        last, cut off). Returns the new ids [T*k] and the kept rows per expert [E]."""
+        capacity = math.ceil(self.moe.capacity_factor * n_tokens * self.top_k / self.experts)
+        order = expert_of_row.argsort(stable=True)
+        starts = counts.cumsum(0) - counts
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel(), device=order.device)
+        position = position - starts[expert_of_row]  # rank of each row within its expert
+        dropped = position >= capacity
+        return expert_of_row.masked_fill(dropped, self.experts), counts.clamp(max=capacity)
+
+    def _experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by (global) expert, ``counts`` [E] each -> this layer's expert outputs, same order."""
+        if self.ep.size == 1:
+            return self._swiglu(routed, counts)
+        ep, e_local = self.ep.size, self.local_experts
+        by_rank = counts.view(ep, e_local)  # [ep, E/ep]: rows for each rank's experts
+        with collectives.comm_tag("moe_dispatch"):
+            received = collectives.all_to_all(by_rank, [1] * ep, [1] * ep, self.ep.group)  # [ep source, E/ep]
+        # the layer's one host read: the token all-to-all needs its split sizes
+        sizes = torch.cat([by_rank.sum(1), received.sum(1)]).tolist()
+        send_splits, recv_splits = sizes[:ep], sizes[ep:]
+        arrived = all_to_all_tokens(routed, send_splits, recv_splits, self.ep)  # [n, h] by (source, expert)
+        local_expert = torch.arange(e_local, device=routed.device).repeat(ep)
+        expert_of_arrived = local_expert.repeat_interleave(received.reshape(-1), output_size=sum(recv_splits))
+        by_expert = expert_of_arrived.argsort(stable=True)  # (source, expert) -> (expert, source)
+        out = self._swiglu(arrived[by_expert], received.sum(0))
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        return all_to_all_tokens(out[back], recv_splits, send_splits, self.ep)
+
+    def _swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on rows sorted by local expert (``counts`` [E/ep] each): w2(silu(w1 x) * w3 x)."""
+        grouped = self.moe.grouped_gemm
+        gate = grouped_linear(rows, self.w1, counts, grouped)
+        up = grouped_linear(rows, self.w3, counts, grouped)
+        return grouped_linear(swiglu(gate, up, backend=self.backend), self.w2, counts, grouped)
+
+    # -- auxiliary losses and statistics -------------------------------------------------------------------
+
+    def _batch_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum ``values`` over the ranks sharing the global micro-batch: tp (tokens split) and dp x cp."""
+        groups = list(self.ep.batch_groups)
+        if self.tp.size > 1:
+            groups.append(self.tp.group)
+        for group in groups:
+            with collectives.comm_tag("moe_stats"):
+                collectives.all_reduce(values, group)
+        return values
+
+    @property
+    def _token_ranks(self) -> int:
+        """Ranks whose tokens make up one global micro-batch."""
+        return self.ep.batch_ranks * self.tp.size
+
+    def _aux_loss(self, logits, scores, counts, n_tokens) -> torch.Tensor | None:
+        """The surrogate whose gradient is this rank's share of the auxiliary losses' gradient, or None.
+
+        With global counts c_i and N tokens, the Switch loss ``coef*E/(N^2 k) * sum_i c_i * sum_t p_ti`` is
+        linear in this rank's probabilities; scaled by (dp x cp)/m because the step averages gradients over
+        dp x cp and counts each of the m micro-batches 1/m. The z-loss ``coef * mean_t logsumexp^2`` likewise.
+        """
+        moe = self.moe
+        if not (moe.aux_loss_coef or moe.z_loss_coef) or not torch.is_grad_enabled():
+            return None
+        n_global = n_tokens * self._token_ranks
+        surrogate = logits.new_zeros(())
+        probs = scores if self.score_bias is None else scores / scores.sum(-1, keepdim=True)
+        prob_sum = probs.sum(0)  # [E], this rank's tokens
+        stats = torch.cat([counts.float(), prob_sum.detach()])
+        stats = self._batch_sum(stats) if self._token_ranks > 1 else stats
+        global_counts, global_probs = stats[: self.experts], stats[self.experts :]
+        scale = moe.aux_loss_coef * self.experts / (n_global * n_global * self.top_k)
+        if moe.aux_loss_coef:
+            surrogate = surrogate + scale * (global_counts * prob_sum).sum()
+        if moe.z_loss_coef:
+            surrogate = surrogate + moe.z_loss_coef * logits.logsumexp(-1).square().sum() / n_global
+        if not _in_backward():
+            self._stats["aux_loss"] += scale * (global_counts * global_probs).sum() / self.micro_batches
+        return surrogate * (self.ep.batch_ranks / self.micro_batches)
+
+    def _record(self, counts: torch.Tensor, kept: torch.Tensor, n_tokens: int) -> None:
+        if self._stats is None:
+            device = counts.device
+            self._stats = {
+                "tokens_per_expert": torch.zeros(self.experts, dtype=torch.float64, device=device),
+                "dropped": torch.zeros((), dtype=torch.float64, device=device),
+                "routed": torch.zeros((), dtype=torch.float64, device=device),
+                "aux_loss": torch.zeros((), dtype=torch.float64, device=device),
+            }
+        self._stats["tokens_per_expert"] += counts
+        self._stats["dropped"] += (counts - kept).sum()
+        self._stats["routed"] += n_tokens * self.top_k
+
+    def take_stats(self) -> dict[str, torch.Tensor] | None:
+        """This rank's routing statistics since the last call (device tensors; None if nothing ran):
+        ``tokens_per_expert`` [E] (routed rows before drops), ``dropped`` and ``routed`` rows, ``aux_loss``
+        (global, the same on every rank; 0 without an aux loss). Sum the counts over the batch's ranks for
+        the global values (``update_bias`` does)."""
+        stats, self._stats = self._stats, None
+        return stats
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: ``b_i += rate * sign(mean load - load_i)`` from the
+        global batch's loads (the same on every rank, so every replica moves its bias alike)."""
+        if self.score_bias is None or not self.moe.bias_update_rate:
+            return
+        load = tokens_per_expert.to(self.score_bias.dtype)
+        self.score_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load)
+
+    # -- logical tensors -----------------------------------------------------------------------------------
+
+    def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
+        """``gate.weight`` and, per expert held here, ``experts.<global id>.w1/w3/w2.weight`` (Mixtral names);
+        all replicated over tp with gradients partial over tp when tp > 1 (each tp rank routes its tokens)."""
+        tp = self.tp.size > 1
+        kw = dict(replicated_over_tp=tp, primary=self.tp.rank == 0, grad_is_partial=tp)
+        shards = {
+            prefix + "gate.weight": ShardInfo(self.gate_weight, slice(None), (self.experts, self.hidden), **kw),
+        }
+        if self.score_bias is not None:
+            shards[prefix + "gate.e_score_correction_bias"] = ShardInfo(
+                self.score_bias, slice(None), (self.experts,), replicated_over_tp=tp, primary=self.tp.rank == 0
+            )
+        for name in EXPERT_WEIGHTS:
+            param = getattr(self, name)
+            for e in range(self.local_experts):
+                logical = f"{prefix}experts.{self.first_expert + e}.{name}.weight"
+                shards[logical] = ShardInfo(param, e, tuple(param.shape[1:]), **kw)
+        if self.shared_experts is not None:
+            shards |= self.shared_experts.logical_shards(prefix + "shared_experts.")
+        return shards
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters split over ep (gradients averaged over the expert data-parallel group)."""
+        return [self.w1, self.w3, self.w2]
