@@ -30,6 +30,7 @@ from modelpar.pipeline import PipelineRuntime, StepResult
 from modelpar.training.build import RankModel, resolve_eos_id
 from modelpar.training.config import TrainConfig
 from modelpar.training.health import HealthError, LossGuard
+from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.outliers import GradientOutlierCheck
 from modelpar.training.sdc import SilentCorruptionCheck
 
@@ -47,6 +48,7 @@ class StepMetrics:
     skipped_total: int = 0
     stragglers: list[int] | None = None  # ranks named slow at this step's check
     drift: list[str] | None = None  # parameters found differing at this step's check
+    moe: dict | None = None  # mixture of experts: aux loss, dropped fraction, per-layer expert load
 
 
 class StepHook(Protocol):
@@ -78,6 +80,7 @@ class TrainStep:
 
     def __post_init__(self) -> None:
         self.eos_id = resolve_eos_id(self.cfg, str(self.tokens.path))  # None without data.document_mask
+        self.moe_stats = MoEStatistics(self.model.chunks, self.groups) if self.cfg.model.moe.enabled else None
 
     def __call__(self, step: int) -> tuple[StepMetrics, StepResult]:
         cfg = self.cfg
@@ -97,6 +100,7 @@ class TrainStep:
         try:
             with self._autocast():
                 result = self.runtime.step(micro_inputs, micro_targets)
+            moe_table = self.moe_stats.table(self.device) if self.moe_stats is not None else None
         except BaseException:
             if checking_sdc:
                 self.sdc.disarm()
@@ -110,6 +114,8 @@ class TrainStep:
             self._tell_documents(documents, lambda: 0)
             with self._autocast():
                 corruption = self.sdc.rerun(micro_inputs[0], micro_targets[0], step)
+            if self.moe_stats is not None:
+                self.moe_stats.discard()  # the rerun's routing is not the step's
         loss = result.loss_tensor
         for hook in self.hooks:
             loss = hook.loss(step, loss)
@@ -118,19 +124,23 @@ class TrainStep:
         read = [loss.reshape(1), norm.to(loss).reshape(1)]
         read += [flags.to(loss).reshape(-1)] if flags is not None else []
         read += [replica_stats.to(loss).reshape(-1)] if replica_stats is not None else []
+        n_moe = 0 if moe_table is None else moe_table.numel()
+        read += [moe_table.to(loss).reshape(-1)] if moe_table is not None else []
         values = torch.cat(read).tolist()  # the step's one host sync
         loss_value, norm_value = values[:2]
         n_flags = 0 if flags is None else flags.numel()
         self.optimizer.apply_flags(values[2 : 2 + n_flags])
         skipped = self.guard.check(step, loss_value, norm_value)  # same inputs on every rank: the same decision
         if replica_stats is not None and skipped is None:
-            skipped = self._judge_replicas(values[2 + n_flags :], step)
+            skipped = self._judge_replicas(values[2 + n_flags : len(values) - n_moe], step)
         if corruption is not None and skipped is None:
             skipped = self._judge_corruption(corruption)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
         if skipped is None:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            if moe_table is not None:
+                self.moe_stats.apply_bias(moe_table)  # the same global loads on every rank: the same bias
         self.optimizer.zero_grad()
         for hook in self.hooks:
             hook.after_update(step)
@@ -147,6 +157,7 @@ class TrainStep:
             mfu=(self.flops_per_step / elapsed / peak) if peak > 0 else None,
             skipped=skipped,
             skipped_total=self.guard.skipped,
+            moe=self.moe_stats.metrics(values[len(values) - n_moe :]) if moe_table is not None else None,
         )
         return metrics, result
 
