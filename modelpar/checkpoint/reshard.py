@@ -68,6 +68,7 @@ def _moment_regions(chunks: list[ModelChunk]) -> dict[Piece, tuple[str, ShardInf
     return {
         Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region): (kind, shard)
         for piece, shard in _pieces_and_shards(chunks)
+        if shard.param.requires_grad  # a MoE router's balancing bias has no optimizer state
         for kind in MOMENTS
     }
 

@@ -167,13 +167,15 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, to
 
 
 def export_hf(chunk: ModelChunk, path: str | os.PathLike) -> None:
-    """Gather ``chunk`` (the whole model, no pipeline) over tp and write it on tp rank 0.
+    """Gather ``chunk`` (the whole model, no pipeline) over tp (and its experts over ep) and write it on tp
+    rank 0 of ep rank 0.
 
-    Collective over the tp group; call it from one data-parallel replica. With pipeline stages, merge each
+    Collective over the tp group; call it from one data-parallel replica (under expert parallelism, from
+    every rank of the ep group, which spans replicas). With pipeline stages, merge each
     stage's ``chunk.full_state()`` and call ``save_hf``.
     """
     if not (chunk.first and chunk.last and len(chunk.layer_ids) == chunk.config.layers):
         raise ValueError("export_hf needs the whole model in one chunk; merge stages' full_state() and use save_hf")
     state = chunk.full_state()
-    if chunk.tp.rank == 0:
+    if chunk.tp.rank == 0 and chunk.ep.rank == 0:
         save_hf(path, chunk.config, state)

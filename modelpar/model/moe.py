@@ -323,6 +323,18 @@ class MoELayer(nn.Module):
             shards |= self.shared_experts.logical_shards(prefix + "shared_experts.")
         return shards
 
+    @torch.no_grad()
+    def gather_experts(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every expert's weights, from all ep ranks (collective over ep; nothing to gather at ep=1)."""
+        if self.ep.size == 1:
+            return {}
+        state = {}
+        for name in EXPERT_WEIGHTS:
+            with collectives.comm_tag("export"):
+                whole = collectives.all_gather(getattr(self, name).detach(), self.ep.group)  # [E, ...]
+            state |= {f"{prefix}experts.{e}.{name}.weight": whole[e] for e in range(self.experts)}
+        return state
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters split over ep (gradients averaged over the expert data-parallel group)."""
         return [self.w1, self.w3, self.w2]

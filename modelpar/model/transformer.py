@@ -295,7 +295,8 @@ class ModelChunk(nn.Module):
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The global value of every logical tensor of this chunk, assembled over tp (collective, tag "export")."""
+        """The global value of every logical tensor of this chunk, assembled over tp, and every expert's over ep
+        (collective, tag "export")."""
         state = {}
         for name, shard in self.logical_shards().items():
             full = torch.zeros(shard.global_shape, dtype=shard.param.dtype, device=shard.param.device)
@@ -305,6 +306,8 @@ class ModelChunk(nn.Module):
                 with comm_tag("export"):
                     all_reduce(full, self.tp.group)
             state[name] = full
+        for i, moe in self.moe_layers().items():
+            state |= moe.gather_experts(f"layers.{i}.mlp.")
         return state
 
     @torch.no_grad()

@@ -8,15 +8,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modelpar import ParallelLayout
 from modelpar.model.config import ModelConfig, MoEConfig
 from modelpar.model.hf import config_from_hf, config_to_hf, export_hf, import_hf
-from modelpar.model.transformer import build_model
+from modelpar.model.transformer import build_chunk, build_model
+from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import rel_err
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 IDS = torch.tensor([[3, 17, 60, 0, 42, 9, 9, 31], [59, 1, 2, 44, 12, 37, 50, 8]])
+# transformers shifts the labels inside; ours are given already shifted, the last one ignored
+TARGETS = torch.cat([IDS[:, 1:], torch.full((2, 1), -100)], dim=1)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +66,7 @@ def test_imported_mixtral_gives_transformers_logits_and_loss(hf_mixtral):
     import_hf(path, model)
     ours = model(IDS)
     assert rel_err(ours.detach(), logits) <= TOL
-    # transformers shifts the labels inside; ours are given already shifted, the last one ignored
-    targets = torch.cat([IDS[:, 1:], torch.full((2, 1), -100)], dim=1)
-    assert abs(float(model.loss(ours, targets)) - float(loss)) <= TOL
+    assert abs(float(model.loss(ours, TARGETS).detach()) - float(loss)) <= TOL
 
 
 def test_exported_mixtral_loads_in_transformers_with_the_same_logits(hf_mixtral, tmp_path):
@@ -101,3 +103,45 @@ def test_unsupported_mixtral_variant_is_refused_in_one_line(hf_mixtral, tmp_path
 def test_export_refuses_what_mixtral_cannot_express(moe, named):
     with pytest.raises(ValueError, match=f"Mixtral cannot express this model \\({named}\\)"):
         config_to_hf(ModelConfig(layers=2, moe=moe))
+
+
+def _loss_of_imported(path, out):
+    """Every rank imports its slices (its tp shard, its ep experts, its pp stage) and computes the loss of the
+    whole batch (each dp replica on the same tokens, so the experts see both replicas' rows); with pp=1 the
+    model is exported back from every rank of the ep group."""
+    import torch.distributed as dist
+
+    groups = current_groups()
+    config = config_from_hf(path)
+    if groups.layout.pp == 1:
+        model = build_model(config, groups, seed=0)
+        import_hf(path, model)
+        loss = model.loss(model(IDS), TARGETS)
+        export_hf(model, out)
+        return float(loss.detach())
+    stage = groups.pp_rank
+    chunk = build_chunk(config, groups, [stage], first=stage == 0, last=stage == 1, seed=0)
+    import_hf(path, chunk)
+    with torch.no_grad():
+        if stage == 0:
+            dist.send(chunk(IDS).contiguous(), groups.pp_ranks[1])
+            return None
+        x = torch.empty(*IDS.shape, config.hidden)
+        dist.recv(x, groups.pp_ranks[0])
+        return float(chunk.loss(chunk(x), TARGETS))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [ParallelLayout(dp=2, ep=2), ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(pp=2, dp=2, ep=2)],
+    ids=str,
+)
+def test_mixtral_imported_under_expert_parallelism_gives_transformers_loss(hf_mixtral, tmp_path, layout):
+    path, _, want = hf_mixtral
+    losses = [x for x in run_on_ranks(layout.world_size, _loss_of_imported, path, tmp_path, layout=layout) if x]
+    assert len(losses) == layout.world_size // layout.pp
+    assert all(abs(loss - float(want)) <= TOL for loss in losses)
+    if layout.pp == 1:  # gathered over tp and ep: the same tensors transformers saved
+        original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+        assert exported.keys() == original.keys()
+        assert all(torch.equal(exported[k], original[k]) for k in original)

@@ -137,3 +137,15 @@ def test_reshard_writes_a_cp_layout_with_the_same_logical_tensors(token_path, tm
     wanted = [Piece.whole(name, tuple(entry["global_shape"])) for name, entry in a["tensors"].items()]
     before, after = load_pieces(src, a, wanted), load_pieces(dst, b, wanted)
     assert all(torch.equal(before[p], after[p]) for p in wanted)
+
+
+def test_bf16_autocast_at_cp2_tracks_the_single_device_bf16_run(token_path, tmp_path):
+    """Under bf16 autocast the blocks' outputs are bf16 but their lse merge, dK/dV sums and ring transfers of
+    gradients stay fp32: cp2's losses and norms follow the single device's to bf16's precision."""
+    runs = {}
+    for name, layout in (("single", {}), ("ring", dict(cp=2)), ("allgather", dict(cp=2, cp_comm="allgather"))):
+        cfg = configure(tmp_path / name, layout, True)
+        cfg = replace(cfg, trainer=replace(cfg.trainer, dtype="bf16"))
+        runs[name] = run_on_ranks(_world(cfg), train_and_collect, cfg, token_path)[0][0]
+    for name in ("ring", "allgather"):
+        np.testing.assert_allclose(runs[name], runs["single"], rtol=2e-3, err_msg=name)

@@ -1,0 +1,195 @@
+"""Expert parallelism computes what the single-device mixture of experts computes: losses, gradient norms and
+parameters (experts, routers, the balancing bias) step by step, over 3 steps."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from modelpar.model.config import MoEConfig
+from modelpar.parallel.layout import LayoutError
+from modelpar.testing import run_on_ranks
+from modelpar.training.config import RecipeError, validate
+from tests.training.test_layouts import TINY, assemble, make_config, token_path
+
+__all__ = ["token_path"]
+
+ROUTERS = {
+    # Mixtral: softmax top-2, with the load-balancing and z losses (their gradients cross the all-to-alls)
+    "softmax": MoEConfig(experts=4, top_k=2, ffn_hidden=24, aux_loss_coef=0.05, z_loss_coef=0.01),
+    # DeepSeek-V3: sigmoid top-3 with the balancing bias moved after every step; MoE in layers 2, 3 only
+    "sigmoid": MoEConfig(experts=4, top_k=3, ffn_hidden=24, router="sigmoid", bias_update_rate=0.05, layers=[2, 3]),
+}
+
+
+def moe_config(tmp_path, router: str, **parallel):
+    cfg = make_config(tmp_path, **parallel)
+    model = replace(TINY, tie_embeddings=False, moe=ROUTERS[router])
+    return replace(cfg, model=model)
+
+
+def train_and_collect(cfg, data_path: str):
+    """On every rank: train ``cfg.trainer.steps`` steps; return (loss, grad norm) per step, this rank's pieces of
+    every logical tensor's gradient at the first step (as the optimizer applies it: reduced over every group,
+    clipped) and of every parameter at the end."""
+    from modelpar.checkpoint.reshard import model_pieces
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    first_grads, zero_grad = {}, trainer.optimizer.zero_grad
+
+    def record_then_zero():
+        for chunk in trainer.model.chunks:
+            for name, shard in chunk.logical_shards().items():
+                if shard.grad is not None and trainer.step == 0:
+                    region = tuple((s.start or 0, s.stop or n) for s, n in zip(shard.index, shard.global_shape))
+                    first_grads[(name, region)] = shard.grad.detach().clone()
+        zero_grad()
+
+    trainer.optimizer.zero_grad = record_then_zero
+    losses = []
+    while trainer.step < cfg.trainer.steps:
+        metrics = trainer.train_step()
+        losses.append((metrics.loss, metrics.grad_norm))
+    pieces = {(p.name, p.region): t.detach().clone() for p, t in model_pieces(trainer.model.chunks).items()}
+    return losses, first_grads, pieces
+
+
+_references: dict = {}
+
+
+def reference(router: str, microbatches: int, token_path: str, tmp_path_factory):
+    key = (router, microbatches)
+    if key not in _references:
+        cfg = moe_config(tmp_path_factory.mktemp("ref"), router, microbatches=microbatches)
+        ((losses, grads, pieces),) = run_on_ranks(1, train_and_collect, cfg, token_path)
+        _references[key] = losses, assemble([(None, grads)]), assemble([(None, pieces)])
+    return _references[key]
+
+
+# (router, layout). The aux loss is over each global micro-batch, so layouts with dp > 1 compare at one
+# micro-batch (the global batch); the bias update uses the step's whole batch at any micro-batch count.
+LAYOUTS = [
+    ("softmax", dict(dp=2, ep=2, microbatches=1)),
+    ("softmax", dict(dp=4, ep=2, microbatches=1)),  # ep inside dp: experts replicated over pairs of ranks
+    ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1)),  # the tokens split over tp inside the MoE layer
+    ("softmax", dict(tp=2, sp=True, dp=2, ep=2, microbatches=1)),
+    ("softmax", dict(pp=2, dp=2, ep=2, microbatches=1)),
+    ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="full")),
+    ("sigmoid", dict(dp=2, ep=2, microbatches=2)),
+    ("sigmoid", dict(tp=2, dp=2, ep=2, microbatches=2)),
+    ("sigmoid", dict(pp=2, dp=2, ep=2, microbatches=2)),  # stage 0 holds no MoE layer
+    ("sigmoid", dict(pp=2, microbatches=2, schedule="zb-h1")),
+]
+
+
+@pytest.mark.parametrize(
+    "router, layout", LAYOUTS, ids=[r + "-" + "-".join(f"{k}{v}" for k, v in d.items()) for r, d in LAYOUTS]
+)
+def test_expert_parallel_layout_matches_single_device(router, layout, token_path, tmp_path, tmp_path_factory):
+    cfg = moe_config(tmp_path, router, **layout)
+    ref_losses, ref_grads, ref_params = reference(router, cfg.parallel.microbatches, token_path, tmp_path_factory)
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    results = run_on_ranks(world, train_and_collect, cfg, token_path)
+    for losses, _, _ in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
+    grads = assemble([(None, g) for _, g, _ in results])
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():  # the same weights, the same batch: the same function's gradient
+        scale = float(ref.abs().max())
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+    params = assemble([(None, p) for _, _, p in results])
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        # AdamW turns fp32 round-off of differently ordered sums into ~1e-6 of weight after 3 steps (dense
+        # tp layouts show the same); the gradients above are the tight check
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=3e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if router == "sigmoid":  # the bias really moved, and every rank moved it alike (assemble keeps one copy)
+        assert params["layers.2.mlp.gate.e_score_correction_bias"].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(parallel=dict(dp=4, ep=3)), "ep=3 must divide dp x cp = 4"),
+        (dict(parallel=dict(dp=3, ep=3)), "parallel.ep=3 does not divide model.moe.experts=4"),
+        (dict(parallel=dict(dp=2, etp=2)), "parallel.etp=2: expert tensor parallelism is not supported"),
+        (dict(parallel=dict(dp=2, ep=2), zero=1), "parallel.ep=2 with optim.zero=1 is not supported"),
+        (dict(moe=dict(top_k=5)), "model.moe.top_k=5 must be in 1..experts=4"),
+    ],
+)
+def test_bad_expert_recipes_are_refused_in_one_line_before_ranks_start(change, message, tmp_path):
+    cfg = moe_config(tmp_path, "softmax", **change.get("parallel", {}))
+    if "zero" in change:
+        cfg = replace(cfg, optim=replace(cfg.optim, zero=change["zero"]))
+    if "moe" in change:
+        cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, **change["moe"])))
+    with pytest.raises((RecipeError, LayoutError), match=message) as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)
+
+
+
+def test_expert_parallel_resume_continues_bit_for_bit(token_path, tmp_path):
+    from tests.training.test_layouts import train_and_collect as train_and_save
+
+    cfg = moe_config(tmp_path / "a", "sigmoid", dp=2, ep=2, microbatches=2)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
+    straight = run_on_ranks(2, train_and_save, cfg, token_path, None, (2,))
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step-00000002")
+    resumed_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(tmp_path / "b")))
+    resumed = run_on_ranks(2, train_and_save, resumed_cfg, token_path, ckpt)
+    for (losses_a, pieces_a), (losses_b, pieces_b) in zip(straight, resumed, strict=True):
+        assert losses_a[2:] == losses_b, "losses after resume differ"
+        for key, tensor in pieces_a.items():  # experts, routers and the balancing bias alike
+            assert torch.equal(tensor, pieces_b[key]), f"{key[0]} differs after resume"
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2)], ids=str)
+def test_ep2_checkpoint_loads_into_other_layouts_with_identical_logits(token_path, tmp_path, layout):
+    from tests.training.test_layouts import logits_after_loading
+    from tests.training.test_layouts import train_and_collect as train_and_save
+
+    cfg = moe_config(tmp_path / "src", "softmax", dp=2, ep=2, microbatches=1)
+    run_on_ranks(2, train_and_save, cfg, token_path, None, (3,))
+    ckpt = str(tmp_path / "src" / "checkpoints" / "step-00000003")
+    ((want, _),) = run_on_ranks(1, logits_after_loading, moe_config(tmp_path / "ref", "softmax"), token_path, ckpt)
+    new_cfg = moe_config(tmp_path / "dst", "softmax", **layout)
+    world = new_cfg.parallel.tp * new_cfg.parallel.dp
+    for logits, _ in run_on_ranks(world, logits_after_loading, new_cfg, token_path, ckpt):
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
+
+
+def fit_and_read_metrics(cfg, data_path: str) -> list[dict]:
+    import json
+    from pathlib import Path
+
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    trainer.fit()
+    path = Path(cfg.trainer.out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if trainer.rank == 0 else []
+
+
+def test_routing_metrics_reach_metrics_jsonl_and_do_not_depend_on_the_layout(token_path, tmp_path):
+    single = moe_config(tmp_path / "one", "softmax", microbatches=1)
+    (want,) = run_on_ranks(1, fit_and_read_metrics, single, token_path)
+    got = run_on_ranks(4, fit_and_read_metrics, moe_config(tmp_path / "ep", "softmax", pp=2, dp=2, ep=2, microbatches=1), token_path)[0]
+    assert len(got) == len(want) == 3
+    for ours, theirs in zip(got, want, strict=True):
+        layer = ours["moe"]["layers"]["3"]
+        assert sum(layer["tokens_per_expert"]) == 8 * 16 * 2  # every token of the global batch, top-2
+        assert layer["tokens_per_expert"] == theirs["moe"]["layers"]["3"]["tokens_per_expert"]
+        assert layer["imbalance"] >= 1.0 and layer["dropped_fraction"] == 0.0
+        assert ours["moe"]["aux_loss"] == pytest.approx(theirs["moe"]["aux_loss"], rel=1e-5)
+        assert ours["moe"]["aux_loss"] > 0 and sorted(ours["moe"]["layers"]) == ["0", "1", "2", "3"]
+
+
+def test_capacity_factor_drops_tokens_and_reports_the_fraction(token_path, tmp_path):
+    cfg = moe_config(tmp_path, "softmax", microbatches=1)
+    cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, capacity_factor=0.5)))
+    (metrics,) = run_on_ranks(1, fit_and_read_metrics, cfg, token_path)
+    # at most half of the routed rows fit (capacity 0.5 x the even share), so at least half are dropped
+    assert all(m["moe"]["dropped_fraction"] >= 0.5 for m in metrics)
