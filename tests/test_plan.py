@@ -409,4 +409,4 @@ def test_cli_names_the_trainer_overrides_that_run_the_best_layout_and_they_valid
 def test_cli_says_when_the_best_layout_needs_recompute_the_trainer_lacks(capsys):
     argv = ["--model", "llama-70b", "--gpus", "256", "--global-batch", "512", "--seq-len", "4096"]
     assert main([*argv, "--hardware", "h100-80gb", "--recompute", "selective", "--top", "1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("#1 uses selective recompute, which modelpar-train")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("#1 uses selective recompute as Megatron's")

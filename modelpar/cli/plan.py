@@ -34,9 +34,11 @@ from modelpar.perf.plan import (
     plan,
 )
 
-# what modelpar-train runs (parallel.recompute); selective (Megatron's: recompute the attention core) is modelled
-# for comparison with published runs only: modelpar's attention keeps no s x s scores to drop
-TRAINER_RECOMPUTE = RECOMPUTE
+# the planner's modes that modelpar-train runs as modelled; the planner's selective (Megatron's: recompute the
+# attention core, Korthikanti et al. 2022) is for comparison with published runs only: modelpar's attention keeps
+# no s x s scores to drop, and modelpar-train's own parallel.recompute=selective (attention | mlp |
+# elementwise, modelpar/model/activations.py) keeps other tensors, which the planner does not model yet
+TRAINER_RECOMPUTE = tuple(mode for mode in RECOMPUTE if mode != "selective")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     best = trainer_overrides(planned[0].strategy, args.seq_len)
     if best is None:
-        print("#1 uses selective recompute, which modelpar-train does not run (it has parallel.recompute=none|full)")
+        print(
+            "#1 uses selective recompute as Megatron's (the attention core), which modelpar-train does not run "
+            "(its parallel.recompute=selective keeps other tensors, not modelled here); plan with --recompute none,full"
+        )
     else:
         print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
     if args.json:

@@ -173,7 +173,8 @@ class SourceReader:
         except ImportError:
             raise DataError(f"{self.path} is parquet; install the reader: pip install pyarrow") from None
         try:
-            parquet = pq.ParquetFile(self.path)
+            # pre-buffering keeps whole column chunks in arrow's pool as it goes (memory grew with the file)
+            parquet = pq.ParquetFile(self.path, pre_buffer=False, buffer_size=1 << 20)
         except Exception as e:  # noqa: BLE001 -- pyarrow raises ArrowInvalid/OSError variants for a bad file
             raise DataError(f"{self.path} is not a readable parquet file ({' '.join(str(e).split())})") from None
         names = parquet.schema_arrow.names
@@ -183,7 +184,7 @@ class SourceReader:
             yield from (Unit(None, bad="missing_key") for _ in range(start, rows))
             return
         index = 0
-        for batch in parquet.iter_batches(batch_size=_PARQUET_ROWS, columns=[self.text_key]):
+        for batch in parquet.iter_batches(batch_size=_PARQUET_ROWS, columns=[self.text_key], use_threads=False):
             values: list[Any] = batch.column(0).to_pylist()
             index += len(values)
             self.bytes_read = self.size * index // max(rows, 1)

@@ -93,7 +93,9 @@ class MoEConfig:
             raise ModelConfigError(f"model.moe.every={self.every} must be >= 1")
         bad = [i for i in self.layers if not 0 <= i < layers]
         if bad or len(set(self.layers)) != len(self.layers):
-            raise ModelConfigError(f"model.moe.layers={list(self.layers)} must be distinct layer ids in 0..{layers - 1}")
+            raise ModelConfigError(
+                f"model.moe.layers={list(self.layers)} must be distinct layer ids in 0..{layers - 1}"
+            )
         if self.capacity_factor < 0:
             raise ModelConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
         if self.bias_update_rate and self.router != "sigmoid":

@@ -67,9 +67,7 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
         family = kind.capitalize()
-        raise ValueError(
-            f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}"
-        )
+        raise ValueError(f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],

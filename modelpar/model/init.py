@@ -23,7 +23,8 @@ def init_logical(name: str, shape: tuple[int, ...], *, seed: int, std: float, la
     """The full initial value (fp32, CPU) of logical tensor ``name`` of global ``shape``.
 
     Norm weights are ones, a router's balancing bias zeros; every matrix is N(0, std^2), except the projections
-    that write into the residual stream (o_proj, down_proj, an expert's w2), whose std is divided by sqrt(2 * layers) as in GPT-2.
+    that write into the residual stream (o_proj, down_proj, an expert's w2), whose std is divided by
+    sqrt(2 * layers) as in GPT-2.
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)

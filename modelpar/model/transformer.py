@@ -25,7 +25,6 @@ from torch.utils.checkpoint import checkpoint
 from modelpar.model.activations import DEFAULT_SELECTIVE, ActivationOffload, RecomputePolicy
 from modelpar.model.config import ModelConfig
 from modelpar.model.init import init_logical
-from modelpar.model.moe import MoELayer
 from modelpar.model.layers import (
     ColumnParallelLinear,
     ColumnPart,
@@ -38,6 +37,7 @@ from modelpar.model.layers import (
     VocabParallelEmbedding,
     vocab_range,
 )
+from modelpar.model.moe import MoELayer
 from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
 from modelpar.parallel.context import ContextParallelGroup
 from modelpar.parallel.experts import ExpertParallelGroup

@@ -221,6 +221,8 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    chunks: list | None = None,
+    reduce_every_micro_batch: bool = False,
 ) -> DataParallelOptimizer:
     """The optimizer of ZeRO stage ``zero`` (0 or 1) over ``groups``' dp group."""
     adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -231,5 +233,7 @@ def build_optimizer(
     if zero in (2, 3):  # the parameters were sharded by ``modelpar.optim.fsdp.shard_chunks``
         from modelpar.optim.fsdp import FullyShardedAdamW
 
-        return FullyShardedAdamW(params_with_info, groups, **adam)
+        return FullyShardedAdamW(
+            params_with_info, groups, chunks=chunks or [], reduce_every_micro_batch=reduce_every_micro_batch, **adam
+        )
     raise ValueError(f"optim.zero={zero} is not a supported ZeRO stage; choose one of {ZERO_STAGES}")

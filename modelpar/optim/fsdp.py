@@ -131,12 +131,36 @@ def load_local(target: torch.Tensor, whole: torch.Tensor) -> None:
 class FullyShardedAdamW(DataParallelOptimizer):
     """``optim.zero=2|3``: AdamW over FSDP2-sharded parameters (see the module docstring)."""
 
-    def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
+    def __init__(
+        self,
+        params_with_info: ParamsWithInfo,
+        groups: ParallelGroups,
+        *,
+        chunks: list[torch.nn.Module] = (),
+        reduce_every_micro_batch: bool = False,
+        **adam,
+    ):
         super().__init__(params_with_info, groups)
         self.optimizer = build_adamw(self.params_with_info, **adam)
+        self.chunks = list(chunks)  # the FSDP2 roots, in the pipeline runtime's local order
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+        self._micro_batches = 1
         first = next((p for p, _ in self.params_with_info if isinstance(p, DTensor)), None)
         # the group whose ranks hold different shards: the norm sums over it (replicas hold the same values)
         self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if first is not None else None
+
+    def expect_micro_batches(self, micro_batches: int) -> None:
+        """Gradients accumulate unsharded until each chunk's last micro-batch (``before_backward``), which
+        reduce-scatters them once; with ``reduce_every_micro_batch`` every backward does (less memory)."""
+        self._micro_batches = micro_batches
+        sync = micro_batches == 1 or self.reduce_every_micro_batch
+        for chunk in self.chunks:
+            chunk.set_requires_gradient_sync(sync)
+
+    def before_backward(self, chunk: int, micro_batch: int) -> None:
+        """The pipeline runtime's hook: the last micro-batch's backward through ``chunk`` reduces its grads."""
+        if micro_batch == self._micro_batches - 1 and self.chunks:
+            self.chunks[chunk].set_requires_gradient_sync(True)
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()  # FSDP2 reduce-scattered each block's gradients in backward; tp sums follow

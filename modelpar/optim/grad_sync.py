@@ -125,7 +125,8 @@ class GradientSynchronizer:
 
     ``divisor`` (default: the group's size): each gradient becomes the group's sum divided by it; expert
     weights sum over their expert data-parallel ranks and divide by all of dp x cp (their local gradients
-    already hold the other ep ranks' tokens). With dp == 1 and no divisor every call is a no-op. Gradients that no hook saw finish (nothing armed, or accumulated outside
+    already hold the other ep ranks' tokens). With dp == 1 and no divisor every call is a no-op.
+    Gradients that no hook saw finish (nothing armed, or accumulated outside
     autograd, as torch's split weight backward does) are averaged by ``wait()`` all the same, just not overlapped.
     """
 

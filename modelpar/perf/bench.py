@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.backends.gloo_cpu import RankSetup, gloo_socket_threads, pinned, set_gloo_threads, socket_threads
-from modelpar.data import DataError, TokenFile, WindowSampler
+from modelpar.data import DataError, WindowSampler
 from modelpar.parallel.collectives import record_comm
 from modelpar.parallel.pool import run_on_ranks, shutdown_pools
 from modelpar.perf.bench_config import BenchRecipe, check_options
@@ -69,7 +69,7 @@ from modelpar.pipeline import StepResult, partition_uniform
 from modelpar.pipeline.actions import SEND_B, SEND_F
 from modelpar.training.build import build_partition
 from modelpar.training.config import validate
-from modelpar.training.preflight import resolve_data, runs_on_cpu
+from modelpar.training.preflight import open_windows, resolve_data, runs_on_cpu
 from modelpar.training.trainer import Trainer
 
 # what each rank does first: one thread, not bound to a core (``bench_rank`` binds it while it measures), and
@@ -263,7 +263,7 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
         most = max(worlds)
         raise ValueError(f"bench.profile_rank={opts.profile_rank} is not a rank of any layout (at most {most} ranks)")
     train_path, _ = resolve_data(cfg)
-    if TokenFile.open(train_path, cfg.model.vocab_size, cfg.data.seq_len).num_windows < cfg.data.global_batch:
+    if open_windows(cfg, train_path).num_windows < cfg.data.global_batch:
         raise DataError(f"{train_path} holds fewer than data.global_batch={cfg.data.global_batch} windows")
     peak = opts.peak_tflops or run_on_ranks(1, matmul_peak_tflops, rank_setup=BENCH_RANK)[0]
     print(f"modelpar-bench: {cfg.model.name}, {len(cases)} layouts, MFU against {peak:.4f} TFLOP/s per rank")

@@ -205,6 +205,9 @@ class PipelineRuntime:
         # step passes m, so that its gradients are the step's, bit for bit
         self.loss_divisor = loss_divisor or self.micro_batches
         self.current: Action | None = None  # the compute action running now (hooks may ask which it is)
+        # told (local chunk, micro-batch) before each backward pass through a chunk runs; FSDP2 uses it to
+        # reduce-scatter gradients on a chunk's last micro-batch only
+        self.before_backward: Callable[[int, int], None] | None = None
         self.last_stage = self.pp * chunk_count - 1
         self.split_backward = any(a.kind is W for a in self.actions)
         # a schedule without backwards (``forward_only``): forwards run without autograd and keep nothing
@@ -337,6 +340,8 @@ class PipelineRuntime:
             else:
                 state.output_grads[key] = grad
             return
+        if self.before_backward is not None:
+            self.before_backward(action.chunk, action.micro_batch)
         torch.autograd.backward(y, grad if grad is None else grad.to(y.dtype))
         if has_input_grad:
             state.to_send[Action(self.rank, SEND_B, *key)] = x.grad.to(self.dtype).contiguous()

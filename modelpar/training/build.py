@@ -62,11 +62,12 @@ def build_partition(cfg: TrainConfig) -> Partition:
         # the embedding lookup is free. Balancing the head against blocks follows Narayanan et al. 2021 sec. 3.2;
         # cutting between a block's halves (flops) lets the stages even out where whole blocks (blocks) cannot.
         shape = cfg.model
-        attention, mlp = half_block_training_flops(shape, cfg.data.seq_len)
+        # per block: a MoE block's MLP costs its active experts, not the dense MLP's
+        halves = [half_block_training_flops(shape, cfg.data.seq_len, i) for i in range(layers)]
         head = head_training_flops(shape)
         if p.partition == "blocks":
-            return partition_by_cost([attention + mlp] * layers, p.pp, p.vpp, head_cost=head)
-        return partition_by_cost([attention, mlp] * layers, p.pp, p.vpp, head_cost=head, halves=True)
+            return partition_by_cost([a + m for a, m in halves], p.pp, p.vpp, head_cost=head)
+        return partition_by_cost([c for half in halves for c in half], p.pp, p.vpp, head_cost=head, halves=True)
     return partition_uniform(layers, p.pp, p.vpp)
 
 
@@ -215,6 +216,8 @@ def build_rank_optimizer(cfg: TrainConfig, model: RankModel, groups: ParallelGro
         eps=o.eps,
         weight_decay=o.weight_decay,
         bucket_bytes=int(o.bucket_mb * 2**20),
+        chunks=model.chunks,
+        reduce_every_micro_batch=o.reduce_every_micro_batch,
     )
 
 

@@ -83,6 +83,8 @@ class OptimConfig:
     reduce_dtype: str = "fp32"  # fp32 | bf16
     # ZeRO-2/3: shard over blocks of this many consecutive dp x cp ranks, replicate across them (0: all of dp x cp)
     zero_group: int = 0
+    # ZeRO-2/3: reduce-scatter gradients after every micro-batch (less memory, m x the traffic) instead of once
+    reduce_every_micro_batch: bool = False
 
 
 @dataclass

@@ -16,7 +16,16 @@ import torch
 
 from modelpar.checkpoint.signing import check_checkpoint, load_key, read_signed_index
 from modelpar.checkpoint.store import CheckpointError, checkpoint_dirs, latest_checkpoint, read_index
-from modelpar.data import Blend, DataError, default_corpus, eval_split, open_blend, open_dataset
+from modelpar.data import (
+    Blend,
+    DataError,
+    TokenFile,
+    WindowSet,
+    default_corpus,
+    eval_split,
+    open_blend,
+    open_dataset,
+)
 from modelpar.data.fingerprint import check_same_data
 from modelpar.parallel.layout import LayoutError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
@@ -39,6 +48,13 @@ def resolve_data(cfg: TrainConfig) -> tuple[str | Blend, str]:
         return d.path, d.val_path or eval_split(d.path)
     info = default_corpus(d.cache_dir, max_bytes=d.corpus_max_bytes)
     return str(info.path), str(info.val_path)
+
+
+def open_windows(cfg: TrainConfig, train_path: str | Blend) -> TokenFile | WindowSet:
+    """The windows of the training data, checked against the model (vocabulary, seq_len, tokenizers)."""
+    if isinstance(train_path, Blend):
+        return open_blend(train_path, cfg.model.vocab_size, cfg.data.seq_len)[0]
+    return open_dataset(train_path, cfg.model.vocab_size, cfg.data.seq_len)
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:
@@ -114,10 +130,7 @@ def preflight(cfg: TrainConfig) -> tuple[str | Blend, str, str | None]:
     check_recipe(cfg)
     check_device(cfg)
     train_path, val_path = resolve_data(cfg)
-    if isinstance(train_path, Blend):
-        tokens, _ = open_blend(train_path, cfg.model.vocab_size, cfg.data.seq_len)
-    else:
-        tokens = open_dataset(train_path, cfg.model.vocab_size, cfg.data.seq_len)
+    tokens = open_windows(cfg, train_path)
     if tokens.num_windows < cfg.data.global_batch:
         raise DataError(
             f"{train_path} has {tokens.num_windows} windows of {cfg.data.seq_len + 1} tokens, fewer than "

@@ -83,6 +83,7 @@ class Trainer:
         self.model = build_rank_model(cfg, g, self.device)
         self.runtime = build_runtime(cfg, self.model, g, self.device, self.dtype)
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
+        self.runtime.before_backward = getattr(self.optimizer, "before_backward", None)
         self.tokens, self.sampler = build_data(cfg, data_path, g)
         self.data_path = data_path
         self.micro_batches = cfg.parallel.microbatches

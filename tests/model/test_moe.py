@@ -47,7 +47,9 @@ def reference(w: dict[str, torch.Tensor], x: torch.Tensor, moe: MoEConfig) -> tu
     rows = []
     counts = torch.zeros(moe.experts)
     kept = torch.zeros(moe.experts)
-    capacity = math.ceil(moe.capacity_factor * tokens.shape[0] * moe.top_k / moe.experts) if moe.capacity_factor else None
+    capacity = (
+        math.ceil(moe.capacity_factor * tokens.shape[0] * moe.top_k / moe.experts) if moe.capacity_factor else None
+    )
     for t in range(tokens.shape[0]):
         chosen = choose[t].topk(moe.top_k).indices.tolist()
         weights = scores[t, chosen] / scores[t, chosen].sum()

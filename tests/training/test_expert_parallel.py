@@ -43,7 +43,9 @@ def train_and_collect(cfg, data_path: str):
         for chunk in trainer.model.chunks:
             for name, shard in chunk.logical_shards().items():
                 if shard.grad is not None and trainer.step == 0:
-                    region = tuple((s.start or 0, s.stop or n) for s, n in zip(shard.index, shard.global_shape))
+                    region = tuple(
+                        (s.start or 0, s.stop or n) for s, n in zip(shard.index, shard.global_shape, strict=True)
+                    )
                     first_grads[(name, region)] = shard.grad.detach().clone()
         zero_grad()
 
@@ -130,7 +132,6 @@ def test_bad_expert_recipes_are_refused_in_one_line_before_ranks_start(change, m
     assert "\n" not in str(info.value)
 
 
-
 def test_expert_parallel_resume_continues_bit_for_bit(token_path, tmp_path):
     from tests.training.test_layouts import train_and_collect as train_and_save
 
@@ -176,7 +177,9 @@ def fit_and_read_metrics(cfg, data_path: str) -> list[dict]:
 def test_routing_metrics_reach_metrics_jsonl_and_do_not_depend_on_the_layout(token_path, tmp_path):
     single = moe_config(tmp_path / "one", "softmax", microbatches=1)
     (want,) = run_on_ranks(1, fit_and_read_metrics, single, token_path)
-    got = run_on_ranks(4, fit_and_read_metrics, moe_config(tmp_path / "ep", "softmax", pp=2, dp=2, ep=2, microbatches=1), token_path)[0]
+    got = run_on_ranks(
+        4, fit_and_read_metrics, moe_config(tmp_path / "ep", "softmax", pp=2, dp=2, ep=2, microbatches=1), token_path
+    )[0]
     assert len(got) == len(want) == 3
     for ours, theirs in zip(got, want, strict=True):
         layer = ours["moe"]["layers"]["3"]
@@ -193,3 +196,21 @@ def test_capacity_factor_drops_tokens_and_reports_the_fraction(token_path, tmp_p
     (metrics,) = run_on_ranks(1, fit_and_read_metrics, cfg, token_path)
     # at most half of the routed rows fit (capacity 0.5 x the even share), so at least half are dropped
     assert all(m["moe"]["dropped_fraction"] >= 0.5 for m in metrics)
+
+
+def test_flops_count_active_experts_and_the_partitioner_balances_moe_stages(tmp_path):
+    from modelpar.model.flops import half_block_training_flops, training_flops_per_token
+    from modelpar.training.build import build_partition
+
+    heavy = replace(ROUTERS["sigmoid"], top_k=4, ffn_hidden=96)  # MoE in layers 2, 3, each 4 x 96 wide
+    cfg = moe_config(tmp_path, "sigmoid", pp=2)
+    cfg = replace(cfg, model=replace(cfg.model, moe=heavy), parallel=replace(cfg.parallel, partition="blocks"))
+    shape = cfg.model
+    assert half_block_training_flops(shape, 16, 3)[1] == 6.0 * (32 * 4 + 4 * 3 * 32 * 96)  # router + 4 experts
+    assert half_block_training_flops(shape, 16, 0)[1] == 6.0 * 3 * 32 * 48  # a dense block
+    dense = replace(shape, moe=MoEConfig())
+    extra = 2 * 6.0 * (32 * 4 + 4 * 3 * 32 * 96 - 3 * 32 * 48)
+    assert training_flops_per_token(shape, 16) == pytest.approx(training_flops_per_token(dense, 16) + extra)
+    # the two heavy MoE blocks are worth more than the dense ones: the later stage gets fewer blocks
+    partition = build_partition(cfg)
+    assert list(partition.layers(0)) == [0, 1, 2] and list(partition.layers(1)) == [3]
