@@ -572,10 +572,10 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
     bw = group_bandwidth(hardware, layout.world_size)
     exposed = 0.0
     if d > 1 and strategy.zero >= 2:
-        # FSDP2 reduce-scatters every block's gradients after each micro-batch's backward and, at stage 3,
-        # all-gathers its weights before each forward and backward; prefetching hides the dp_overlap share
+        # FSDP2 reduce-scatters every block's gradients once, after its last micro-batch's backward, and at
+        # stage 3 all-gathers its weights before each forward and backward; prefetching hides the dp_overlap share
         m = strategy.micro_batches
-        moved = m * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+        moved = ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
         if strategy.zero >= 3:
             moved += 2 * m * ring_all_gather_s(params * hardware.weight_bytes, d, bw, hardware.latency_s)
         exposed = (1 - costs.dp_overlap) * moved
