@@ -168,7 +168,7 @@ def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
     yield "-" * len(header)
     for i, entry in enumerate(planned[:top], 1):
         s, p = entry.strategy, entry.prediction
-        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s + p.cp_comm_s
+        comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s + p.cp_comm_s + p.ep_comm_s
         yield (
             f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
             f"{s.zero:<4} {'yes' if s.sp else 'no':<3} "

@@ -129,6 +129,10 @@ class ModelConfig:
     compile: bool = False  # each block under torch.compile
     moe: MoEConfig = field(default_factory=MoEConfig)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
+            self.moe = MoEConfig(**self.moe)
+
     def check(self) -> None:
         """Raise ``ModelConfigError`` (one line) if no model has this shape. Called by the recipe's ``validate``
         and by every model chunk built; a config itself is plain data (Hydra fills it field by field)."""

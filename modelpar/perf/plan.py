@@ -33,8 +33,14 @@ Step time, from the per-rank FLOPs of ``modelpar.model.flops`` (plus recomputed 
                  as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
                  (4*b*(s/cp)*(s/2cp)*h FLOPs forward, 2.5x that backward) where it is shorter; all-gather: an
                  all-gather of K/V forward, another and a reduce-scatter of dK/dV backward, exposed
-    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s)
+    ep_comm_s  = mixture of experts, per MoE layer per micro-batch: 4 all-to-alls (6 with full recompute), each
+                 rank sending its k*b*(s/cp)/t routed rows of h, all but the 1/ep staying home, not overlapped
+    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
     total_s    = the sum of the above
+
+Expert parallelism (ep, from dp x cp; mixture-of-experts models only): each rank stores ``E/ep`` experts of
+every MoE layer, whole (replicated over tp), besides its tp shard of the rest; FLOPs count active experts.
+ZeRO is not combined with ep (the trainer refuses it); expert gradients are costed like the dense ones.
 
 Context parallelism (cp) divides every per-token quantity by cp: FLOPs (the balanced causal split gives each
 rank equal attention work), activations and their [b, s, h] communication; the attention-score term keeps the
@@ -255,10 +261,12 @@ class Prediction:
     mfu: float
     hfu: float
     cp_comm_s: float = 0.0  # exposed part only
+    ep_comm_s: float = 0.0  # MoE all-to-alls, exposed
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s + self.bubble_s
+        comm = self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s + self.ep_comm_s
+        return self.compute_s + comm + self.bubble_s
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -339,7 +347,7 @@ def recompute_working_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, 
 def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
     """Parameters stored on a rank of pipeline stage ``stage`` (its tp shard)."""
     shape, t = model.shape, layout.tp
-    layer = shape.block_params() / t + 2 * shape.hidden  # norms are replicated over tp
+    layer = stored_block_params(shape, layout) + 2 * shape.hidden  # norms are replicated over tp
     params = layers_per_chunk(shape.layers, layout) * layout.vpp * layer
     embedding = shape.vocab_size * shape.hidden / t
     first, last = stage == 0, stage == layout.pp - 1
@@ -348,6 +356,33 @@ def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
     if last:
         params += shape.hidden + (0 if first and model.tie_embeddings else embedding)
     return params
+
+
+def stored_block_params(shape: ModelConfig, layout: ParallelLayout) -> float:
+    """Parameters of one block a rank stores, the mean over the blocks: its tp shard of attention and of a
+    dense MLP; in a MoE block the router, the shared experts' tp shard and ``E/ep`` whole experts."""
+    moe, t = shape.moe, layout.tp
+    total = 0.0
+    for i in range(shape.layers):
+        if moe.is_moe_layer(i):
+            expert = 3 * shape.hidden * shape.expert_ffn_hidden
+            total += shape.hidden * moe.experts + moe.shared_experts * expert / t + moe.experts / layout.ep * expert
+        else:
+            total += shape.mlp_params(i) / t
+    return shape.attention_params() / t + total / shape.layers
+
+
+def ep_comm_per_layer_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int) -> float:
+    """The all-to-alls of one MoE layer and micro-batch (module docstring); 0 without expert parallelism."""
+    layout, shape = strategy.layout, model.shape
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    rows = shape.moe.top_k * strategy.micro_batch_size * seq_len / layout.cp / layout.tp
+    sent = rows * shape.hidden * hardware.weight_bytes * (ep - 1) / ep
+    bw = group_bandwidth(hardware, layout.tp * layout.cp * layout.pp * ep)  # ep ranks are dp x cp neighbours
+    count = 6 if strategy.recompute == "full" else 4
+    return count * (sent / bw + (ep - 1) * hardware.latency_s)
 
 
 def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> MemoryBreakdown:
@@ -367,7 +402,7 @@ def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: H
     grads = params * GRAD_BYTES / (d if strategy.zero >= 2 else 1)
     weights = params * hardware.weight_bytes / (d if strategy.zero >= 3 else 1)
     if strategy.zero >= 3:  # FSDP2 holds the gathered weights of the block computing and of the one prefetched
-        weights += 2 * (model.shape.block_params() / t + 2 * h) * hardware.weight_bytes
+        weights += 2 * (stored_block_params(model.shape, layout) + 2 * h) * hardware.weight_bytes
     return MemoryBreakdown(
         stage="first" if stage == 0 else "last",
         weights=weights,
@@ -503,7 +538,9 @@ def predict(
 
     dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
     cp_comm_s = m * layers_on_rank * cp_exposed_per_layer_s(model, strategy, hardware, seq_len, rate)
-    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s + cp_comm_s)
+    moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
+    ep_comm_s = m * layers_on_rank * moe_share * ep_comm_per_layer_s(model, strategy, hardware, seq_len)
+    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
     units = hardware.compute_units
     if units and layout.world_size > 1:
         compute_s *= hardware.busy_slowdown
@@ -518,8 +555,9 @@ def predict(
         tp_comm_s *= share
         pp_comm_s *= share
         cp_comm_s *= share
+        ep_comm_s *= share
     memory = peak_memory(model, strategy, seq_len, hardware)
-    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + bubble_s
+    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s
     tokens = strategy.global_batch * seq_len
     model_flops = training_flops_per_token(shape, seq_len) * tokens
     hw_flops = hardware_flops_per_step(model, strategy, seq_len)
@@ -538,6 +576,7 @@ def predict(
         mfu=model_flops / total_s / world_peak,
         hfu=hw_flops / total_s / world_peak,
         cp_comm_s=cp_comm_s,
+        ep_comm_s=ep_comm_s,
     )
 
 
@@ -601,6 +640,7 @@ class SearchSpace:
     pp: int | None = None
     dp: int | None = None
     cp: int | None = None
+    ep: int | None = None  # expert parallel degree (mixture-of-experts models; free: every divisor of dp x cp)
     cp_comm: tuple[str, ...] = ("ring", "allgather")
     max_vpp: int = 4
     max_micro_batch_size: int = 8
@@ -613,8 +653,8 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _candidate_layouts(gpus: int, space: SearchSpace) -> list[ParallelLayout]:
-    """Every ``tp x cp x pp x dp = gpus`` (vpp = 1) the search space allows."""
+def _candidate_layouts(gpus: int, space: SearchSpace, experts: bool = False) -> list[ParallelLayout]:
+    """Every ``tp x cp x pp x dp = gpus`` (vpp = 1) the search space allows; with ``experts``, every ep too."""
     out = []
     for tp in _divisors(gpus):
         for cp in _divisors(gpus // tp):
@@ -622,7 +662,9 @@ def _candidate_layouts(gpus: int, space: SearchSpace) -> list[ParallelLayout]:
                 dp = gpus // (tp * cp * pp)
                 pins = ((space.tp, tp), (space.cp, cp), (space.pp, pp), (space.dp, dp))
                 if all(want is None or want == got for want, got in pins):
-                    out.append(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp))
+                    for ep in _divisors(dp * cp) if experts else (1,):
+                        if space.ep is None or space.ep == ep:
+                            out.append(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep))
     return out
 
 
@@ -647,7 +689,7 @@ def valid_layouts(
     """Every ``tp x cp x pp x dp = gpus`` (vpp = 1) that shards the model and splits the batch (and sequence)."""
     return [
         layout
-        for layout in _candidate_layouts(gpus, space)
+        for layout in _candidate_layouts(gpus, space, model.shape.moe.enabled)
         if layout_problem(model, layout, global_batch, seq_len) is None
     ]
 
@@ -672,7 +714,7 @@ def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_
 def _zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[int, ...]:
     """The ZeRO stages worth trying: none without dp x cp; 2 and 3 only where the trainer runs them (FSDP2
     needs kv_heads >= tp)."""
-    if layout.dp * layout.cp == 1:
+    if layout.dp * layout.cp == 1 or layout.ep > 1:  # the trainer runs ep with optim.zero=0 only
         return (0,)
     return tuple(z for z in space.zero if z < 2 or model.shape.kv_heads >= layout.tp)
 

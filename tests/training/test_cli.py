@@ -44,7 +44,7 @@ def tokens(tmp_path_factory):
         (["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences per dp replica"),
         (["parallel.schedule=pipedream"], "parallel.schedule='pipedream' is unknown; choose one of"),
         (["parallel.collectives=tree"], "parallel.collectives='tree' is unknown; choose one of auto, native, exchange"),
-        (["parallel.recompute=selective"], "parallel.recompute='selective' must be one of none, full"),
+        (["parallel.recompute=some"], "parallel.recompute='some' must be one of none, selective, full"),
         (["trainer.cpu_affinity=numa"], "trainer.cpu_affinity='numa' must be one of auto, off"),
         (["trainer.gloo_threads=low"], "trainer.gloo_threads='low' must be one of idle, normal"),
         (

@@ -23,16 +23,16 @@ ROUTERS = {
 }
 
 
-def moe_config(tmp_path, router: str, **parallel):
+def moe_config(tmp_path, router: str, zero_: int = 0, **parallel):
     cfg = make_config(tmp_path, **parallel)
     model = replace(TINY, tie_embeddings=False, moe=ROUTERS[router])
-    return replace(cfg, model=model)
+    return replace(cfg, model=model, optim=replace(cfg.optim, zero=zero_))
 
 
 def train_and_collect(cfg, data_path: str):
     """On every rank: train ``cfg.trainer.steps`` steps; return (loss, grad norm) per step, this rank's pieces of
     every logical tensor's gradient at the first step (as the optimizer applies it: reduced over every group,
-    clipped) and of every parameter at the end."""
+    clipped; not under ZeRO, whose reduced gradients live in its shards) and of every parameter at the end."""
     from modelpar.checkpoint.reshard import model_pieces
     from modelpar.training.trainer import Trainer
 
@@ -42,7 +42,7 @@ def train_and_collect(cfg, data_path: str):
     def record_then_zero():
         for chunk in trainer.model.chunks:
             for name, shard in chunk.logical_shards().items():
-                if shard.grad is not None and trainer.step == 0:
+                if shard.grad is not None and trainer.step == 0 and not cfg.optim.zero:
                     region = tuple(
                         (s.start or 0, s.stop or n) for s, n in zip(shard.index, shard.global_shape, strict=True)
                     )
@@ -79,6 +79,9 @@ LAYOUTS = [
     ("softmax", dict(tp=2, sp=True, dp=2, ep=2, microbatches=1)),
     ("softmax", dict(pp=2, dp=2, ep=2, microbatches=1)),
     ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="full")),
+    ("softmax", dict(dp=2, microbatches=1, zero_=1)),  # ZeRO with the experts replicated over dp (ep=1)
+    ("softmax", dict(dp=2, microbatches=1, zero_=3)),
+    ("sigmoid", dict(dp=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(tp=2, dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(pp=2, dp=2, ep=2, microbatches=2)),  # stage 0 holds no MoE layer
@@ -97,8 +100,9 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
     for losses, _, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
     grads = assemble([(None, g) for _, g, _ in results])
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():  # the same weights, the same batch: the same function's gradient
+    compared = {} if cfg.optim.zero else ref_grads  # ZeRO keeps its reduced gradients in its own shards
+    assert grads.keys() == compared.keys()
+    for name, ref in compared.items():  # the same weights, the same batch: the same function's gradient
         scale = float(ref.abs().max())
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
     params = assemble([(None, p) for _, _, p in results])
@@ -118,6 +122,7 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
         (dict(parallel=dict(dp=3, ep=3)), "parallel.ep=3 does not divide model.moe.experts=4"),
         (dict(parallel=dict(dp=2, etp=2)), "parallel.etp=2: expert tensor parallelism is not supported"),
         (dict(parallel=dict(dp=2, ep=2), zero=1), "parallel.ep=2 with optim.zero=1 is not supported"),
+        (dict(parallel=dict(dp=2), zero=2, moe=dict(router="sigmoid")), "optim.zero=2 with model.moe.router=sigmoid"),
         (dict(moe=dict(top_k=5)), "model.moe.top_k=5 must be in 1..experts=4"),
     ],
 )
@@ -214,3 +219,27 @@ def test_flops_count_active_experts_and_the_partitioner_balances_moe_stages(tmp_
     # the two heavy MoE blocks are worth more than the dense ones: the later stage gets fewer blocks
     partition = build_partition(cfg)
     assert list(partition.layers(0)) == [0, 1, 2] and list(partition.layers(1)) == [3]
+
+
+def _all_to_all_bytes_of_one_step():
+    from modelpar.model.transformer import build_model
+    from modelpar.parallel.collectives import record_comm
+    from modelpar.testing import current_groups
+
+    config = replace(TINY, tie_embeddings=False, moe=ROUTERS["softmax"])
+    model = build_model(config, current_groups(), seed=0)
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with record_comm() as log:
+        model.loss(model(ids), ids).backward()
+    return log.total_bytes("all_to_all"), log.count("all_to_all")
+
+
+def test_each_moe_layer_moves_its_routed_rows_four_times_through_all_to_all():
+    from modelpar.parallel.layout import ParallelLayout
+
+    ranks = run_on_ranks(2, _all_to_all_bytes_of_one_step, layout=ParallelLayout(dp=2, ep=2))
+    layers, rows, h = 4, 2 * (2 * 16 * 2), 32  # every layer MoE; both ranks' 32 tokens x top-2 rows of h floats
+    split_sizes = 2 * 2 * 8  # [ep, experts/ep] int64 counts, once per layer forward, on each rank
+    # what a rank sends back is what it received, uneven: the two ranks together send every row each time
+    assert [count for _, count in ranks] == [layers * 5] * 2  # counts; dispatch, combine; combine, dispatch
+    assert sum(nbytes for nbytes, _ in ranks) == layers * (2 * split_sizes + 4 * rows * h * 4)

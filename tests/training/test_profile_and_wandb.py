@@ -60,10 +60,13 @@ def fit_without_wandb_credentials(cfg, data_path, netrc):
 
     from modelpar.training.trainer import Trainer
 
-    for name in ("WANDB_MODE", "WANDB_API_KEY"):
-        os.environ.pop(name, None)
-    os.environ["NETRC"] = netrc
-    Trainer(cfg, data_path, None).fit()
+    saved = {name: os.environ.pop(name, None) for name in ("WANDB_MODE", "WANDB_API_KEY", "NETRC")}
+    os.environ["NETRC"] = netrc  # no credentials: the sink must choose offline by itself
+    try:
+        Trainer(cfg, data_path, None).fit()
+    finally:
+        os.environ.pop("NETRC")
+        os.environ.update({name: value for name, value in saved.items() if value is not None})
 
 
 def wandb_records(path) -> list:

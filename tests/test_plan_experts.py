@@ -1,0 +1,76 @@
+"""The planner with mixtures of experts: ep enumerated, expert memory divided by ep, all-to-alls costed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from modelpar.parallel.layout import ParallelLayout
+from modelpar.perf.plan import (
+    SearchSpace,
+    Strategy,
+    load_hardware,
+    load_model,
+    plan,
+    predict,
+    stage_params,
+    valid_layouts,
+)
+
+H100 = load_hardware("h100-80gb")
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return load_model("mixtral-8x7b")
+
+
+def test_expert_memory_is_divided_by_ep_and_not_by_tp(mixtral):
+    expert = 3 * 4096 * 14336  # one expert of one layer
+    one, eight = (stage_params(mixtral, ParallelLayout(tp=2, pp=4, dp=8, ep=ep), 1) for ep in (1, 8))
+    assert one - eight == pytest.approx(8 * (8 - 1) * expert, rel=1e-9)  # 8 layers on a stage, 7 experts fewer
+    tp4 = stage_params(mixtral, ParallelLayout(tp=4, pp=4, dp=4, ep=4), 1)
+    assert tp4 > stage_params(mixtral, ParallelLayout(tp=2, pp=4, dp=8, ep=8), 1)  # tp does not split experts
+
+
+def test_ep_is_enumerated_for_moe_models_only(mixtral):
+    layouts = valid_layouts(mixtral, 16, 64, SearchSpace(cp=1))
+    assert {layout.ep for layout in layouts} == {1, 2, 4, 8}
+    assert all((layout.dp * layout.cp) % layout.ep == 0 for layout in layouts)
+    dense = replace(mixtral, shape=replace(mixtral.shape, moe=replace(mixtral.shape.moe, experts=0)))
+    assert {layout.ep for layout in valid_layouts(dense, 16, 64, SearchSpace(cp=1))} == {1}
+
+
+def test_all_to_alls_cost_time_at_ep_above_one_and_flops_count_active_experts(mixtral):
+    def run(ep, recompute="none"):
+        strategy = Strategy(ParallelLayout(tp=2, pp=4, dp=8, ep=ep), 1, 32, recompute, 0, True)
+        return predict(strategy, mixtral, H100, seq_len=4096)
+
+    assert run(1).ep_comm_s == 0 < run(8).ep_comm_s < run(8, "full").ep_comm_s
+    active = mixtral.shape.matmul_params()
+    assert 12.5e9 < active < 13.0e9  # Mixtral's 12.9B active parameters less the 0.13B embedding lookup
+    assert run(8).model_flops_per_step == pytest.approx((6 * active + 12 * 32 * 4096 * 4096) * 256 * 4096, rel=1e-9)
+
+
+def test_shipped_mixtral_recipe_is_the_planners_first_choice_with_ep8(mixtral):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.training.config import register_schema
+    from tests.test_recipe_properties import RECIPES
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="mixtral-8x7b-64gpu", overrides=["trainer.out_dir=unused"]))
+    best = plan(mixtral, H100, gpus=64, global_batch=256, seq_len=4096, space=SearchSpace(ep=8, cp=1, max_vpp=1))[0]
+    p, s = cfg.parallel, best.strategy
+    assert (p.tp, p.pp, p.dp, p.ep, p.sp, p.microbatches) == (
+        s.layout.tp,
+        s.layout.pp,
+        s.layout.dp,
+        s.layout.ep,
+        s.sp,
+        s.micro_batches,
+    )
+    assert s.recompute == cfg.parallel.recompute and best.prediction.fits
