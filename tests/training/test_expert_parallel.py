@@ -78,7 +78,10 @@ LAYOUTS = [
     ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1)),  # the tokens split over tp inside the MoE layer
     ("softmax", dict(tp=2, sp=True, dp=2, ep=2, microbatches=1)),
     ("softmax", dict(pp=2, dp=2, ep=2, microbatches=1)),
+    ("softmax", dict(cp=2, ep=2, microbatches=1)),  # ep carved from cp: each rank holds 2 of 4 sequence chunks
+    ("softmax", dict(cp=2, dp=2, ep=2, microbatches=1)),
     ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="full")),
+    ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="selective", recompute_modules=["mlp", "elementwise"])),
     ("softmax", dict(dp=2, microbatches=1, zero_=1)),  # ZeRO with the experts replicated over dp (ep=1)
     ("softmax", dict(dp=2, microbatches=1, zero_=3)),
     ("sigmoid", dict(dp=2, microbatches=2, zero_=1)),
@@ -95,7 +98,7 @@ LAYOUTS = [
 def test_expert_parallel_layout_matches_single_device(router, layout, token_path, tmp_path, tmp_path_factory):
     cfg = moe_config(tmp_path, router, **layout)
     ref_losses, ref_grads, ref_params = reference(router, cfg.parallel.microbatches, token_path, tmp_path_factory)
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    world = cfg.parallel.layout().world_size
     results = run_on_ranks(world, train_and_collect, cfg, token_path)
     for losses, _, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
