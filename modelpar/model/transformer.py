@@ -124,14 +124,14 @@ class ModelChunk(nn.Module):
     attention being in the previous chunk); only the first block may be an ``"mlp"`` half and only the last an
     ``"attention"`` half, so the chunk stays a contiguous piece of the model.
 
-    ``chunk(x)``: x is token ids [b, s] int64 on the first chunk, else the residual stream [b, s, h]
-    ([b, s/t, h] with sequence parallel; under context parallelism ``cp`` s is this cp rank's s/cp tokens, see
-    ``modelpar.parallel.context.split_for_context``). ``documents.source`` (unset: plain causal) gives the
-    document ids of the micro-batch being computed, for document-causal attention. Returns the residual stream, or this rank's vocab-shard logits
-    [b, s, V_pad/t] on the last chunk. Parameters hold only this rank's tp shard; ``logical_shards`` maps them
-    to the global (HF Llama named) tensors. With tied embeddings the head reuses the embedding when both are in
-    this chunk; otherwise the last chunk holds a copy named ``embed_tokens.weight`` too, whose gradient the
-    trainer adds to the first chunk's (and vice versa) over the embedding group.
+    ``chunk(x)``: x is token ids [b, s] int64 on the first chunk, else the residual stream [b, s, h] ([b, s/t, h]
+    with sequence parallel; under context parallelism ``cp`` s is this cp rank's s/cp tokens, see
+    ``modelpar.parallel.context.split_for_context``). ``documents.source`` (unset: plain causal) gives the document
+    ids of the micro-batch being computed, for document-causal attention. Returns the residual stream, or this
+    rank's vocab-shard logits [b, s, V_pad/t] on the last chunk. Parameters hold only this rank's tp shard;
+    ``logical_shards`` maps them to the global (HF Llama named) tensors. With tied embeddings the head reuses the
+    embedding when both are in this chunk; otherwise the last chunk holds a copy named ``embed_tokens.weight`` too,
+    whose gradient the trainer adds to the first chunk's (and vice versa) over the embedding group.
     """
 
     def __init__(

@@ -90,7 +90,7 @@ def torch_context_parallel_problem(device: torch.device) -> str:
             q, k, v = (x @ weight.t()).unflatten(-1, (3, 1, 8)).unbind(2)
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
             out.sum().backward()
-    except Exception as exc:  # whatever it raises is the answer, reported rather than crashing the bench
+    except Exception as exc:  # noqa: BLE001 - whatever it raises is the answer, reported rather than crashing the bench
         first_line = (str(exc).splitlines() or [""])[0]
         return f"torch context_parallel on {device.type}: {type(exc).__name__}: {first_line}"
     return f"torch context_parallel ran on {device.type} but is not raced as a whole training step"
