@@ -18,13 +18,13 @@ launches, and ``wait()`` writes the averages of those copies back over ``param.g
 """
 
 from modelpar.optim.adamw import build_adamw
+from modelpar.optim.build import build_optimizer
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.data_parallel import (
     ZERO_STAGES,
     DataParallelOptimizer,
     ReplicatedAdamW,
     ZeroOneOptimizer,
-    build_optimizer,
 )
 from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from modelpar.optim.lr_schedule import lr_at, set_lr

@@ -3,7 +3,8 @@
 ``DataParallelOptimizer`` is what a training step talks to; ``ReplicatedAdamW`` (``zero=0``: every dp replica
 holds the whole AdamW state, gradients averaged by a bucketed all-reduce overlapped with the last backward)
 and ``ZeroOneOptimizer`` (``zero=1``: AdamW state sharded over dp, gradients reduce-scattered) implement it;
-``build_optimizer`` picks one. Per step::
+``modelpar.optim.build.build_optimizer`` picks one (or ``FullyShardedAdamW``, ZeRO-2/3, in
+``modelpar.optim.fsdp``). Per step::
 
     opt.expect_micro_batches(m)                   # before the pipeline runs the backwards
     ... pipeline step ...
@@ -23,7 +24,7 @@ import torch
 
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
-from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
+from modelpar.optim.grad_sync import GradientSynchronizer
 from modelpar.optim.param_info import ParamsWithInfo
 from modelpar.optim.state import MOMENTS, load_optimizer_state_tensors, optimizer_state_tensors
 from modelpar.optim.zero import ZeroOneAdamW
@@ -209,31 +210,3 @@ class ZeroOneOptimizer(DataParallelOptimizer):
             return None
         per_param, step = gathered
         return {id(p): state for p, state in zip(self.optimizer.params, per_param, strict=True)}, step
-
-
-def build_optimizer(
-    params_with_info: ParamsWithInfo,
-    groups: ParallelGroups,
-    *,
-    zero: int,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    weight_decay: float = 0.1,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    chunks: list | None = None,
-    reduce_every_micro_batch: bool = False,
-) -> DataParallelOptimizer:
-    """The optimizer of ZeRO stage ``zero`` (0 or 1) over ``groups``' dp group."""
-    adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if zero == 0:
-        return ReplicatedAdamW(params_with_info, groups, bucket_bytes=bucket_bytes, **adam)
-    if zero == 1:
-        return ZeroOneOptimizer(params_with_info, groups, **adam)
-    if zero in (2, 3):  # the parameters were sharded by ``modelpar.optim.fsdp.shard_chunks``
-        from modelpar.optim.fsdp import FullyShardedAdamW
-
-        return FullyShardedAdamW(
-            params_with_info, groups, chunks=chunks or [], reduce_every_micro_batch=reduce_every_micro_batch, **adam
-        )
-    raise ValueError(f"optim.zero={zero} is not a supported ZeRO stage; choose one of {ZERO_STAGES}")

@@ -164,23 +164,17 @@ class TrainStep:
     def _judge_replicas(self, stats: list[float], step: int) -> str | None:
         """The outlier check's verdict, the same on every rank: None, or why the update is skipped."""
         message = self.outliers.verdict(stats, step)
-        if message is None:
-            return None
-        action = self.cfg.trainer.grad_outlier_action
-        if action == "halt":
-            raise HealthError(message + "; halting (trainer.grad_outlier_action=halt)")
-        if action == "skip":
-            self.guard.skipped += 1
-            return message
-        if self.groups.rank == 0:
-            print(f"modelpar-train: {message}", flush=True)
-        return None
+        return None if message is None else self._act_on(message, "grad_outlier_action")
 
     def _judge_corruption(self, message: str) -> str | None:
         """The silent-corruption check's verdict (gathered: the same on every rank) acted on."""
-        action = self.cfg.trainer.sdc_action
+        return self._act_on(message, "sdc_action")
+
+    def _act_on(self, message: str, setting: str) -> str | None:
+        """A check's finding under ``trainer.<setting>``: halt, skip the update (the reason returned), or warn."""
+        action = getattr(self.cfg.trainer, setting)
         if action == "halt":
-            raise HealthError(message + "; halting (trainer.sdc_action=halt)")
+            raise HealthError(f"{message}; halting (trainer.{setting}=halt)")
         if action == "skip":
             self.guard.skipped += 1
             return message

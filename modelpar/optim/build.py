@@ -1,0 +1,40 @@
+"""``build_optimizer``: the ``DataParallelOptimizer`` of a ZeRO stage (``optim.zero``)."""
+
+from __future__ import annotations
+
+from modelpar.optim.data_parallel import (
+    ZERO_STAGES,
+    DataParallelOptimizer,
+    ReplicatedAdamW,
+    ZeroOneOptimizer,
+)
+from modelpar.optim.fsdp import FullyShardedAdamW
+from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES
+from modelpar.optim.param_info import ParamsWithInfo
+from modelpar.parallel.groups import ParallelGroups
+
+
+def build_optimizer(
+    params_with_info: ParamsWithInfo,
+    groups: ParallelGroups,
+    *,
+    zero: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    chunks: list | None = None,
+    reduce_every_micro_batch: bool = False,
+) -> DataParallelOptimizer:
+    """The optimizer of ZeRO stage ``zero`` (0 or 1) over ``groups``' dp group."""
+    adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if zero == 0:
+        return ReplicatedAdamW(params_with_info, groups, bucket_bytes=bucket_bytes, **adam)
+    if zero == 1:
+        return ZeroOneOptimizer(params_with_info, groups, **adam)
+    if zero in (2, 3):  # the parameters were sharded by ``modelpar.optim.fsdp.shard_chunks``
+        return FullyShardedAdamW(
+            params_with_info, groups, chunks=chunks or [], reduce_every_micro_batch=reduce_every_micro_batch, **adam
+        )
+    raise ValueError(f"optim.zero={zero} is not a supported ZeRO stage; choose one of {ZERO_STAGES}")
