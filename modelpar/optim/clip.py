@@ -50,7 +50,8 @@ def clip_grad_norm(
     """
     total = _local_sum_of_squares(params_with_info, groups.tp_group)
     experts = [(p, info) for p, info in params_with_info if info.expert_parallel]
-    if experts and len(groups.ep_ranks) > 1:  # each ep rank holds other experts: their squares add up over ep
+    # each ep rank holds other experts: their squares add up over ep (under ZeRO, dp x cp holds ep already)
+    if experts and len(groups.ep_ranks) > 1 and not (zero_sharded and dp_group is None):
         dense = [(p, info) for p, info in params_with_info if not info.expert_parallel]
         expert_total = _local_sum_of_squares(experts, groups.tp_group)
         with collectives.comm_tag("grad_norm"):

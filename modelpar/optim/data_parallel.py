@@ -181,11 +181,16 @@ class ReplicatedAdamW(DataParallelOptimizer):
 
 
 class ZeroOneOptimizer(DataParallelOptimizer):
-    """``optim.zero=1``: AdamW state and fp32 masters sharded over dp (``ZeroOneAdamW``)."""
+    """``optim.zero=1``: AdamW state and fp32 masters sharded over dp x cp (``ZeroOneAdamW``); a mixture of
+    experts' expert weights over the ranks holding the same experts."""
 
     def __init__(self, params_with_info: ParamsWithInfo, groups: ParallelGroups, **adam):
         super().__init__(params_with_info, groups)
-        self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_cp_group, **adam)  # sharded over dp x cp
+        experts = {}
+        if any(info.expert_parallel for _, info in self.params_with_info):  # sharded over the ranks holding them
+            group = groups.expert_dp_group if len(groups.expert_dp_ranks) > 1 else None
+            experts = dict(expert_group=group, expert_divisor=len(groups.dp_cp_ranks))
+        self.optimizer = ZeroOneAdamW(self.params_with_info, groups.dp_cp_group, **adam, **experts)  # over dp x cp
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()

@@ -242,10 +242,10 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"parallel.etp={p.etp}: expert tensor parallelism is not supported (experts are replicated over tp "
             "and the tokens split over it); set parallel.etp=1 and raise parallel.ep to divide expert memory"
         )
-    if p.ep > 1 and cfg.optim.zero:
+    if p.ep > 1 and cfg.optim.zero >= 2:
         raise RecipeError(
-            f"parallel.ep={p.ep} with optim.zero={cfg.optim.zero} is not supported (expert gradients reduce over "
-            "the expert data-parallel ranks only); use optim.zero=0"
+            f"parallel.ep={p.ep} with optim.zero={cfg.optim.zero} is not supported (FSDP2 would shard the experts "
+            "over all of dp x cp, but they differ across ep); use optim.zero=1 or 0"
         )
     if p.cp > 1 and d.seq_len % (2 * p.cp):
         fits = [c for c in range(1, d.seq_len // 2 + 1) if d.seq_len % (2 * c) == 0]

@@ -179,8 +179,11 @@ class Trainer:
         """Values that must agree: everything across dp replicas, tp-replicated rows, the tied embedding."""
         g = self.groups
         sharded = self.cfg.optim.zero >= 2  # dp replicas hold different shards by design: only tp compares
-        named = [(info.name, p) for p, info in self.model.params]
+        named = [(info.name, p) for p, info in self.model.params if not info.expert_parallel]
         problems = [] if sharded else find_drift(named, g.dp_group, list(g.dp_ranks))
+        experts = [(info.name, p) for p, info in self.model.params if info.expert_parallel]
+        if experts and not sharded:  # each ep rank holds other experts: compare the ranks holding the same ones
+            problems += find_drift(experts, g.expert_dp_group, list(g.expert_dp_ranks))
         replicated = []
         for chunk in self.model.chunks:
             for name, shard in chunk.logical_shards().items():

@@ -26,7 +26,9 @@ ROUTERS = {
 def moe_config(tmp_path, router: str, zero_: int = 0, **parallel):
     cfg = make_config(tmp_path, **parallel)
     model = replace(TINY, tie_embeddings=False, moe=ROUTERS[router])
-    return replace(cfg, model=model, optim=replace(cfg.optim, zero=zero_))
+    # replicas are compared every step: experts must agree with the ranks holding the same experts only
+    trainer = replace(cfg.trainer, check_every=1, drift_action="halt")
+    return replace(cfg, model=model, optim=replace(cfg.optim, zero=zero_), trainer=trainer)
 
 
 def train_and_collect(cfg, data_path: str):
@@ -83,8 +85,12 @@ LAYOUTS = [
     ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="full")),
     ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="selective", recompute_modules=["mlp", "elementwise"])),
     ("softmax", dict(dp=2, microbatches=1, zero_=1)),  # ZeRO with the experts replicated over dp (ep=1)
+    ("softmax", dict(dp=2, ep=2, microbatches=1, zero_=1)),  # ZeRO-1: each expert's state on its own rank
+    ("softmax", dict(dp=4, ep=2, microbatches=1, zero_=1)),  # ... sharded over the pair holding the same experts
+    ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1, zero_=1)),
     ("softmax", dict(dp=2, microbatches=1, zero_=3)),
     ("sigmoid", dict(dp=2, microbatches=2, zero_=1)),
+    ("sigmoid", dict(dp=4, ep=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(tp=2, dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(pp=2, dp=2, ep=2, microbatches=2)),  # stage 0 holds no MoE layer
@@ -124,7 +130,7 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
         (dict(parallel=dict(dp=4, ep=3)), "ep=3 must divide dp x cp = 4"),
         (dict(parallel=dict(dp=3, ep=3)), "parallel.ep=3 does not divide model.moe.experts=4"),
         (dict(parallel=dict(dp=2, etp=2)), "parallel.etp=2: expert tensor parallelism is not supported"),
-        (dict(parallel=dict(dp=2, ep=2), zero=1), "parallel.ep=2 with optim.zero=1 is not supported"),
+        (dict(parallel=dict(dp=2, ep=2), zero=3), "parallel.ep=2 with optim.zero=3 is not supported"),
         (dict(parallel=dict(dp=2), zero=2, moe=dict(router="sigmoid")), "optim.zero=2 with model.moe.router=sigmoid"),
         (dict(moe=dict(top_k=5)), "model.moe.top_k=5 must be in 1..experts=4"),
     ],
