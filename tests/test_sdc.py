@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from modelpar.model.config import MoEConfig
 from modelpar.pipeline.schedule import SCHEDULES, single_micro_batch
 from modelpar.pipeline.simulate import check_schedule
 from modelpar.testing import run_on_ranks
@@ -82,14 +83,20 @@ def _config(tmp_path, action="skip", **parallel):
         ({"pp": 2, "schedule": "zb-h1", "recompute": "full"}, 2, 0, "pp 0 tp 0 dp 0"),
         ({"pp": 2, "vpp": 2, "schedule": "interleaved", "microbatches": 2}, 2, 1, "pp 1 tp 0 dp 0"),
         ({"dp": 2, "zero": 1}, 2, 1, "pp 0 tp 0 dp 1"),
+        # experts over ep2, the aux loss over the whole batch: the rerun takes the step's counts, not its own
+        ({"dp": 2, "ep": 2, "microbatches": 2, "schedule": "gpipe", "moe": True}, 2, 1, "pp 0 tp 0 dp 1"),
     ],
-    ids=["tp2-pp2", "tp2-pp2-sp", "pp2-zb-recompute", "pp2-interleaved", "dp2-zero1"],
+    ids=["tp2-pp2", "tp2-pp2-sp", "pp2-zb-recompute", "pp2-interleaved", "dp2-zero1", "dp2-ep2-moe"],
 )
 def test_a_flipped_bit_is_named_with_its_rank_and_honest_steps_pass(parallel, world, bad, where, token_path, tmp_path):
     parallel = dict(parallel)
     zero = parallel.pop("zero", 0)
+    moe = parallel.pop("moe", False)
     cfg = _config(tmp_path, **parallel)
     cfg = replace(cfg, optim=replace(cfg.optim, zero=zero))
+    if moe:
+        experts = MoEConfig(experts=4, top_k=2, ffn_hidden=24, aux_loss_coef=0.05, z_loss_coef=0.01)
+        cfg = replace(cfg, model=replace(cfg.model, tie_embeddings=False, moe=experts))
     per_rank = run_on_ranks(world, _train, cfg, token_path, f"bitflip@{bad}:1", timeout_s=180)
     for skipped, _ in per_rank:
         assert skipped[0] is None and skipped[2] is None, skipped  # reruns of honest steps are bit-exact

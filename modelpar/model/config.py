@@ -36,6 +36,7 @@ class ModelConfigError(ValueError):
 
 
 ROUTERS = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("global_batch", "micro_batch")
 
 
 @dataclass
@@ -45,7 +46,10 @@ class MoEConfig:
     ``router``: softmax (Mixtral: softmax over all experts, top-k renormalised) or sigmoid (DeepSeek-V3: sigmoid
     scores, top-k chosen on score + a per-expert bias that is moved by ``bias_update_rate`` towards balance after
     every step, no gradient; the chosen scores renormalised). ``aux_loss_coef``: the Switch load-balancing loss
-    ``E * sum_i f_i * P_i`` over the tokens of the global micro-batch; ``z_loss_coef``: the router z-loss.
+    ``E * sum_i f_i * P_i``, over the tokens of the whole global batch (``aux_loss_scope=global_batch``: needs
+    every micro-batch's forward before the first backward, so GPipe or one micro-batch) or of each global
+    micro-batch (``micro_batch``, any schedule; the whole batch at one micro-batch); ``z_loss_coef``: the
+    router z-loss (a mean over tokens, the same either way).
     ``capacity_factor`` 0 is dropless; > 0 caps each expert at ``ceil(factor * tokens * top_k / experts)`` of a
     rank's tokens per micro-batch, the rest dropped (their MLP output is zero; the dropped fraction is reported).
     MoE layers: ``layers`` if given, else every layer ``i`` with ``i % every == 0``.
@@ -61,6 +65,7 @@ class MoEConfig:
     shared_experts: int = 0  # dense SwiGLU experts of width ffn_hidden that every token also goes through
     router: str = "softmax"
     aux_loss_coef: float = 0.0
+    aux_loss_scope: str = "global_batch"  # global_batch | micro_batch
     z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0
@@ -86,6 +91,8 @@ class MoEConfig:
             )
         if self.router not in ROUTERS:
             raise ModelConfigError(f"model.moe.router={self.router!r} is not one of {ROUTERS}")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ModelConfigError(f"model.moe.aux_loss_scope={self.aux_loss_scope!r} is not one of {AUX_LOSS_SCOPES}")
         for name in ("ffn_hidden", "shared_experts", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ModelConfigError(f"model.moe.{name}={getattr(self, name)} must be >= 0")

@@ -89,6 +89,21 @@ class _AuxLossGradient(torch.autograd.Function):
         return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
+class _WholeBatchAuxGradient(torch.autograd.Function):
+    """A zero in forward; in backward, the load-balancing loss's gradient with respect to this micro-batch's
+    summed router probabilities, ``layer._aux_grad`` [E], which is known once every micro-batch of the step has
+    routed (the whole batch's counts). Backward before that is an error: the schedule ran a backward too soon."""
+
+    @staticmethod
+    def forward(ctx, prob_sum, layer):
+        ctx.layer = layer
+        return prob_sum.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.layer.whole_batch_aux_grad(), None
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward (a recomputed forward must not count its routing twice)."""
     return torch._C._current_graph_task_id() != -1
@@ -140,6 +155,12 @@ class MoELayer(nn.Module):
             )
         self.micro_batches = 1  # the step's micro-batches: each one's auxiliary loss counts 1/m
         self._stats: dict[str, torch.Tensor] | None = None
+        # aux_loss_scope=global_batch: the step's routed counts, probability sums and tokens so far ([2E + 1]),
+        # how many forwards and backwards of it ran, and the gradient once the whole batch has routed
+        self._batch: torch.Tensor | None = None
+        self._forwards = self._backwards = 0
+        self._aux_grad: torch.Tensor | None = None
+        self.replaying = False  # a rerun of a micro-batch of the last step (silent-corruption check)
 
     # -- forward -------------------------------------------------------------------------------------------
 
@@ -247,28 +268,72 @@ class MoELayer(nn.Module):
     def _aux_loss(self, logits, scores, counts, n_tokens) -> torch.Tensor | None:
         """The surrogate whose gradient is this rank's share of the auxiliary losses' gradient, or None.
 
-        With global counts c_i and N tokens, the Switch loss ``coef*E/(N^2 k) * sum_i c_i * sum_t p_ti`` is
-        linear in this rank's probabilities; scaled by (dp x cp)/m because the step averages gradients over
-        dp x cp and counts each of the m micro-batches 1/m. The z-loss ``coef * mean_t logsumexp^2`` likewise.
+        With counts c_i and N tokens, the Switch loss ``coef*E/(N^2 k) * sum_i c_i * sum_t p_ti`` is linear in
+        this rank's probabilities, its gradient ``coef*E/(N^2 k) * c`` per token (f taken as a constant, as in
+        Switch). Gradients are averaged over dp x cp, so the surrogates are scaled by dp x cp; each of the m
+        micro-batches' own losses (the z-loss; the aux loss per micro-batch) counts 1/m.
         """
         moe = self.moe
         if not (moe.aux_loss_coef or moe.z_loss_coef) or not torch.is_grad_enabled():
             return None
-        n_global = n_tokens * self._token_ranks
         surrogate = logits.new_zeros(())
         probs = scores if self.score_bias is None else scores / scores.sum(-1, keepdim=True)
         prob_sum = probs.sum(0)  # [E], this rank's tokens
-        stats = torch.cat([counts.float(), prob_sum.detach()])
-        stats = self._batch_sum(stats) if self._token_ranks > 1 else stats
-        global_counts, global_probs = stats[: self.experts], stats[self.experts :]
-        scale = moe.aux_loss_coef * self.experts / (n_global * n_global * self.top_k)
-        if moe.aux_loss_coef:
-            surrogate = surrogate + scale * (global_counts * prob_sum).sum()
+        if moe.aux_loss_coef and moe.aux_loss_scope == "global_batch":
+            self._accumulate_batch(counts, prob_sum.detach(), n_tokens)
+            surrogate = surrogate + _WholeBatchAuxGradient.apply(prob_sum, self)
+        elif moe.aux_loss_coef:  # over the global micro-batch: micro-batch j of every tp and dp x cp rank
+            n_global = n_tokens * self._token_ranks
+            stats = torch.cat([counts.float(), prob_sum.detach()])
+            stats = self._batch_sum(stats) if self._token_ranks > 1 else stats
+            global_counts, global_probs = stats[: self.experts], stats[self.experts :]
+            scale = moe.aux_loss_coef * self.experts / (n_global * n_global * self.top_k)
+            surrogate = surrogate + scale * (global_counts * prob_sum).sum() / self.micro_batches
+            if not _in_backward():
+                self._stats["aux_loss"] += scale * (global_counts * global_probs).sum() / self.micro_batches
         if moe.z_loss_coef:
-            surrogate = surrogate + moe.z_loss_coef * logits.logsumexp(-1).square().sum() / n_global
-        if not _in_backward():
-            self._stats["aux_loss"] += scale * (global_counts * global_probs).sum() / self.micro_batches
-        return surrogate * (self.ep.batch_ranks / self.micro_batches)
+            n_global = n_tokens * self._token_ranks
+            z_loss = moe.z_loss_coef * logits.logsumexp(-1).square().sum() / n_global
+            surrogate = surrogate + z_loss / self.micro_batches
+        return surrogate * self.ep.batch_ranks
+
+    def _accumulate_batch(self, counts: torch.Tensor, prob_sum: torch.Tensor, n_tokens: int) -> None:
+        """Add a micro-batch's routing to the step's; after the step's last forward, sum it over the batch's ranks
+        (one all-reduce per layer per step) and fix the aux loss's gradient for every micro-batch's backward."""
+        if _in_backward() or self.replaying:  # a recomputed forward or a rerun: already counted
+            return
+        if self._forwards == 0:
+            self._batch = torch.zeros(2 * self.experts + 1, dtype=torch.float64, device=counts.device)
+            self._aux_grad = None
+        self._batch[: self.experts] += counts
+        self._batch[self.experts : 2 * self.experts] += prob_sum
+        self._batch[-1] += n_tokens
+        self._forwards += 1
+        if self._forwards < self.micro_batches:
+            return
+        batch = self._batch_sum(self._batch) if self._token_ranks > 1 else self._batch
+        global_counts, global_probs, n_global = batch[: self.experts], batch[self.experts : -1], batch[-1]
+        scale = self.moe.aux_loss_coef * self.experts / (n_global * n_global * self.top_k)
+        self._aux_grad = (scale * global_counts).float()
+        self._stats["aux_loss"] += scale * (global_counts * global_probs).sum()
+
+    def whole_batch_aux_grad(self) -> torch.Tensor:
+        """[E]: d(aux loss)/d(summed probabilities of one micro-batch); counts the step's backwards."""
+        if self._aux_grad is None:
+            raise RuntimeError(
+                "model.moe.aux_loss_scope=global_batch: a backward ran before every micro-batch of the step had "
+                "routed; run a schedule with all forwards first (gpipe) or set model.moe.aux_loss_scope=micro_batch"
+            )
+        if not self.replaying:
+            self._backwards += 1
+            if self._backwards == self.micro_batches:  # the step is done: the next forward starts the next one
+                self._forwards = self._backwards = 0
+        return self._aux_grad
+
+    def begin_step(self) -> None:
+        """Forget a step that did not finish (a failed step leaves forwards without their backwards)."""
+        self._forwards = self._backwards = 0
+        self._aux_grad = None
 
     def _record(self, counts: torch.Tensor, kept: torch.Tensor, n_tokens: int) -> None:
         if self._stats is None:

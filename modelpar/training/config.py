@@ -242,6 +242,14 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"parallel.etp={p.etp}: expert tensor parallelism is not supported (experts are replicated over tp "
             "and the tokens split over it); set parallel.etp=1 and raise parallel.ep to divide expert memory"
         )
+    moe = m.moe
+    if moe.enabled and moe.aux_loss_coef and moe.aux_loss_scope == "global_batch":
+        if p.microbatches > 1 and p.schedule != "gpipe":
+            raise RecipeError(
+                f"model.moe.aux_loss_scope=global_batch needs every micro-batch's forward before the first backward, "
+                f"which parallel.schedule={p.schedule} at {p.microbatches} micro-batches does not do; use "
+                "parallel.schedule=gpipe, parallel.microbatches=1, or model.moe.aux_loss_scope=micro_batch"
+            )
     if p.ep > 1 and cfg.optim.zero >= 2:
         raise RecipeError(
             f"parallel.ep={p.ep} with optim.zero={cfg.optim.zero} is not supported (FSDP2 would shard the experts "

@@ -9,6 +9,8 @@ every rank.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from modelpar.model.transformer import ModelChunk
@@ -52,6 +54,23 @@ class MoEStatistics:
             with collectives.comm_tag("moe_stats"):
                 collectives.all_reduce(table, None)
         return table
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: the whole-batch aux loss starts counting afresh."""
+        for moe in self.local.values():
+            moe.begin_step()
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """Around a rerun of one of the last step's micro-batches: its routing is not counted again and its
+        aux-loss gradient is the step's."""
+        for moe in self.local.values():
+            moe.replaying = True
+        try:
+            yield
+        finally:
+            for moe in self.local.values():
+                moe.replaying = False
 
     def discard(self) -> None:
         """Forget what the local layers routed since the last ``table()`` (a rerun that is not a step)."""

@@ -9,7 +9,9 @@ scaled as in the step) and compares. The computation is deterministic (on GPU un
 
 The rank named is the first to differ in the order the values were computed: forwards stage by stage,
 then backwards from the last stage; within a stage, tensor-parallel ranks agree until a collective mixes
-their values, so the rank whose own value went wrong differs first. The verdict is gathered over the world
+their values, so the rank whose own value went wrong differs first. Data-parallel replicas are independent
+until the gradients are reduced, except those whose experts exchange tokens over ep: each such unit names
+its own first rank. The verdict is gathered over the world
 and is the same on every rank: halt, skip the step's update, or warn (``trainer.sdc_action``).
 
 Cost: one micro-batch's forward and backward, plus a sum per recorded tensor, on check steps only; the
@@ -155,9 +157,10 @@ class SilentCorruptionCheck:
         if not differing:
             return None
         g = self.groups
+        unit = _independent_units(g.layout)
         by_replica: dict[int, list] = {}
         for r, f in differing:
-            by_replica.setdefault(g.layout.coords(r).dp, []).append((r, f))
+            by_replica.setdefault(unit[r], []).append((r, f))
         named = []
         for replica in sorted(by_replica):
             ranks = by_replica[replica]
@@ -171,6 +174,27 @@ class SilentCorruptionCheck:
             + " | ".join(named)
             + "; check that device"
         )
+
+
+def _independent_units(layout) -> list[int]:
+    """Per rank, a label shared by the ranks whose values mix before the gradients are reduced: one dp replica
+    (its tp, cp and pp ranks), joined with the replicas it exchanges tokens with over ep. A corruption spreads
+    inside its unit only, so each unit names its own first differing rank."""
+    parent = list(range(layout.world_size))
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    first_of_replica: dict[int, int] = {}
+    for r in range(layout.world_size):
+        parent[find(r)] = find(first_of_replica.setdefault(layout.coords(r).dp, r))
+    for group in layout.all_ep_groups() if layout.ep > 1 else []:
+        for r in group[1:]:
+            parent[find(r)] = find(group[0])
+    return [find(r) for r in range(layout.world_size)]
 
 
 def _first_difference(first: _Recording | None, second: _Recording | None) -> tuple | None:

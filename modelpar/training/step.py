@@ -97,6 +97,8 @@ class TrainStep:
         self._tell_documents(documents, lambda: self.runtime.current.micro_batch)
         if checking_sdc:
             self.sdc.arm()
+        if self.moe_stats is not None:
+            self.moe_stats.begin_step()
         try:
             with self._autocast():
                 result = self.runtime.step(micro_inputs, micro_targets)
@@ -112,7 +114,8 @@ class TrainStep:
         corruption = None
         if checking_sdc:  # the first micro-batch again, compared bit for bit (one extra micro-batch)
             self._tell_documents(documents, lambda: 0)
-            with self._autocast():
+            replaying = self.moe_stats.replaying() if self.moe_stats is not None else contextlib.nullcontext()
+            with self._autocast(), replaying:
                 corruption = self.sdc.rerun(micro_inputs[0], micro_targets[0], step)
             if self.moe_stats is not None:
                 self.moe_stats.discard()  # the rerun's routing is not the step's

@@ -23,9 +23,9 @@ ROUTERS = {
 }
 
 
-def moe_config(tmp_path, router: str, zero_: int = 0, **parallel):
+def moe_config(tmp_path, router: str, zero_: int = 0, scope_: str = "global_batch", **parallel):
     cfg = make_config(tmp_path, **parallel)
-    model = replace(TINY, tie_embeddings=False, moe=ROUTERS[router])
+    model = replace(TINY, tie_embeddings=False, moe=replace(ROUTERS[router], aux_loss_scope=scope_))
     # replicas are compared every step: experts must agree with the ranks holding the same experts only
     trainer = replace(cfg.trainer, check_every=1, drift_action="halt")
     return replace(cfg, model=model, optim=replace(cfg.optim, zero=zero_), trainer=trainer)
@@ -63,18 +63,30 @@ def train_and_collect(cfg, data_path: str):
 _references: dict = {}
 
 
-def reference(router: str, microbatches: int, token_path: str, tmp_path_factory):
-    key = (router, microbatches)
+def reference(router: str, microbatches: int, token_path: str, tmp_path_factory, scope: str = "global_batch"):
+    """The single-device run. The aux loss over the whole batch does not depend on the micro-batches: its
+    reference is one micro-batch, the batch itself."""
+    if router == "softmax" and scope == "global_batch":
+        microbatches = 1
+    key = (router, microbatches, scope)
     if key not in _references:
-        cfg = moe_config(tmp_path_factory.mktemp("ref"), router, microbatches=microbatches)
+        cfg = moe_config(tmp_path_factory.mktemp("ref"), router, microbatches=microbatches, scope_=scope)
         ((losses, grads, pieces),) = run_on_ranks(1, train_and_collect, cfg, token_path)
         _references[key] = losses, assemble([(None, grads)]), assemble([(None, pieces)])
     return _references[key]
 
 
-# (router, layout). The aux loss is over each global micro-batch, so layouts with dp > 1 compare at one
-# micro-batch (the global batch); the bias update uses the step's whole batch at any micro-batch count.
+# (router, layout). The softmax router's aux loss is over the whole global batch: the layouts compare with the
+# single device at one micro-batch, several micro-batches need a schedule with every forward first (gpipe).
+# Over each global micro-batch instead (scope_=micro_batch), a layout compares at the same micro-batches and
+# dp (dp moves which sequences share a micro-batch). The bias update uses the step's whole batch.
 LAYOUTS = [
+    ("softmax", dict(microbatches=4, schedule="gpipe")),  # one device: 4 micro-batches give the batch's loss
+    ("softmax", dict(dp=2, ep=2, microbatches=2, schedule="gpipe")),
+    ("softmax", dict(pp=2, dp=2, ep=2, microbatches=2, schedule="gpipe")),
+    ("softmax", dict(tp=2, dp=2, ep=2, microbatches=2, schedule="gpipe", zero_=1)),
+    ("softmax", dict(tp=2, microbatches=2, scope_="micro_batch")),  # 1F1B, over each global micro-batch
+    ("softmax", dict(pp=2, microbatches=2, schedule="zb-h1", scope_="micro_batch")),
     ("softmax", dict(dp=2, ep=2, microbatches=1)),
     ("softmax", dict(dp=4, ep=2, microbatches=1)),  # ep inside dp: experts replicated over pairs of ranks
     ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1)),  # the tokens split over tp inside the MoE layer
@@ -103,7 +115,9 @@ LAYOUTS = [
 )
 def test_expert_parallel_layout_matches_single_device(router, layout, token_path, tmp_path, tmp_path_factory):
     cfg = moe_config(tmp_path, router, **layout)
-    ref_losses, ref_grads, ref_params = reference(router, cfg.parallel.microbatches, token_path, tmp_path_factory)
+    ref_losses, ref_grads, ref_params = reference(
+        router, cfg.parallel.microbatches, token_path, tmp_path_factory, cfg.model.moe.aux_loss_scope
+    )
     world = cfg.parallel.layout().world_size
     results = run_on_ranks(world, train_and_collect, cfg, token_path)
     for losses, _, _ in results:
@@ -130,9 +144,11 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
         (dict(parallel=dict(dp=4, ep=3)), "ep=3 must divide dp x cp = 4"),
         (dict(parallel=dict(dp=3, ep=3)), "parallel.ep=3 does not divide model.moe.experts=4"),
         (dict(parallel=dict(dp=2, etp=2)), "parallel.etp=2: expert tensor parallelism is not supported"),
-        (dict(parallel=dict(dp=2, ep=2), zero=3), "parallel.ep=2 with optim.zero=3 is not supported"),
+        (dict(parallel=dict(dp=2, ep=2, microbatches=1), zero=3), "parallel.ep=2 with optim.zero=3 is not supported"),
         (dict(parallel=dict(dp=2), zero=2, moe=dict(router="sigmoid")), "optim.zero=2 with model.moe.router=sigmoid"),
         (dict(moe=dict(top_k=5)), "model.moe.top_k=5 must be in 1..experts=4"),
+        (dict(parallel=dict(dp=2, ep=2, microbatches=2)), "aux_loss_scope=global_batch needs every micro-batch"),
+        (dict(moe=dict(aux_loss_scope="batch")), "model.moe.aux_loss_scope='batch' is not one of"),
     ],
 )
 def test_bad_expert_recipes_are_refused_in_one_line_before_ranks_start(change, message, tmp_path):
