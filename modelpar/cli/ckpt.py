@@ -95,9 +95,9 @@ def cmd_reshard(args) -> int:
     dst = Path(args.dst)
     refuse_existing(dst)
     model = model_config_of(index)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, cp=args.cp, sp=False)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, cp=args.cp, ep=args.ep, sp=False)
     layout = parallel.layout()
-    layout.check_model(layers=model.layers, heads=model.heads, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden)
+    model.check_layout(layout)  # shapes, and the experts' split over ep
     cfg = TrainConfig(model=model, parallel=parallel, trainer=TrainerConfig(progress=False))
     meta = {
         "layout": asdict(layout),
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("reshard", help="write a checkpoint for another layout")
     p.add_argument("src")
     p.add_argument("dst")
-    for name in ("tp", "pp", "dp", "vpp", "cp"):
+    for name in ("tp", "pp", "dp", "vpp", "cp", "ep"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.set_defaults(fn=cmd_reshard)
     p = sub.add_parser("import-hf", help="a LlamaForCausalLM directory -> checkpoint (loads into any layout)")

@@ -268,3 +268,26 @@ def test_each_moe_layer_moves_its_routed_rows_four_times_through_all_to_all():
     # what a rank sends back is what it received, uneven: the two ranks together send every row each time
     assert [count for _, count in ranks] == [layers * 5] * 2  # counts; dispatch, combine; combine, dispatch
     assert sum(nbytes for nbytes, _ in ranks) == layers * (2 * split_sizes + 4 * rows * h * 4)
+
+
+def test_reshard_cli_writes_an_ep_layout_and_refuses_an_ep_that_cannot_split_the_experts(token_path, tmp_path, capsys):
+    from modelpar.checkpoint.store import Piece, load_pieces, read_index
+    from modelpar.cli.ckpt import main as ckpt_main
+    from tests.training.test_layouts import train_and_collect as train_and_save
+
+    cfg = moe_config(tmp_path / "src", "softmax", dp=2, ep=2, microbatches=1)
+    run_on_ranks(2, train_and_save, cfg, token_path, None, (2,))
+    src = tmp_path / "src" / "checkpoints" / "step-00000002"
+    assert ckpt_main(["reshard", str(src), str(tmp_path / "dst"), "--dp", "4", "--ep", "4"]) == 0
+    dst = next((tmp_path / "dst").glob("step-*"))
+    a, b = read_index(src), read_index(dst)
+    assert (b["layout"]["ep"], b["layout"]["dp"]) == (4, 4)
+    wanted = [Piece.whole(name, tuple(entry["global_shape"])) for name, entry in a["tensors"].items()]
+    assert any(".experts.3.w2.weight" in p.name for p in wanted)
+    before, after = load_pieces(src, a, wanted), load_pieces(dst, b, wanted)
+    assert all(torch.equal(before[p], after[p]) for p in wanted)
+    capsys.readouterr()
+    assert ckpt_main(["reshard", str(src), str(tmp_path / "bad"), "--dp", "3", "--ep", "3"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "parallel.ep=3 does not divide model.moe.experts=4" in err and "\n" not in err
+    assert not (tmp_path / "bad").exists()
