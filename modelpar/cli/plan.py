@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp", type=int, help="pin pipeline parallelism")
     ap.add_argument("--dp", type=int, help="pin data parallelism")
     ap.add_argument("--cp", type=int, help="pin context parallelism (each sequence split over cp ranks)")
+    ap.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; from dp x cp)")
     ap.add_argument("--cp-comm", default="ring,allgather", help="comma-separated K/V exchanges to try under cp")
     ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
     ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
@@ -183,11 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model = model_from_args(args)
         hardware = hardware_from_args(args)
+        if args.ep is not None and (args.ep < 1 or (args.ep > 1 and not model.shape.moe.enabled)):
+            raise PlanError(f"--ep={args.ep} needs a mixture-of-experts model and ep >= 1; drop --ep for {model.name}")
         space = SearchSpace(
             tp=args.tp,
             pp=args.pp,
             dp=args.dp,
             cp=args.cp,
+            ep=args.ep,
             cp_comm=tuple(c.strip() for c in args.cp_comm.split(",") if c.strip()),
             max_vpp=args.max_vpp,
             max_micro_batch_size=args.max_micro_batch_size,
