@@ -291,3 +291,17 @@ def test_reshard_cli_writes_an_ep_layout_and_refuses_an_ep_that_cannot_split_the
     err = capsys.readouterr().err.strip()
     assert "parallel.ep=3 does not divide model.moe.experts=4" in err and "\n" not in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_bf16_autocast_at_dp2_ep2_tracks_the_single_device_bf16_run(token_path, tmp_path):
+    """Under bf16 autocast the experts' grouped GEMMs and the all-to-alls carry bf16 rows while the router's
+    softmax and the aux loss stay fp32: dp2 x ep2's losses and norms follow the single device's to bf16's
+    precision."""
+    runs = {}
+    for name, layout in (("single", {}), ("ep2", dict(dp=2, ep=2))):
+        cfg = moe_config(tmp_path / name, "softmax", microbatches=1, **layout)
+        cfg = replace(cfg, trainer=replace(cfg.trainer, dtype="bf16"))
+        runs[name] = run_on_ranks(cfg.parallel.dp, train_and_collect, cfg, token_path)[0][0]
+    np.testing.assert_allclose(runs["ep2"], runs["single"], rtol=3e-3)
+    fp32 = run_on_ranks(1, train_and_collect, moe_config(tmp_path / "fp32", "softmax", microbatches=1), token_path)
+    assert runs["single"] != fp32[0][0]  # bf16 really ran
