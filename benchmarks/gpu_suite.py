@@ -28,7 +28,7 @@ the kernels run fp32 (Triton in its interpreter, compile baselines with the ``ao
 are the MFU script's tiny one, and blocks compile with ``aot_eager``; the numbers mean nothing there.
 
 Status, honestly: written and smoke-tested on a CPU-only machine (torch 2.13 CPU); it has not yet run on a GPU.
-The GPU time boxes (90 + 160 + 160 + 50 s) are estimates from the two scripts' own budgets; if a section times
+The GPU time boxes (90 + 135 + 160 + 50 + 25 s) are estimates from the two scripts' own budgets; if a section times
 out on the H200, its partial result says how far it got.
 """
 
@@ -272,6 +272,18 @@ def run_host_syncs(s: Section) -> dict:
     }
 
 
+def run_moe_layer(s: Section) -> dict:
+    """``benchmarks/moe.py``'s layer part: grouped GEMM, sorted loop and masked loop of one MoE layer."""
+    moe = _benchmark("moe")
+    shapes = [dict(shape, tokens=64) for shape in moe.SHAPES] if s.smoke else moe.GPU_SHAPES
+    rows = moe.bench_layer(shapes, 1 if s.smoke else 10, str(s.device))  # asserts the three paths agree
+    return {"rows": rows, "ok": len(rows) == len(shapes)}
+
+
+def _moe_md(result: dict) -> list[str]:
+    return _benchmark("moe").render(result["rows"], None).splitlines()[2:]
+
+
 def _warm_step(mfu, config, args, device: torch.device) -> Callable[[], torch.Tensor]:
     """The MFU script's step, run once (optimizer state, Triton compiles): the next call is a steady step."""
     model, optimizer, tokens = mfu.build_training(config, args, device)
@@ -292,9 +304,10 @@ class Plan:
 
 SECTIONS: dict[str, Plan] = {
     "tests": Plan(run_tests, 90, 40, "CUDA-only tests and kernel tests on CUDA (pytest)"),
-    "kernels": Plan(run_kernels, 160, 60, "Triton kernels vs torch eager and torch.compile, bf16"),
+    "kernels": Plan(run_kernels, 135, 60, "Triton kernels vs torch eager and torch.compile, bf16"),
     "mfu": Plan(run_mfu, 160, 90, "llama-1b bf16 MFU, eager and compiled blocks"),
     "host_syncs": Plan(run_host_syncs, 50, 40, "host syncs of one steady bf16 training step"),
+    "moe_layer": Plan(run_moe_layer, 25, 20, "one MoE layer: grouped GEMM vs per-expert loops, bf16"),
 }
 
 
@@ -436,6 +449,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "kernels": _kernels_md,
     "mfu": _mfu_md,
     "host_syncs": _host_syncs_md,
+    "moe_layer": _moe_md,
 }
 
 

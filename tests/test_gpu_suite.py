@@ -12,7 +12,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
-SECTIONS = {"tests", "kernels", "mfu", "host_syncs"}
+SECTIONS = {"tests", "kernels", "mfu", "host_syncs", "moe_layer"}
 
 
 def load_suite(monkeypatch):
@@ -50,6 +50,7 @@ def test_smoke_run_records_every_section_in_one_json_and_one_markdown(tmp_path):
     mfu = sections["mfu"]["result"]
     assert mfu["eager"]["mfu_vs_measured_peak"] > 0 and mfu["compiled"]["compiled_blocks"]
     assert sections["host_syncs"]["result"]["host_syncs"] >= 0
+    assert {r["tokens"] for r in sections["moe_layer"]["result"]["rows"]} == {64}
     markdown = (tmp_path / "gpu_suite_smoke.md").read_text()
     assert all(f"## {name}" in markdown for name in SECTIONS)
 
