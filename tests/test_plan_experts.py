@@ -74,3 +74,26 @@ def test_shipped_mixtral_recipe_is_the_planners_first_choice_with_ep8(mixtral):
         s.micro_batches,
     )
     assert s.recompute == cfg.parallel.recompute and best.prediction.fits
+
+
+def test_the_overrides_of_an_ep_plan_name_ep_and_an_aux_loss_the_schedule_can_run(mixtral, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.cli.plan import trainer_overrides
+    from modelpar.training.config import register_schema, validate
+    from tests.test_recipe_properties import RECIPES
+
+    strategy = Strategy(ParallelLayout(tp=2, pp=4, dp=8, ep=8), 1, 32, "none", 1, True)
+    overrides = trainer_overrides(strategy, 4096, mixtral)
+    assert "parallel.ep=8" in overrides and "optim.zero=1" in overrides
+    assert "model.moe.aux_loss_scope=micro_batch" in overrides  # 1F1B at 32 micro-batches
+    register_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = OmegaConf.to_object(
+            compose(config_name="train", overrides=["model=mixtral-8x7b", *overrides, f"trainer.out_dir={tmp_path}"])
+        )
+    layout = validate(cfg)
+    assert (layout.tp, layout.pp, layout.dp, layout.ep) == (2, 4, 8, 8)
+    one = Strategy(ParallelLayout(tp=2, pp=4, dp=8, ep=8), 32, 1, "none", 0, True)
+    assert "model.moe.aux_loss_scope=micro_batch" not in trainer_overrides(one, 4096, mixtral)

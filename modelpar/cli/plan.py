@@ -131,15 +131,21 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(shape, args.flash_attention)
 
 
-def trainer_overrides(strategy: Strategy, seq_len: int) -> list[str] | None:
+def trainer_overrides(strategy: Strategy, seq_len: int, model: ModelSpec | None = None) -> list[str] | None:
     """The ``modelpar-train`` overrides that run ``strategy`` (model and hardware aside), or None where the trainer
-    cannot (selective recompute)."""
+    cannot (selective recompute). For a mixture of experts with an aux loss (``model``) under a schedule that
+    runs backwards before the last forward, the aux loss is taken per global micro-batch."""
     if strategy.recompute not in TRAINER_RECOMPUTE:
         return None
     layout = strategy.layout
     out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.dp={layout.dp}"]
     if layout.cp > 1:
         out += [f"parallel.cp={layout.cp}", f"parallel.cp_comm={strategy.cp_comm}"]
+    if layout.ep > 1:
+        out.append(f"parallel.ep={layout.ep}")
+    moe = model.shape.moe if model is not None else None
+    if moe is not None and moe.enabled and moe.aux_loss_coef and strategy.micro_batches > 1:
+        out.append("model.moe.aux_loss_scope=micro_batch")  # 1F1B / interleaved: see model.moe.aux_loss_scope
     if layout.vpp > 1:
         out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
     out.append(f"parallel.microbatches={strategy.micro_batches}")
@@ -219,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for line in format_table(planned, args.top):
         print(line)
-    best = trainer_overrides(planned[0].strategy, args.seq_len)
+    best = trainer_overrides(planned[0].strategy, args.seq_len, model)
     if best is None:
         print(
             "#1 uses selective recompute as Megatron's (the attention core), which modelpar-train does not run "
@@ -236,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "global_batch": args.global_batch,
             "seq_len": args.seq_len,
             "layouts": [
-                entry.as_dict() | {"trainer_overrides": trainer_overrides(entry.strategy, args.seq_len)}
+                entry.as_dict() | {"trainer_overrides": trainer_overrides(entry.strategy, args.seq_len, model)}
                 for entry in planned
             ],
         }
