@@ -63,12 +63,8 @@ def test_hybrid_sharding_holds_half_at_dp4_in_pairs(token_path, tmp_path):  # no
 @pytest.mark.parametrize(
     "change, message",
     [
-        (
-            {"parallel.schedule": "zb-h1", "parallel.pp": 2, "parallel.microbatches": 2},
-            "cannot run parallel.schedule=zb-h1",
-        ),
-        ({"parallel.tp": 4}, "needs model.kv_heads=2 >= parallel.tp=4"),
         ({"trainer.sdc_check_every": 10}, "trainer.sdc_check_every is not supported"),
+        ({"model.compile": True}, "model.compile=true is untested"),
         (
             {"optim.zero_group": 3},
             r"optim.zero_group=3 needs optim.zero=2 or 3 and a divisor of dp x cp = 2 \(\[1, 2\]\)",
@@ -81,8 +77,56 @@ def test_what_fsdp2_is_not_combined_with_is_refused_in_one_line(tmp_path, change
     for key, value in change.items():
         group, name = key.split(".")
         cfg = replace(cfg, **{group: replace(getattr(cfg, group), **{name: value})})
-    with pytest.raises(RecipeError, match=message):
+    with pytest.raises(RecipeError, match=message) as refused:
         validate(cfg)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"parallel.schedule": "zb-h1", "parallel.pp": 2, "parallel.microbatches": 2},  # the split backward
+        {"parallel.schedule": "zb-h1", "parallel.pp": 2, "parallel.recompute": "full"},
+        {"parallel.tp": 4},  # kv_heads=2 < tp: the replicated k/v rows summed over tp on the dp shards
+    ],
+    ids=["zb-h1", "zb-h1-recompute", "kv-heads-below-tp"],
+)
+def test_zb_h1_and_kv_heads_below_tp_run_under_fsdp2(tmp_path, zero, change):
+    cfg = make_config(tmp_path, dp=2)
+    cfg = replace(cfg, optim=replace(cfg.optim, zero=zero))
+    for key, value in change.items():
+        group, name = key.split(".")
+        cfg = replace(cfg, **{group: replace(getattr(cfg, group), **{name: value})})
+    validate(cfg)  # parity with the single device: tests/training/test_layouts.py
+
+
+def _weight_pass_hooks(cfg, data_path: str) -> list[bool]:
+    """After a ZB-H1 step: are the weights sharded at rest? Then the W hooks: gathered, and sharded again."""
+    from torch.distributed.tensor import DTensor
+
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    trainer.train_step()
+    chunk, opt = trainer.model.chunks[0], trainer.optimizer
+
+    def sharded() -> bool:
+        return all(isinstance(p, DTensor) for p in chunk.parameters())
+
+    seen = [sharded(), all(p.grad is None or isinstance(p.grad, DTensor) for p in chunk.parameters())]
+    opt.expect_micro_batches(cfg.parallel.microbatches)
+    opt.before_weight_backward(0, 0)  # a W whose weights a forward freed: gathered again
+    seen.append(not any(isinstance(p, DTensor) for p in chunk.parameters()))
+    opt.after_weight_backward(0, cfg.parallel.microbatches - 1)  # the chunk's last W: reduced, freed
+    return [*seen, sharded()]
+
+
+def test_zb_h1_leaves_zero3_weights_sharded_and_w_gathers_them(token_path, tmp_path):  # noqa: F811
+    cfg = make_config(tmp_path, dp=2, pp=2, schedule="zb-h1", microbatches=2)
+    cfg = replace(cfg, optim=replace(cfg.optim, zero=3))
+    for seen in run_on_ranks(4, _weight_pass_hooks, cfg, token_path):
+        assert seen == [True] * 4, seen
 
 
 def _bf16_losses(cfg, data_path: str) -> tuple[list[float], set[str]]:
@@ -98,14 +142,19 @@ def _bf16_losses(cfg, data_path: str) -> tuple[list[float], set[str]]:
     return losses, seen
 
 
-@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
-def test_zero3_bf16_gathers_bf16_weights_and_tracks_the_replicated_run(token_path, tmp_path, reduce_dtype):  # noqa: F811
-    base = make_config(tmp_path / "z0", dp=2)
+@pytest.mark.parametrize(
+    "reduce_dtype, layout",
+    [("fp32", {}), ("bf16", {}), ("fp32", dict(pp=2, schedule="zb-h1"))],  # zb-h1: W's bf16 grads accumulated
+    ids=["fp32", "bf16", "fp32-zb-h1"],
+)
+def test_zero3_bf16_gathers_bf16_weights_and_tracks_the_replicated_run(token_path, tmp_path, reduce_dtype, layout):  # noqa: F811
+    base = make_config(tmp_path / "z0", dp=2, **layout)
     base = replace(base, trainer=replace(base.trainer, dtype="bf16"))
     sharded = replace(base, optim=replace(base.optim, zero=3, reduce_dtype=reduce_dtype))
     sharded = replace(sharded, trainer=replace(sharded.trainer, out_dir=str(tmp_path / "z3")))
-    (ref, ref_seen), _ = run_on_ranks(2, _bf16_losses, base, token_path)
-    (got, seen), _ = run_on_ranks(2, _bf16_losses, sharded, token_path)
+    world = 2 * base.parallel.pp
+    (ref, ref_seen), *_ = run_on_ranks(world, _bf16_losses, base, token_path)
+    (got, seen), *_ = run_on_ranks(world, _bf16_losses, sharded, token_path)
     assert ref_seen == {"torch.float32"} and seen == {"torch.bfloat16"}  # fp32 masters, bf16 gathered copies
     for a, b in zip(ref, got, strict=True):
         assert abs(a - b) <= 2e-2 * abs(a), (ref, got)  # bf16 rounding of weights and reductions

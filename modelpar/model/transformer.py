@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from modelpar_kernels import resolve_backend
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from modelpar.model.activations import DEFAULT_SELECTIVE, ActivationOffload, RecomputePolicy
@@ -322,25 +321,24 @@ class ModelChunk(nn.Module):
         partial = [s for s in self.logical_shards().values() if s.grad_is_partial]
         if not partial:
             return
-        if isinstance(partial[0].param, DTensor):  # dp-sharded (ZeRO-2/3): the same rows on every tp rank
-            with comm_tag("grad_sync"):
-                for shard in partial:
-                    if shard.param.grad is not None:
-                        all_reduce(shard.param.grad.to_local(), self.tp.group)
-            return
+        # Under ZeRO-2/3 the gradients are already dp-sharded (FSDP2 reduce-scattered them; a sum over tp and
+        # a mean over dp commute): each rank sums the rows of its dp shard, the same rows on every tp rank.
         buffers = []
         for shard in partial:
             full = torch.zeros(shard.global_shape, dtype=shard.param.dtype, device=shard.param.device)
-            if shard.grad is not None:
-                full[shard.index] = shard.grad
+            piece = None if shard.param.grad is None else shard.piece_of(shard.param.grad)
+            if piece is not None:
+                full[piece[1]] = piece[0]
             buffers.append(full.flatten())
         flat = torch.cat(buffers)
         with comm_tag("grad_sync"):
             all_reduce(flat, self.tp.group)
-        for shard, piece in zip(partial, flat.split([b.numel() for b in buffers]), strict=True):
+        for shard, summed in zip(partial, flat.split([b.numel() for b in buffers]), strict=True):
             if shard.param.grad is None:
                 shard.param.grad = torch.zeros_like(shard.param)
-            shard.grad.copy_(piece.view(shard.global_shape)[shard.index])
+            piece = shard.piece_of(shard.param.grad)
+            if piece is not None:
+                piece[0].copy_(summed.view(shard.global_shape)[piece[1]])
 
     def initialise(self, seed: int) -> None:
         """Layout-invariant initialisation: every logical tensor drawn whole from (seed, name), then sliced."""

@@ -5,36 +5,49 @@ block and then to each chunk (the embedding, final norm and head) over a mesh of
 on top of our own tensor-parallel shards: a parameter's dp shard is a slice along dim 0 of its tp shard.
 At stage 3 a block's weights are all-gathered just before its forward (the next block's gather is
 prefetched by FSDP2) and freed after it; at stage 2 they stay gathered from forward to backward. Gradients
-are reduce-scattered as each block's backward finishes (averaged over dp x cp), so no rank ever holds a
-whole gradient; with several micro-batches this happens once per micro-batch (the memory mode: gradients
-are never kept unsharded across micro-batches).
+accumulate unsharded over a step's micro-batches and are reduce-scattered (averaged over dp x cp) once,
+by the chunk's last backward; with ``reduce_every_micro_batch`` every backward does (the memory mode:
+gradients are never kept unsharded across micro-batches).
+
+**Split backward (ZB-H1).** FSDP2's post-backward hook sits on each block's *input*, so it fires at the end
+of B (``modelpar.pipeline.split_backward``), before W has produced a single weight gradient. Under a split
+schedule, then, FSDP2's gradient sync stays off for every B and W, and the weights a B gathered stay
+gathered until W (``set_reshard_after_backward(False)``): a weight gradient needs only the saved input and
+the output gradient, but some backward nodes (tp's fused column matmul, the Triton RMSNorm, a full-recompute
+rerun) read the weight too, and W reuses B's gathered copy (``before_weight_backward`` gathers again only if
+a forward freed it in between). After the chunk's last W (``after_weight_backward``) the accumulated
+unsharded gradients are reduce-scattered into the sharded ``.grad`` by FSDP2's own post-backward, called
+once per parameter group as ``torch.distributed.pipelining`` does for its REDUCE_GRAD step (FSDP2 has no
+public call for a reduction outside autograd's hooks), which also frees the gathered weights. The price at
+stage 3: a chunk's weights stay gathered from a B to its W, instead of two blocks at a time.
 
 ``FullyShardedAdamW`` is the ``DataParallelOptimizer`` over such parameters: torch's AdamW on the sharded
 parameters (fp32 masters and moments sharded with them), the global norm summed over the shards. The
 checkpoint sees whole tp-local tensors: ``full_local`` gathers a parameter over dp for saving, and
 ``load_local`` writes a whole tp-local tensor into this rank's dp shard, so checkpoints and resharding are
-those of every other stage.
+those of every other stage. Sums over tp (sequence-parallel norm weights, kv heads replicated when
+``kv_heads < tp``) run on the dp shards after the reduce-scatter (a sum over tp and a mean over dp commute):
+each logical tensor's rows are mapped onto the rows of the dp shard (``ShardInfo.piece_of``).
 
-Not combined (refused in one line by the recipe check): the split backward of ``zb-h1`` (its weight pass
-runs outside FSDP2's hooks), kv heads replicated over tp (``kv_heads < tp``: their rows are summed across
-tp ranks before the dp average), the dp-replica outlier check and the silent-corruption rerun (both need
-the gradients before they are reduced), and ``model.compile``.
+Not combined (refused in one line by the recipe check): the dp-replica outlier check and the
+silent-corruption rerun (both need the gradients before they are reduced), and ``model.compile``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.data_parallel import DataParallelOptimizer, _nothing
-from modelpar.optim.param_info import ParamsWithInfo
+from modelpar.optim.param_info import ParamInfo, ParamsWithInfo
 from modelpar.optim.state import MOMENTS
 from modelpar.parallel.groups import ParallelGroups
 
@@ -117,15 +130,22 @@ def full_local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def dp_rows(t: torch.Tensor) -> slice:
+    """The rows (dim 0) of the whole tp-local tensor that this rank's part of ``t`` holds: all of them, or
+    the dp shard's (FSDP2 shards dim 0 as ``torch.chunk`` does)."""
+    if not isinstance(t, DTensor):
+        return slice(0, t.shape[0])
+    rank, size = shard_rank_and_size(t)
+    start = min(rank * -(-t.shape[0] // size), t.shape[0])
+    return slice(start, start + t.to_local().shape[0])
+
+
 def load_local(target: torch.Tensor, whole: torch.Tensor) -> None:
     """Write ``whole`` (the tp-local tensor) into ``target``: all of it, or the dp shard ``target`` holds."""
     if not isinstance(target, DTensor):
         target.copy_(whole)
         return
-    mine = target.to_local()
-    rank, size = shard_rank_and_size(target)
-    rows = -(-whole.shape[0] // size)  # FSDP2 shards dim 0 as torch.chunk does
-    mine.copy_(whole[rank * rows : rank * rows + mine.shape[0]])
+    target.to_local().copy_(whole[dp_rows(target)])
 
 
 class FullyShardedAdamW(DataParallelOptimizer):
@@ -150,17 +170,39 @@ class FullyShardedAdamW(DataParallelOptimizer):
         self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if first is not None else None
 
     def expect_micro_batches(self, micro_batches: int) -> None:
-        """Gradients accumulate unsharded until each chunk's last micro-batch (``before_backward``), which
-        reduce-scatters them once; with ``reduce_every_micro_batch`` every backward does (less memory)."""
+        """Gradients accumulate unsharded until each chunk's last micro-batch, which reduce-scatters them once
+        (``before_backward``, or ``after_weight_backward`` under a split backward); with
+        ``reduce_every_micro_batch`` every micro-batch does (less memory). Until a hook says otherwise no
+        backward reduces, and weights stay gathered after a backward (a split one's W may still need them)."""
         self._micro_batches = micro_batches
-        sync = micro_batches == 1 or self.reduce_every_micro_batch
         for chunk in self.chunks:
-            chunk.set_requires_gradient_sync(sync)
+            chunk.set_requires_gradient_sync(False)
+            chunk.set_reshard_after_backward(False)
+
+    def _reduces(self, micro_batch: int) -> bool:
+        return micro_batch == self._micro_batches - 1 or self.reduce_every_micro_batch
 
     def before_backward(self, chunk: int, micro_batch: int) -> None:
-        """The pipeline runtime's hook: the last micro-batch's backward through ``chunk`` reduces its grads."""
-        if micro_batch == self._micro_batches - 1 and self.chunks:
-            self.chunks[chunk].set_requires_gradient_sync(True)
+        """The pipeline runtime's hook before a fused backward through ``chunk``: FSDP2's own post-backward
+        hooks free the weights after it and, on the last micro-batch, reduce-scatter the gradients."""
+        if self.chunks:
+            self.chunks[chunk].set_reshard_after_backward(True)
+            self.chunks[chunk].set_requires_gradient_sync(self._reduces(micro_batch))
+
+    def before_weight_backward(self, chunk: int, micro_batch: int) -> None:
+        """The runtime's hook before a split backward's W: the chunk's weights gathered (a no-op when its B
+        left them so; a forward in between may have freed them at stage 3)."""
+        if not self.chunks:
+            return
+        modules = [m for m in self.chunks[chunk].modules() if isinstance(m, FSDPModule)]
+        for handle in [m.unshard(async_op=True) for m in modules]:
+            handle.wait()
+
+    def after_weight_backward(self, chunk: int, micro_batch: int) -> None:
+        """The runtime's hook after a W: FSDP2's backward ends there; after the chunk's last W its accumulated
+        gradients are reduce-scattered and its gathered weights freed (see the module docstring)."""
+        if self.chunks:
+            _end_weight_backward(self.chunks[chunk], reduce=self._reduces(micro_batch))
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         other_reductions()  # FSDP2 reduce-scattered each block's gradients in backward; tp sums follow
@@ -172,7 +214,7 @@ class FullyShardedAdamW(DataParallelOptimizer):
         return None
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        shards = [(_LocalGrad(p), info) for p, info in self.params_with_info]
+        shards = [(_LocalGrad(p), _local_share(p, info)) for p, info in self.params_with_info]
         return clip_grad_norm(shards, max_norm, self.groups, zero_sharded=True, dp_group=self.shard_group)
 
     def zero_grad(self) -> None:
@@ -202,6 +244,36 @@ class FullyShardedAdamW(DataParallelOptimizer):
             state["step"] = tensors[f"step/{info.name}"].clone()
 
 
+def _end_weight_backward(chunk: torch.nn.Module, reduce: bool) -> None:
+    """End a split backward's W through ``chunk`` as FSDP2 ends any backward it saw start (W starts inside the
+    blocks, mostly past the output hooks that queue it): its root's end-of-backward callback, which runs each
+    parameter group's post-backward (gradient accumulators; no reduction while sync is off; idempotent, so
+    it may have run already) and returns every group to idle, also those a full-recompute rerun inside W
+    left mid-forward (the rerun stops early, before FSDP2's post-forward hook). With ``reduce``
+    the post-backwards run first with sync on: the accumulated unsharded gradients are reduce-scattered into
+    the sharded ``.grad`` (mixed-precision accumulators, hybrid all-reduce and averaging as FSDP2 does them)
+    and the gathered weights freed, as ``torch.distributed.pipelining``'s REDUCE_GRAD step does. Private FSDP2
+    calls (it has no public one for a backward outside autograd's hooks): checked against torch 2.13."""
+    state = fully_shard.state(chunk)
+    if reduce:
+        chunk.set_requires_gradient_sync(True)
+        chunk.set_reshard_after_backward(True)
+        for member in state._state_ctx.all_states:
+            for param_group in member._fsdp_param_groups:
+                param_group.post_backward()
+    state._root_post_backward_final_callback()
+    if reduce:  # until the next hook says otherwise (the memory mode reduces again after the next W)
+        chunk.set_requires_gradient_sync(False)
+        chunk.set_reshard_after_backward(False)
+
+
+def _local_share(param: torch.Tensor, info: ParamInfo) -> ParamInfo:
+    """``info`` with a per-row ``norm_share`` cut to the rows of ``param``'s dp shard."""
+    if not isinstance(info.norm_share, torch.Tensor) or not isinstance(param, DTensor):
+        return info
+    return replace(info, norm_share=info.norm_share[dp_rows(param)])
+
+
 class _LocalGrad:
     """A parameter seen through its local shard, for ``clip_grad_norm`` (which sums squares of ``.grad``
     and scales ``.grad`` in place): the dp shards' squares are summed over dp x cp by ``zero_sharded``."""
@@ -220,4 +292,13 @@ class _LocalGrad:
         return local(self.param).device
 
 
-__all__ = ["SHARDED_STAGES", "FullyShardedAdamW", "full_local", "is_sharded", "load_local", "local", "shard_chunks"]
+__all__ = [
+    "SHARDED_STAGES",
+    "FullyShardedAdamW",
+    "dp_rows",
+    "full_local",
+    "is_sharded",
+    "load_local",
+    "local",
+    "shard_chunks",
+]

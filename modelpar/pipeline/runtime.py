@@ -172,6 +172,7 @@ class PipelineRuntime:
 
     Every backward goes through autograd's gradient accumulation, once per micro-batch and parameter, so
     post-accumulate-grad hooks (data-parallel overlap) see all ``m`` accumulations under every schedule.
+    W fills the leaves B found in the graph (the parameters the forward used: under FSDP2 the gathered ones).
     """
 
     def __init__(
@@ -205,9 +206,13 @@ class PipelineRuntime:
         # step passes m, so that its gradients are the step's, bit for bit
         self.loss_divisor = loss_divisor or self.micro_batches
         self.current: Action | None = None  # the compute action running now (hooks may ask which it is)
-        # told (local chunk, micro-batch) before each backward pass through a chunk runs; FSDP2 uses it to
+        # told (local chunk, micro-batch) before each fused backward through a chunk runs; FSDP2 uses it to
         # reduce-scatter gradients on a chunk's last micro-batch only
         self.before_backward: Callable[[int, int], None] | None = None
+        # told (local chunk, micro-batch) before and after each W of a split backward (B calls no hook): FSDP2
+        # makes sure the weights are gathered for W and reduce-scatters after the chunk's last W
+        self.before_weight_backward: Callable[[int, int], None] | None = None
+        self.after_weight_backward: Callable[[int, int], None] | None = None
         self.last_stage = self.pp * chunk_count - 1
         self.split_backward = any(a.kind is W for a in self.actions)
         # a schedule without backwards (``forward_only``): forwards run without autograd and keep nothing
@@ -335,7 +340,7 @@ class PipelineRuntime:
         if self.split_backward:
             if has_input_grad:
                 grad = grad if grad is None else grad.to(y.dtype)  # p2p runs in the compute dtype
-                dx, state.pending_weight[key] = backward_input(y, grad, x, self._trainable(action.chunk))
+                dx, state.pending_weight[key] = backward_input(y, grad, x)  # W fills the graph's leaves
                 state.to_send[Action(self.rank, SEND_B, *key)] = dx.to(self.dtype).contiguous()
             else:
                 state.output_grads[key] = grad
@@ -349,15 +354,15 @@ class PipelineRuntime:
 
     def _weight_backward(self, action: Action, state: _StepState) -> None:
         key = (action.micro_batch, action.chunk)
-        params = self._trainable(action.chunk)
+        if self.before_weight_backward is not None:
+            self.before_weight_backward(action.chunk, action.micro_batch)
         if key in state.pending_weight:
             backward_weight(state.pending_weight[key])
-        elif params:
-            torch.autograd.backward(state.outputs[key], state.output_grads[key], inputs=params)
+        elif state.outputs[key].requires_grad:  # model chunk 0: token input, the whole backward is W
+            torch.autograd.backward(state.outputs[key], state.output_grads[key])
         state.release(key)
-
-    def _trainable(self, chunk: int) -> list[torch.nn.Parameter]:
-        return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+        if self.after_weight_backward is not None:
+            self.after_weight_backward(action.chunk, action.micro_batch)
 
     def _post(self, batch: list[Action], state: _StepState, clock) -> None:
         """Post the batch as one ``batch_isend_irecv`` (one NCCL group), without waiting."""

@@ -15,6 +15,10 @@ W pins every seed's incoming gradient to the recorded one, so a seed also reache
 counted once. W goes through ``torch.autograd.backward(..., inputs=weights)``, so gradients land in
 ``.grad`` through autograd's accumulation and post-accumulate-grad hooks fire once per micro-batch, as
 data-parallel overlap expects. Only public autograd API is used (graph nodes, pre-hooks, gradient edges).
+
+The weights are, by default, the leaves the graph reaches other than ``x`` (its ``AccumulateGrad`` nodes):
+exactly what one ordinary backward would accumulate into. Under FSDP2 those are the gathered (unsharded)
+parameters the forward used, not the sharded ones the module holds at rest (``modelpar.optim.fsdp``).
 """
 
 from __future__ import annotations
@@ -75,8 +79,10 @@ def _reaches(nodes: list[Node], targets: set[Node]) -> dict[Node, bool]:
     return memo
 
 
-def _seed_groups(root: Node, x_node: Node, param_of: dict[Node, torch.nn.Parameter]) -> list[_SeedGroup]:
+def _seed_groups(root: Node, x_node: Node, param_of: dict[Node, torch.Tensor] | None) -> list[_SeedGroup]:
     nodes = _graph_below(root)
+    if param_of is None:  # every leaf below the output but x: what an ordinary backward accumulates into
+        param_of = {n: n.variable for n in nodes if n is not x_node and hasattr(n, "variable")}
     to_x = _reaches(nodes, {x_node})
     to_param = _reaches(nodes, set(param_of))
     weights_below: dict[Node, set[Node]] = {}  # seed -> parameter nodes in its weight-only branches
@@ -104,14 +110,18 @@ def _seed_groups(root: Node, x_node: Node, param_of: dict[Node, torch.nn.Paramet
 
 
 def backward_input(
-    output: torch.Tensor, output_grad: torch.Tensor | None, x: torch.Tensor, params: Sequence[torch.nn.Parameter]
+    output: torch.Tensor,
+    output_grad: torch.Tensor | None,
+    x: torch.Tensor,
+    params: Sequence[torch.nn.Parameter] | None = None,
 ) -> tuple[torch.Tensor, PendingWeightGrad]:
     """Gradient of the loss w.r.t. the chunk input ``x`` (same shape as ``x``), and what W needs.
 
     ``output``: the chunk output (``output_grad`` its gradient) or, on the last chunk, the loss (``None``).
-    ``x`` must be a leaf that requires grad (the received activation).
+    ``x`` must be a leaf that requires grad (the received activation). ``params``: the weights W fills; by
+    default every leaf of the graph but ``x``.
     """
-    param_of = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+    param_of = None if params is None else {get_gradient_edge(p).node: p for p in params if p.requires_grad}
     groups = _seed_groups(output.grad_fn, get_gradient_edge(x).node, param_of) if output.grad_fn else []
     handles = []
 

@@ -193,16 +193,6 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if cfg.optim.zero >= 2:  # FSDP2 (modelpar/optim/fsdp.py): what it is not combined with, in one line each
         z = f"optim.zero={cfg.optim.zero}"
-        if p.schedule == "zb-h1":
-            raise RecipeError(
-                f"{z} cannot run parallel.schedule=zb-h1 (its split weight pass runs outside FSDP2's "
-                "hooks); use 1f1b or interleaved, or optim.zero<=1"
-            )
-        if m.kv_heads < p.tp:
-            raise RecipeError(
-                f"{z} needs model.kv_heads={m.kv_heads} >= parallel.tp={p.tp} (replicated kv heads "
-                "are summed over tp before the dp average); lower tp or use optim.zero<=1"
-            )
         if cfg.trainer.sdc_check_every:
             raise RecipeError(
                 f"{z} with trainer.sdc_check_every is not supported (the rerun needs unreduced "

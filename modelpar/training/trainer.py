@@ -83,7 +83,8 @@ class Trainer:
         self.model = build_rank_model(cfg, g, self.device)
         self.runtime = build_runtime(cfg, self.model, g, self.device, self.dtype)
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
-        self.runtime.before_backward = getattr(self.optimizer, "before_backward", None)
+        for hook in ("before_backward", "before_weight_backward", "after_weight_backward"):  # FSDP2's
+            setattr(self.runtime, hook, getattr(self.optimizer, hook, None))
         self.tokens, self.sampler = build_data(cfg, data_path, g)
         self.data_path = data_path
         self.micro_batches = cfg.parallel.microbatches
@@ -187,8 +188,10 @@ class Trainer:
         replicated = []
         for chunk in self.model.chunks:
             for name, shard in chunk.logical_shards().items():
-                if shard.replicated_over_tp:  # under ZeRO-2/3 the tp ranks of a dp rank hold the same shard
-                    replicated.append((name, local(shard.param.detach()) if sharded else shard.tensor))
+                if shard.replicated_over_tp:  # under ZeRO-2/3: the rows of this dp shard, the same on each tp rank
+                    piece = shard.piece_of(shard.param.detach())
+                    if piece is not None:
+                        replicated.append((name, piece[0]))
         problems += find_drift(replicated, g.tp_group, list(g.tp_ranks))
         if self.model.tied and g.embedding_group is not None:
             problems += find_drift(

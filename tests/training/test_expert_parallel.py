@@ -101,6 +101,7 @@ LAYOUTS = [
     ("softmax", dict(dp=4, ep=2, microbatches=1, zero_=1)),  # ... sharded over the pair holding the same experts
     ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1, zero_=1)),
     ("softmax", dict(dp=2, microbatches=1, zero_=3)),
+    ("softmax", dict(tp=2, dp=2, microbatches=1, zero_=3)),  # experts stacked in one parameter, tp sums per shard
     ("sigmoid", dict(dp=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=4, ep=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=2, ep=2, microbatches=2)),

@@ -258,3 +258,48 @@ def test_the_trainer_offloads_saved_activations(token_path, tmp_path):
     ((moved, count),) = run_on_ranks(1, _offloaded_bytes, cfg, token_path)
     # per micro-batch (2) and layer at least the MLP's gate|up output (b=4, s=16, 2 x ffn 48, fp32: 24 KiB)
     assert count >= 2 * TINY.layers and moved >= 2 * TINY.layers * 4 * 16 * 96 * 4, (moved, count)
+
+
+# -- ZeRO-2/3 (FSDP2) under ZB-H1's split backward, and with kv heads replicated over tp ---------------------
+
+TINY_KV1 = replace(TINY, kv_heads=1)  # at tp2 each rank holds the one kv head: its rows are summed over tp
+
+
+@pytest.fixture(scope="module")
+def reference_kv1(token_path, tmp_path_factory):
+    cfg = replace(make_config(tmp_path_factory.mktemp("ref-kv1")), model=TINY_KV1)
+    (result,) = run_on_ranks(1, train_and_collect, cfg, token_path)
+    return result[0], assemble([result])
+
+
+FSDP_LAYOUTS = [
+    # B and W split: sync off for every B and W, each chunk's gradients reduce-scattered after its last W
+    (TINY, dict(dp=2, pp=2, schedule="zb-h1", microbatches=4, zero_=2)),
+    (TINY, dict(dp=2, pp=2, schedule="zb-h1", microbatches=4, zero_=3)),
+    (TINY, dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero_=2, recompute="full")),  # W reruns forwards
+    (TINY, dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero_=3, recompute="full")),
+    (TINY, dict(dp=2, pp=2, schedule="zb-h1", microbatches=2, zero_=3, reduce_every_micro_batch_=True)),
+    # the replicated k/v rows summed over tp on the dp shards FSDP2 reduce-scattered (sp: the norms too)
+    (TINY_KV1, dict(dp=2, tp=2, zero_=3)),
+    (TINY_KV1, dict(dp=2, tp=2, sp=True, zero_=2)),
+]
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    FSDP_LAYOUTS,
+    ids=lambda v: f"kv{v.kv_heads}" if isinstance(v, ModelConfig) else "-".join(f"{k}{x}" for k, x in v.items()),
+)
+def test_fsdp_layout_matches_single_device(model, layout, token_path, request, tmp_path):
+    optim = {k[:-1]: v for k, v in layout.items() if k.endswith("_")}
+    cfg = make_config(tmp_path, **{k: v for k, v in layout.items() if not k.endswith("_")})
+    cfg = replace(cfg, model=model, optim=replace(cfg.optim, **optim))
+    cfg = replace(cfg, trainer=replace(cfg.trainer, check_every=1, drift_action="halt"))  # tp-replicated rows agree
+    ref_losses, ref_params = request.getfixturevalue("reference" if model is TINY else "reference_kv1")
+    results = run_on_ranks(cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp, train_and_collect, cfg, token_path)
+    for losses, _ in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
+    params = assemble(results)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

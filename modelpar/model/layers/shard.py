@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,13 +69,44 @@ class ShardInfo:
     @property
     def index(self) -> tuple[slice, ...]:
         """Slices that cut this rank's piece out of the global tensor."""
+        return self._index(self.local_shape)
+
+    def _index(self, local_shape: tuple[int, ...]) -> tuple[slice, ...]:
         if self.dim is None:
             return tuple(slice(None) for _ in self.global_shape)
-        size = self.local_shape[self.dim]
+        size = local_shape[self.dim]
         return tuple(
             slice(self.offset, self.offset + size) if d == self.dim else slice(None)
             for d in range(len(self.global_shape))
         )
+
+    def piece_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]] | None:
+        """The part of this logical tensor that ``tensor`` holds, and the block of the global tensor it is.
+
+        ``tensor`` is ``param`` or its gradient: ``(tensor[local_rows], index)``. Under ZeRO-2/3 it may be
+        the dp shard FSDP2 keeps of either (a DTensor whose rank holds a ``torch.chunk``-style slice of dim
+        0): then only the rows of ``local_rows`` inside that slice, a view into the local shard, and where
+        they sit; None when the shard holds none of them. Reads shapes only (no collective)."""
+        if not isinstance(tensor, DTensor):
+            return tensor[self.local_rows], self.index
+        mine = tensor.to_local()
+        mesh = tensor.device_mesh
+        rank, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)  # the shard dim is the last
+        rows = tensor.shape[0]
+        start = min(rank * -(-rows // size), rows)
+        stop = start + mine.shape[0]
+        if isinstance(self.local_rows, int):  # one entry of a stacked parameter
+            if not start <= self.local_rows < stop:
+                return None
+            return mine[self.local_rows - start], self._index(tuple(tensor.shape[1:]))
+        first, last, _ = self.local_rows.indices(rows)
+        lo, hi = max(first, start), min(last, stop)
+        if lo >= hi:
+            return None
+        index = list(self._index((last - first, *tensor.shape[1:])))
+        base = index[0].start or 0  # global row of local row ``first``
+        index[0] = slice(base + lo - first, base + hi - first)
+        return mine[lo - start : hi - start], tuple(index)
 
 
 @dataclass(frozen=True)
