@@ -27,7 +27,8 @@ checkpoint sees whole tp-local tensors: ``full_local`` gathers a parameter over 
 ``load_local`` writes a whole tp-local tensor into this rank's dp shard, so checkpoints and resharding are
 those of every other stage. Sums over tp (sequence-parallel norm weights, kv heads replicated when
 ``kv_heads < tp``) run on the dp shards after the reduce-scatter (a sum over tp and a mean over dp commute):
-each logical tensor's rows are mapped onto the rows of the dp shard (``ShardInfo.piece_of``).
+each logical tensor's rows are mapped onto the rows of the dp shard (``ShardInfo.piece_of``). Parameters
+without a gradient (a sigmoid router's balancing bias, moved by rule) are not sharded (``ignored_params``).
 
 Not combined (refused in one line by the recipe check): the dp-replica outlier check and the
 silent-corruption rerun (both need the gradients before they are reduced), and ``model.compile``.
@@ -79,10 +80,12 @@ def shard_chunks(
     if compute_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for chunk in chunks:
+        # what moves by rule, not by gradient (a sigmoid router's balancing bias), stays whole on every rank
+        ruled = {p for p in chunk.parameters() if not p.requires_grad}
         for module in chunk.modules():
             if isinstance(module, block_type):
-                fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+                fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, ignored_params=ruled)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, ignored_params=ruled)
 
 
 def _mesh(groups: ParallelGroups, shard_group: int, device: str) -> DeviceMesh:

@@ -200,11 +200,6 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             )
         if m.compile:
             raise RecipeError(f"{z} with model.compile=true is untested; set model.compile=false")
-        if m.moe.enabled and m.moe.router == "sigmoid":
-            raise RecipeError(
-                f"{z} with model.moe.router=sigmoid is not supported (FSDP2 would shard the balancing bias, which "
-                "moves by rule on every rank); use optim.zero<=1 or the softmax router"
-            )
     g, dpcp = cfg.optim.zero_group, p.dp * p.cp
     if g and (cfg.optim.zero < 2 or g < 0 or dpcp % g):
         fits = [d for d in range(1, dpcp + 1) if dpcp % d == 0]
