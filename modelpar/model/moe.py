@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from modelpar_kernels import swiglu
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.layers import ParallelSwiGLU, ShardInfo
@@ -75,6 +76,37 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group
     return torch.cat([F.linear(piece, w[e].to(x.dtype)) for e, piece in enumerate(pieces)])
 
 
+class RoutedExperts(nn.Module):
+    """The weights of one ep rank's routed experts, ``w1``, ``w3`` [E/ep, f, h] and ``w2`` [E/ep, h, f], and
+    their SwiGLU: a module of their own, so that ZeRO-2/3 can shard them (``fully_shard``) over the ranks
+    holding the same experts while the rest of the block shards over dp x cp (``modelpar.optim.fsdp``)."""
+
+    def __init__(
+        self,
+        local_experts: int,
+        hidden: int,
+        ffn_hidden: int,
+        *,
+        grouped_gemm: bool = True,
+        backend: str = "torch",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        e, f, h, kw = local_experts, ffn_hidden, hidden, dict(device=device, dtype=dtype)
+        self.grouped_gemm, self.backend = grouped_gemm, backend
+        self.w1 = nn.Parameter(torch.zeros(e, f, h, **kw))
+        self.w3 = nn.Parameter(torch.zeros(e, f, h, **kw))
+        self.w2 = nn.Parameter(torch.zeros(e, h, f, **kw))
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by local expert (``counts`` [E/ep] each) -> w2(silu(w1 x) * w3 x), the same order."""
+        grouped = self.grouped_gemm
+        gate = grouped_linear(rows, self.w1, counts, grouped)
+        up = grouped_linear(rows, self.w3, counts, grouped)
+        return grouped_linear(swiglu(gate, up, backend=self.backend), self.w2, counts, grouped)
+
+
 class _AuxLossGradient(torch.autograd.Function):
     """Identity on ``y``; in backward, ``d(aux)/d(aux inputs) = 1`` starts the auxiliary loss's own gradient."""
 
@@ -113,9 +145,10 @@ class MoELayer(nn.Module):
     """A block's MLP half as a mixture of experts; x: [b, s, h] (or [b, s/t, h] under sequence parallel).
 
     Holds the router ``gate.weight`` [E, h] (replicated over tp and ep), this ep rank's ``experts/ep`` experts
-    as ``w1``, ``w3`` [E/ep, f, h] and ``w2`` [E/ep, h, f] (logical ``experts.<global id>.w1.weight`` ...), the
-    sigmoid router's ``gate.e_score_correction_bias`` [E] (no gradient; moved by ``update_bias``) and optional
-    ``shared_experts``. Routing statistics of the forward passes since ``take_stats()`` accumulate on the device.
+    in ``routed_experts`` as ``w1``, ``w3`` [E/ep, f, h] and ``w2`` [E/ep, h, f] (logical
+    ``experts.<global id>.w1.weight`` ...), the sigmoid router's ``gate.e_score_correction_bias`` [E] (no
+    gradient; moved by ``update_bias``) and optional ``shared_experts``. Routing statistics of the forward
+    passes since ``take_stats()`` accumulate on the device.
     """
 
     def __init__(
@@ -142,9 +175,7 @@ class MoELayer(nn.Module):
         kw = dict(device=device, dtype=dtype)
         e, f, h = self.local_experts, self.ffn_hidden, self.hidden
         self.gate_weight = nn.Parameter(torch.zeros(self.experts, h, **kw))
-        self.w1 = nn.Parameter(torch.zeros(e, f, h, **kw))
-        self.w3 = nn.Parameter(torch.zeros(e, f, h, **kw))
-        self.w2 = nn.Parameter(torch.zeros(e, h, f, **kw))
+        self.routed_experts = RoutedExperts(e, h, f, grouped_gemm=moe.grouped_gemm, backend=backend, **kw)
         self.score_bias = None
         if moe.router == "sigmoid":
             self.score_bias = nn.Parameter(torch.zeros(self.experts, device=device), requires_grad=False)
@@ -224,7 +255,7 @@ class MoELayer(nn.Module):
     def _experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by (global) expert, ``counts`` [E] each -> this layer's expert outputs, same order."""
         if self.ep.size == 1:
-            return self._swiglu(routed, counts)
+            return self.routed_experts(routed, counts)
         ep, e_local = self.ep.size, self.local_experts
         by_rank = counts.view(ep, e_local)  # [ep, E/ep]: rows for each rank's experts
         with collectives.comm_tag("moe_dispatch"):
@@ -236,17 +267,16 @@ class MoELayer(nn.Module):
         local_expert = torch.arange(e_local, device=routed.device).repeat(ep)
         expert_of_arrived = local_expert.repeat_interleave(received.reshape(-1), output_size=sum(recv_splits))
         by_expert = expert_of_arrived.argsort(stable=True)  # (source, expert) -> (expert, source)
-        out = self._swiglu(arrived[by_expert], received.sum(0))
+        out = self.routed_experts(arrived[by_expert], received.sum(0))
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
         return all_to_all_tokens(out[back], recv_splits, send_splits, self.ep)
 
-    def _swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on rows sorted by local expert (``counts`` [E/ep] each): w2(silu(w1 x) * w3 x)."""
-        grouped = self.moe.grouped_gemm
-        gate = grouped_linear(rows, self.w1, counts, grouped)
-        up = grouped_linear(rows, self.w3, counts, grouped)
-        return grouped_linear(swiglu(gate, up, backend=self.backend), self.w2, counts, grouped)
+    # this ep rank's expert weights, [E/ep, ...] (held by ``routed_experts``; read them through its forward when
+    # FSDP2 shards them: its pre-forward hook gathers them)
+    w1 = property(lambda self: self.routed_experts.w1)
+    w3 = property(lambda self: self.routed_experts.w3)
+    w2 = property(lambda self: self.routed_experts.w2)
 
     # -- auxiliary losses and statistics -------------------------------------------------------------------
 
@@ -380,7 +410,7 @@ class MoELayer(nn.Module):
                 self.score_bias, slice(None), (self.experts,), replicated_over_tp=tp, primary=self.tp.rank == 0
             )
         for name in EXPERT_WEIGHTS:
-            param = getattr(self, name)
+            param = getattr(self.routed_experts, name)
             for e in range(self.local_experts):
                 logical = f"{prefix}experts.{self.first_expert + e}.{name}.weight"
                 shards[logical] = ShardInfo(param, e, tuple(param.shape[1:]), **kw)
@@ -395,11 +425,14 @@ class MoELayer(nn.Module):
             return {}
         state = {}
         for name in EXPERT_WEIGHTS:
+            mine = getattr(self.routed_experts, name).detach()
+            if isinstance(mine, DTensor):  # ZeRO-2/3: sharded over the ranks holding the same experts
+                mine = mine.full_tensor()
             with collectives.comm_tag("export"):
-                whole = collectives.all_gather(getattr(self, name).detach(), self.ep.group)  # [E, ...]
+                whole = collectives.all_gather(mine, self.ep.group)  # [E, ...]
             state |= {f"{prefix}experts.{e}.{name}.weight": whole[e] for e in range(self.experts)}
         return state
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters split over ep (gradients averaged over the expert data-parallel group)."""
-        return [self.w1, self.w3, self.w2]
+        return list(self.routed_experts.parameters())

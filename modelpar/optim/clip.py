@@ -50,7 +50,9 @@ def clip_grad_norm(
     """
     total = _local_sum_of_squares(params_with_info, groups.tp_group)
     experts = [(p, info) for p, info in params_with_info if info.expert_parallel]
-    # each ep rank holds other experts: their squares add up over ep (under ZeRO, dp x cp holds ep already)
+    # each ep rank holds other experts: their squares add up over ep. Under ZeRO summed over all of dp x cp
+    # (dp_group None) they already do: ZeRO-1 and ZeRO-2/3 shard the experts over the ranks holding the same
+    # ones (or leave them whole when no other rank does), so dp x cp holds each expert value once
     if experts and len(groups.ep_ranks) > 1 and not (zero_sharded and dp_group is None):
         dense = [(p, info) for p, info in params_with_info if not info.expert_parallel]
         expert_total = _local_sum_of_squares(experts, groups.tp_group)

@@ -1,4 +1,5 @@
-"""ZeRO-2 and ZeRO-3 on torch's FSDP2: gradients (and at stage 3 weights) sharded over dp x cp, per block.
+"""ZeRO-2 and ZeRO-3 on torch's FSDP2: gradients (and at stage 3 weights) sharded over dp x cp, per block
+(a mixture of experts' experts over the ranks holding the same experts).
 
 ``shard_chunks(chunks, groups, zero)`` applies ``torch.distributed.fsdp.fully_shard`` to every transformer
 block and then to each chunk (the embedding, final norm and head) over a mesh of this rank's dp x cp group,
@@ -30,6 +31,20 @@ those of every other stage. Sums over tp (sequence-parallel norm weights, kv hea
 each logical tensor's rows are mapped onto the rows of the dp shard (``ShardInfo.piece_of``). Parameters
 without a gradient (a sigmoid router's balancing bias, moved by rule) are not sharded (``ignored_params``).
 
+**Expert parallelism** (ep > 1; as torchtitan does it). The ep ranks of a block hold different experts, so the
+experts cannot shard over dp x cp with the rest of the block. Each MoE layer's ``RoutedExperts`` (its
+``w1``, ``w3``, ``w2`` [E/ep, ...]) gets its own ``fully_shard``, before the block's, over a mesh of the expert
+data-parallel group (the ranks holding the same experts, ``groups.expert_dp_group``); the block's
+``fully_shard`` then leaves them out. Their gradients are reduce-scattered there, summed and divided by all of
+dp x cp (``set_gradient_divide_factor``: each rank's loss is a mean over its own tokens; on gloo, which has no
+``PREMUL_SUM``, a sum then a division), as zero-0 averages them. When no other rank holds a rank's experts
+(ep = dp x cp) they stay whole on it, outside FSDP2 (``ignored_params``), and ``FullyShardedAdamW`` divides
+their gradients by dp x cp itself. Either way every expert value lives on exactly one rank of dp x cp, so the
+grad norm sums the dp x cp group once (no extra sum over ep); the checkpoint's gathers and ``piece_of`` read
+each parameter's own mesh. Hybrid sharding (``optim.zero_group``) with ep > 1 is refused. FSDP2 shards dim 0,
+the local experts: with fewer local experts than expert data-parallel ranks some ranks hold none (correct,
+unbalanced memory).
+
 Not combined (refused in one line by the recipe check): the dp-replica outlier check and the
 silent-corruption rerun (both need the gradients before they are reduced), and ``model.compile``.
 """
@@ -45,6 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from modelpar.model.moe import RoutedExperts
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.data_parallel import DataParallelOptimizer, _nothing
@@ -71,17 +87,33 @@ def shard_chunks(
     masters, and gradients are reduce-scattered in ``reduce_dtype`` before landing in fp32. ``shard_group`` > 0
     (``optim.zero_group``): hybrid sharding, shards over blocks of that many consecutive dp x cp ranks (a
     node, say) and replicas across the blocks; gradients are reduce-scattered inside a block and all-reduced
-    across blocks."""
+    across blocks. Under ep > 1 each MoE layer's experts shard over the expert data-parallel group first, or
+    stay whole where that group is this rank alone (see the module docstring); not with hybrid sharding."""
     if zero not in SHARDED_STAGES:
         raise ValueError(f"zero={zero} is not a sharded stage {SHARDED_STAGES}")
+    split_experts = groups.layout.ep > 1
+    if split_experts and shard_group not in (0, len(groups.dp_cp_ranks)):
+        raise ValueError(f"zero_group={shard_group} with ep={groups.layout.ep}: experts are not hybrid-sharded")
     device = next(p for c in chunks for p in c.parameters()).device.type
     mesh = _mesh(groups, shard_group, device)
     policy = MixedPrecisionPolicy()
     if compute_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    expert_mesh = None
+    if split_experts and len(groups.expert_dp_ranks) > 1:
+        expert_mesh = DeviceMesh.from_group(groups.expert_dp_group, device)
     for chunk in chunks:
         # what moves by rule, not by gradient (a sigmoid router's balancing bias), stays whole on every rank
         ruled = {p for p in chunk.parameters() if not p.requires_grad}
+        experts = [m for m in chunk.modules() if isinstance(m, RoutedExperts)] if split_experts else []
+        for module in experts:  # first: the blocks' own fully_shard then leaves them out
+            if expert_mesh is None:  # no other rank holds these experts: whole here, averaged by the optimizer
+                ruled |= set(module.parameters())
+                continue
+            fully_shard(module, mesh=expert_mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+            module.set_gradient_divide_factor(float(len(groups.dp_cp_ranks)))  # summed over expert dp, / dp x cp
+            if dist.get_backend(groups.expert_dp_group) != "nccl":  # gloo has no PREMUL_SUM: sum, then divide
+                module.set_force_sum_reduction_for_comms(True)
         for module in chunk.modules():
             if isinstance(module, block_type):
                 fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, ignored_params=ruled)
@@ -168,9 +200,15 @@ class FullyShardedAdamW(DataParallelOptimizer):
         self.chunks = list(chunks)  # the FSDP2 roots, in the pipeline runtime's local order
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self._micro_batches = 1
-        first = next((p for p, _ in self.params_with_info if isinstance(p, DTensor)), None)
-        # the group whose ranks hold different shards: the norm sums over it (replicas hold the same values)
-        self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if first is not None else None
+        first = next((p for p, i in self.params_with_info if isinstance(p, DTensor) and not i.expert_parallel), None)
+        # the group whose ranks hold different shards, where hybrid sharding replicates them: the norm sums over
+        # it; None: all of dp x cp, where under ep the experts are sharded over the ranks holding the same ones,
+        # so over dp x cp each expert value too is held once
+        hybrid = first is not None and first.device_mesh.ndim > 1
+        self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if hybrid else None
+        # experts no other rank holds (ep = dp x cp) are left whole, outside FSDP2: averaged here, over dp x cp
+        self._whole_experts = [p for p, i in self.params_with_info if i.expert_parallel and not isinstance(p, DTensor)]
+        self._expert_divisor = float(len(groups.dp_cp_ranks))
 
     def expect_micro_batches(self, micro_batches: int) -> None:
         """Gradients accumulate unsharded until each chunk's last micro-batch, which reduce-scatters them once
@@ -208,7 +246,12 @@ class FullyShardedAdamW(DataParallelOptimizer):
             _end_weight_backward(self.chunks[chunk], reduce=self._reduces(micro_batch))
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
-        other_reductions()  # FSDP2 reduce-scattered each block's gradients in backward; tp sums follow
+        # FSDP2 reduce-scattered each block's gradients in backward (experts: summed over the ranks holding them,
+        # divided by dp x cp); experts held by this rank alone are divided here; tp sums follow
+        grads = [p.grad for p in self._whole_experts if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, self._expert_divisor)
+        other_reductions()
 
     def _has_grad_flags(self) -> torch.Tensor:
         raise AssertionError("no deferred flags under FSDP2")  # _flags_pending is never set

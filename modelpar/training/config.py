@@ -235,10 +235,10 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
                 f"which parallel.schedule={p.schedule} at {p.microbatches} micro-batches does not do; use "
                 "parallel.schedule=gpipe, parallel.microbatches=1, or model.moe.aux_loss_scope=micro_batch"
             )
-    if p.ep > 1 and cfg.optim.zero >= 2:
+    if p.ep > 1 and cfg.optim.zero_group and cfg.optim.zero_group != p.dp * p.cp:
         raise RecipeError(
-            f"parallel.ep={p.ep} with optim.zero={cfg.optim.zero} is not supported (FSDP2 would shard the experts "
-            "over all of dp x cp, but they differ across ep); use optim.zero=1 or 0"
+            f"optim.zero_group={cfg.optim.zero_group} with parallel.ep={p.ep} is not supported (the experts shard "
+            "over the ranks holding the same experts, not in blocks); use optim.zero_group=0"
         )
     if p.cp > 1 and d.seq_len % (2 * p.cp):
         fits = [c for c in range(1, d.seq_len // 2 + 1) if d.seq_len % (2 * c) == 0]

@@ -179,7 +179,9 @@ class Trainer:
     def _find_drift(self) -> list[str]:
         """Values that must agree: everything across dp replicas, tp-replicated rows, the tied embedding."""
         g = self.groups
-        sharded = self.cfg.optim.zero >= 2  # dp replicas hold different shards by design: only tp compares
+        # dp replicas hold different shards by design: only tp compares (experts too: under ep they are sharded
+        # over the ranks holding them, or held by one rank alone; hybrid sharding with ep is refused)
+        sharded = self.cfg.optim.zero >= 2
         named = [(info.name, p) for p, info in self.model.params if not info.expert_parallel]
         problems = [] if sharded else find_drift(named, g.dp_group, list(g.dp_ranks))
         experts = [(info.name, p) for p, info in self.model.params if info.expert_parallel]

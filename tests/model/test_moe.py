@@ -179,7 +179,7 @@ def test_moe_model_names_its_tensors_as_mixtral_and_trains_on_one_device():
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     loss = model.loss(model(ids), ids)
     loss.backward()
-    assert torch.isfinite(loss) and model.layers["2"].mlp.w2.grad.abs().sum() > 0
+    assert torch.isfinite(loss) and model.layers["2"].mlp.routed_experts.w2.grad.abs().sum() > 0
     every_matmul = sum(s.tensor.numel() for n, s in model.logical_shards().items() if not n.endswith("norm.weight"))
     routed_away = 2 * (4 - 2) * 3 * 32 * 48  # two MoE layers, two of four experts not used per token
     embedding_lookup = 64 * 32  # not a matmul

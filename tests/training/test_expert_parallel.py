@@ -102,9 +102,20 @@ LAYOUTS = [
     ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1, zero_=1)),
     ("softmax", dict(dp=2, microbatches=1, zero_=3)),
     ("softmax", dict(tp=2, dp=2, microbatches=1, zero_=3)),  # experts stacked in one parameter, tp sums per shard
+    ("softmax", dict(dp=2, ep=2, microbatches=1, zero_=3)),  # ZeRO-3 x ep: each rank alone holds its experts
+    ("softmax", dict(dp=4, ep=2, microbatches=1, zero_=2)),  # experts sharded over the pair holding them (FSDP2)
+    ("softmax", dict(dp=4, ep=2, microbatches=1, zero_=3)),
+    ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1, zero_=3)),
+    ("softmax", dict(tp=2, dp=4, ep=2, microbatches=1, zero_=3)),  # tp sums on the experts' dp shards
+    ("softmax", dict(cp=2, dp=2, ep=2, microbatches=1, zero_=3)),  # experts sharded over a dp x cp pair
+    ("softmax", dict(cp=2, ep=2, microbatches=1, zero_=2)),
+    ("softmax", dict(pp=2, dp=2, ep=2, microbatches=2, schedule="gpipe", zero_=3)),
     ("sigmoid", dict(dp=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=2, microbatches=2, zero_=3)),  # the bias stays whole on every rank (FSDP2 ignores it)
     ("sigmoid", dict(tp=2, dp=2, microbatches=2, zero_=2)),
+    ("sigmoid", dict(dp=2, ep=2, microbatches=2, zero_=3)),
+    ("sigmoid", dict(pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1", zero_=3)),  # split backward, whole experts
+    ("sigmoid", dict(pp=2, dp=4, ep=2, microbatches=2, schedule="zb-h1", zero_=3)),  # ... and FSDP2-sharded ones
     ("sigmoid", dict(dp=4, ep=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(tp=2, dp=2, ep=2, microbatches=2)),
@@ -147,7 +158,10 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
         (dict(parallel=dict(dp=4, ep=3)), "ep=3 must divide dp x cp = 4"),
         (dict(parallel=dict(dp=3, ep=3)), "parallel.ep=3 does not divide model.moe.experts=4"),
         (dict(parallel=dict(dp=2, etp=2)), "parallel.etp=2: expert tensor parallelism is not supported"),
-        (dict(parallel=dict(dp=2, ep=2, microbatches=1), zero=3), "parallel.ep=2 with optim.zero=3 is not supported"),
+        (
+            dict(parallel=dict(dp=4, ep=2, microbatches=1), zero=3, zero_group=2),
+            "optim.zero_group=2 with parallel.ep=2",
+        ),
         (dict(moe=dict(top_k=5)), "model.moe.top_k=5 must be in 1..experts=4"),
         (dict(parallel=dict(dp=2, ep=2, microbatches=2)), "aux_loss_scope=global_batch needs every micro-batch"),
         (dict(moe=dict(aux_loss_scope="batch")), "model.moe.aux_loss_scope='batch' is not one of"),
@@ -156,7 +170,7 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
 def test_bad_expert_recipes_are_refused_in_one_line_before_ranks_start(change, message, tmp_path):
     cfg = moe_config(tmp_path, "softmax", **change.get("parallel", {}))
     if "zero" in change:
-        cfg = replace(cfg, optim=replace(cfg.optim, zero=change["zero"]))
+        cfg = replace(cfg, optim=replace(cfg.optim, zero=change["zero"], zero_group=change.get("zero_group", 0)))
     if "moe" in change:
         cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, **change["moe"])))
     with pytest.raises((RecipeError, LayoutError), match=message) as info:
@@ -164,16 +178,20 @@ def test_bad_expert_recipes_are_refused_in_one_line_before_ranks_start(change, m
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("layout", [dict(ep=2), dict(zero_=3)], ids=["ep2", "zero3"])
+RESUMED = [dict(ep=2), dict(zero_=3), dict(ep=2, zero_=3), dict(dp=4, ep=2, zero_=3)]
+
+
+@pytest.mark.parametrize("layout", RESUMED, ids=["ep2", "zero3", "ep2-zero3", "dp4-ep2-zero3"])
 def test_expert_parallel_resume_continues_bit_for_bit(token_path, tmp_path, layout):
     from tests.training.test_layouts import train_and_collect as train_and_save
 
-    cfg = moe_config(tmp_path / "a", "sigmoid", dp=2, microbatches=2, **layout)
+    cfg = moe_config(tmp_path / "a", "sigmoid", microbatches=2, **{"dp": 2, **layout})
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
-    straight = run_on_ranks(2, train_and_save, cfg, token_path, None, (2,))
+    world = cfg.parallel.layout().world_size
+    straight = run_on_ranks(world, train_and_save, cfg, token_path, None, (2,))
     ckpt = str(tmp_path / "a" / "checkpoints" / "step-00000002")
     resumed_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(tmp_path / "b")))
-    resumed = run_on_ranks(2, train_and_save, resumed_cfg, token_path, ckpt)
+    resumed = run_on_ranks(world, train_and_save, resumed_cfg, token_path, ckpt)
     for (losses_a, pieces_a), (losses_b, pieces_b) in zip(straight, resumed, strict=True):
         assert losses_a[2:] == losses_b, "losses after resume differ"
         for key, tensor in pieces_a.items():  # experts, routers and the balancing bias alike
