@@ -12,6 +12,9 @@ micro-batch until its backward. Beside it, the paper's per-layer formula for 16-
     tp=t                s*b*h*(10 + 24/t + 5*a*s/(h*t))
     tp=t + SP           s*b*h*(34 + 5*a*s/h) / t
 
+and ``modelpar-plan``'s own model of our block (``modelpar.perf.plan_memory.block_bytes``: the tensors listed
+below, derived from the code, fp32), which the measurement should equal.
+
 Why the two differ (the JSON's ``breakdown`` lists every saved shape and dtype, in units of s*b*h elements):
 
 - our CPU activations are fp32, 4 bytes where the paper counts 2;
@@ -49,6 +52,8 @@ from modelpar.cli.args import positive_int
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import build_chunk
 from modelpar.perf.memory import SavedTensorMeter
+from modelpar.perf.plan import HARDWARE, ModelSpec, Strategy
+from modelpar.perf.plan_memory import block_bytes
 from modelpar.testing import current_groups, run_on_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -93,6 +98,7 @@ def run(config: ModelConfig, batch: int, seq: int) -> list[dict]:
         got = per_rank[0]
         paper = korthikanti_bytes(s, b, h, a, t, sp)
         no_scores = paper - s * b * h * 5 * a * s / h / (t if (sp or t > 1) else 1)
+        planner = block_bytes(ModelSpec(config), Strategy(ParallelLayout(tp=t), b, 1, sp=sp), s, HARDWARE["cpu"])
         rows.append(
             {
                 "tp": t,
@@ -104,6 +110,8 @@ def run(config: ModelConfig, batch: int, seq: int) -> list[dict]:
                 "korthikanti_fp32_without_scores_bytes": 2 * no_scores,
                 "ratio_measured_to_16bit": got["bytes"] / paper,
                 "ratio_measured_to_fp32_without_scores": got["bytes"] / (2 * no_scores),
+                "planner_bytes": planner,
+                "ratio_planner_to_measured": planner / got["bytes"],
                 "per_rank_bytes": [r["bytes"] for r in per_rank],
                 "breakdown": got["breakdown"],
             }
@@ -113,7 +121,7 @@ def run(config: ModelConfig, batch: int, seq: int) -> list[dict]:
 
 HEADER = (
     f"{'tp':>2} {'sp':<3} {'measured KiB':>12} {'x s*b*h fp32':>12} {'paper 16-bit KiB':>16} {'ratio':>6} "
-    f"{'paper fp32 no-scores KiB':>24} {'ratio':>6}"
+    f"{'paper fp32 no-scores KiB':>24} {'ratio':>6} {'planner KiB':>11} {'ratio':>6}"
 )
 
 
@@ -122,7 +130,8 @@ def format_row(r: dict) -> str:
         f"{r['tp']:>2} {'on' if r['sp'] else 'off':<3} {r['measured_bytes'] / 1024:>12.0f} "
         f"{r['measured_sbh_elements']:>12.2f} {r['korthikanti_16bit_bytes'] / 1024:>16.0f} "
         f"{r['ratio_measured_to_16bit']:>6.2f} {r['korthikanti_fp32_without_scores_bytes'] / 1024:>24.0f} "
-        f"{r['ratio_measured_to_fp32_without_scores']:>6.2f}"
+        f"{r['ratio_measured_to_fp32_without_scores']:>6.2f} {r['planner_bytes'] / 1024:>11.0f} "
+        f"{r['ratio_planner_to_measured']:>6.3f}"
     )
 
 
@@ -143,7 +152,7 @@ def main() -> None:
         "micro_batch": b,
         "dtype": "fp32",
         "formula": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes (16-bit); /t with TP+SP; "
-        "s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP alone",
+        "s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP alone; planner: modelpar.perf.plan_memory.block_bytes",
         "torch": torch.__version__,
         "platform": platform.platform(),
         "rows": rows,
@@ -156,7 +165,8 @@ def main() -> None:
             f"| {r['tp']} | {'on' if r['sp'] else 'off'} | {r['measured_bytes'] / 1024:.0f} | "
             f"{r['measured_sbh_elements']:.2f} | {r['korthikanti_16bit_bytes'] / 1024:.0f} | "
             f"{r['ratio_measured_to_16bit']:.2f} | {r['korthikanti_fp32_without_scores_bytes'] / 1024:.0f} | "
-            f"{r['ratio_measured_to_fp32_without_scores']:.2f} |"
+            f"{r['ratio_measured_to_fp32_without_scores']:.2f} | {r['planner_bytes'] / 1024:.0f} | "
+            f"{r['ratio_planner_to_measured']:.3f} |"
         )
     breakdown = "\n".join(
         f"- {e['count']} x {e['dtype']} {e['shape']}: storage of {e['sbh']:.2f} s*b*h fp32 elements"
@@ -183,6 +193,8 @@ def _columns() -> list[str]:
         "ratio",
         "paper x2 (fp32) without the 5as/h scores, KiB",
         "ratio",
+        "planner (plan_memory) KiB",
+        "planner / measured",
     ]
 
 

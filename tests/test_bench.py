@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
         ("single-rc", dict(tp=1, pp=1, recompute="full")),
         ("tp2-pp2-rc", dict(tp=2, pp=2, recompute="full")),
         ("tp2", dict(tp=2, recompute="none")),
+        ("single-sel", dict(recompute="selective", recompute_modules=["elementwise"])),
+        ("tp2-sel.attention.mlp", dict(tp=2, recompute="selective", recompute_modules=["attention", "mlp"])),
+        ("pp2-off", dict(pp=2, offload_activations=True)),
     ],
 )
 def test_layout_specs_set_the_parallel_config(spec, want):
@@ -55,6 +58,8 @@ def test_layout_name_reads_back_as_the_same_layout():
         "pp2-params",
         "single-rc",
         "tp2-pp2-zb-h1-m4-rc",
+        "single-sel",
+        "tp2-sp-sel.mlp.elementwise-off",
     ):
         parallel = parse_layout(spec, ParallelConfig(microbatches=8))
         assert parse_layout(layout_name(parallel), ParallelConfig(microbatches=8)) == parallel
@@ -63,6 +68,18 @@ def test_layout_name_reads_back_as_the_same_layout():
 def test_unknown_layout_token_is_one_line_with_the_fix():
     with pytest.raises(ValueError, match="cannot read 'xx3'.*tpN"):
         parse_layout("tp2-xx3", ParallelConfig())
+    with pytest.raises(ValueError, match=r"'sel.atn' names \['atn'\]; selective recompute reruns some of"):
+        parse_layout("single-sel.atn", ParallelConfig())
+
+
+def test_case_specs_set_the_optimizer_too_and_name_it():
+    from modelpar.perf.layout_spec import case_name, parse_case
+    from modelpar.training.config import TrainConfig
+
+    cfg = parse_case("dp4-zero3-zg2-sel", TrainConfig())
+    assert (cfg.parallel.dp, cfg.optim.zero, cfg.optim.zero_group, cfg.parallel.recompute) == (4, 3, 2, "selective")
+    assert case_name(cfg) == "dp4-m1-sel-zero3-zg2"
+    assert parse_case(case_name(cfg), TrainConfig()) == cfg
 
 
 def test_saved_tensor_meter_counts_each_storage_once_and_frees_after_backward():

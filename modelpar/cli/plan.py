@@ -21,6 +21,7 @@ from modelpar.model.activations import RECOMPUTE
 from modelpar.perf.plan import (
     GIB,
     HARDWARE,
+    SELECTIVE_CHOICES,
     CostModel,
     Hardware,
     ModelSpec,
@@ -28,17 +29,17 @@ from modelpar.perf.plan import (
     PlannedLayout,
     SearchSpace,
     Strategy,
+    explain,
     load_hardware,
     load_model,
     model_presets,
     plan,
 )
 
-# the planner's modes that modelpar-train runs as modelled; the planner's selective (Megatron's: recompute the
-# attention core, Korthikanti et al. 2022) is for comparison with published runs only: modelpar's attention keeps
-# no s x s scores to drop, and modelpar-train's own parallel.recompute=selective (attention | mlp |
-# elementwise, modelpar/model/activations.py) keeps other tensors, which the planner does not model yet
-TRAINER_RECOMPUTE = tuple(mode for mode in RECOMPUTE if mode != "selective")
+# the recompute modes modelpar-train runs, all modelled for our block (modelpar/perf/plan_memory.py): selective
+# with each of the planner's parallel.recompute_modules choices
+TRAINER_RECOMPUTE = RECOMPUTE
+SHORT_MODULES = {"attention": "attn", "mlp": "mlp", "elementwise": "elem"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--recompute",
         default=",".join(TRAINER_RECOMPUTE),
-        help="comma-separated modes to try: none, full (what modelpar-train runs), selective (Megatron's, modelled)",
+        help="comma-separated modes to try: none, selective (each --recompute-modules choice), full",
+    )
+    ap.add_argument(
+        "--recompute-modules",
+        default=";".join(",".join(c) for c in SELECTIVE_CHOICES),
+        help="selective recompute's choices of parallel.recompute_modules, ';'-separated, each a ','-list of "
+        "attention, mlp, elementwise",
+    )
+    ap.add_argument(
+        "--offload",
+        default="auto",
+        choices=("auto", "off"),
+        help="auto: try parallel.offload_activations where a layout does not fit without it; off: never",
     )
     ap.add_argument("--top", type=int, default=10, help="rows to print")
     ap.add_argument("--json", type=pathlib.Path, help="write every fitting layout here")
@@ -133,7 +146,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 
 def trainer_overrides(strategy: Strategy, seq_len: int, model: ModelSpec | None = None) -> list[str] | None:
     """The ``modelpar-train`` overrides that run ``strategy`` (model and hardware aside), or None where the trainer
-    cannot (selective recompute). For a mixture of experts with an aux loss (``model``) under a schedule that
+    cannot. For a mixture of experts with an aux loss (``model``) under a schedule that
     runs backwards before the last forward, the aux loss is taken per global micro-batch."""
     if strategy.recompute not in TRAINER_RECOMPUTE:
         return None
@@ -151,7 +164,11 @@ def trainer_overrides(strategy: Strategy, seq_len: int, model: ModelSpec | None 
     out.append(f"parallel.microbatches={strategy.micro_batches}")
     out += ["parallel.sp=true"] * strategy.sp
     out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
+    if strategy.recompute == "selective":
+        out.append(f"parallel.recompute_modules=[{','.join(strategy.recompute_modules)}]")
+    out += ["parallel.offload_activations=true"] * strategy.offload
     out += [f"optim.zero={strategy.zero}"] * strategy.zero1
+    out += ["optim.reduce_every_micro_batch=true"] * strategy.reduce_every_micro_batch
     return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
 
 
@@ -168,7 +185,7 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
     header = (
-        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<9} {'zero':<4} {'sp':<3} {'cp comm':<9} "
+        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<13} {'zero':<4} {'sp':<3} {'cp comm':<9} "
         f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
     )
     yield header
@@ -177,12 +194,25 @@ def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
         s, p = entry.strategy, entry.prediction
         comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s + p.cp_comm_s + p.ep_comm_s
         yield (
-            f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {s.recompute:<9} "
+            f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {recompute_cell(s):<13} "
             f"{s.zero:<4} {'yes' if s.sp else 'no':<3} "
             f"{s.cp_comm if s.layout.cp > 1 else '-':<9} {p.memory.total / GIB:>7.1f} "
             f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
             f"{comm / p.total_s:>5.1%}"
         )
+
+
+def recompute_cell(s: Strategy) -> str:
+    """``none``, ``full``, ``sel:attn+elem`` ..., and ``+off`` with activation offload."""
+    cell = s.recompute
+    if s.recompute == "selective":
+        cell = "sel:" + "+".join(SHORT_MODULES.get(m, m) for m in s.recompute_modules)
+    return cell + "+off" * s.offload
+
+
+def parse_modules(text: str) -> tuple[tuple[str, ...], ...]:
+    """``attention;mlp,elementwise`` -> (("attention",), ("mlp", "elementwise"))."""
+    return tuple(tuple(m.strip() for m in c.split(",") if m.strip()) for c in text.split(";") if c.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -202,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_vpp=args.max_vpp,
             max_micro_batch_size=args.max_micro_batch_size,
             recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
+            recompute_modules=parse_modules(args.recompute_modules),
+            offload=(False,) if args.offload == "off" else (False, True),
         )
         costs = CostModel(efficiency=args.efficiency, dp_overlap=args.dp_overlap)
         if not 0 < costs.efficiency <= 1 or not 0 <= costs.dp_overlap <= 1:
@@ -226,13 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in format_table(planned, args.top):
         print(line)
     best = trainer_overrides(planned[0].strategy, args.seq_len, model)
-    if best is None:
-        print(
-            "#1 uses selective recompute as Megatron's (the attention core), which modelpar-train does not run "
-            "(its parallel.recompute=selective keeps other tensors, not modelled here); plan with --recompute none,full"
-        )
-    else:
-        print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
+    print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
+    for line in explain(planned[0], model, hardware, seq_len=args.seq_len, costs=costs, space=space):
+        print(line)
     if args.json:
         record = {
             "model": {**dataclasses.asdict(model.shape), "flash_attention": model.flash_attention},

@@ -21,12 +21,17 @@ non-blocking copies on CUDA) and back when backward needs it, through ``torch.au
 hooks; parameters and tensors under 16 KiB stay where they are. On a CPU run there is no other memory to move
 to: the tensors are copied into separate host buffers all the same, so the path is exercised and counted
 (``ActivationOffload.bytes_offloaded``), with no saving.
+
+Tensors kept out of sight of an outer saved-tensor hook (a memory meter's, ``modelpar.perf.memory``) are shown
+to the meters registered with ``watch``: what offload leaves on the device (``keep``) or moves (``offloaded``),
+and the outputs selective checkpointing caches itself (``cached``), which no hook ever sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -55,8 +60,32 @@ SAVED_OPS = frozenset(
 )
 
 
+# meters (``modelpar.perf.memory.SavedTensorMeter``) watching what the hooks below keep; empty outside one
+_WATCHERS: list = []
+
+
+@contextlib.contextmanager
+def watch(watcher) -> Iterator[None]:
+    """Show ``watcher`` what offload and selective checkpointing keep while the block is inside: it needs
+    ``keep(t) -> packed`` and ``unpack(packed)`` (a tensor left on the device, held until backward lets it go),
+    ``offloaded(host) -> packed`` (the host copy of one moved) and ``cached(t)`` (an output selective
+    checkpointing caches, held until its storage is freed)."""
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(watcher)
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in SAVED_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if _WATCHERS:
+        outputs = ctx.op_output if isinstance(ctx.op_output, tuple | list) else (ctx.op_output,)
+        for t in outputs:
+            if isinstance(t, torch.Tensor):
+                _WATCHERS[-1].cached(t)
+    return CheckpointPolicy.MUST_SAVE
 
 
 class RecomputePolicy:
@@ -112,7 +141,7 @@ class ActivationOffload:
         size = t.numel() * t.element_size()
         small = t.untyped_storage().nbytes() < self.min_bytes  # a view of a large buffer is worth moving
         if isinstance(t, torch.nn.Parameter) or small or _storage_key(t) in self._excluded:
-            return t
+            return _Kept(_WATCHERS[-1].keep(t)) if _WATCHERS else t
         if t.device.type == "cuda":
             host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
             host.copy_(t, non_blocking=True)
@@ -120,14 +149,30 @@ class ActivationOffload:
             host = t.detach().clone()
         self.bytes_offloaded += size
         self.tensors_offloaded += 1
-        return (t.device, host)
+        return (t.device, _WATCHERS[-1].offloaded(host) if _WATCHERS else host)
 
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _Kept):
+            return packed.watcher_unpack()
         device, host = packed
+        if not isinstance(host, torch.Tensor):  # a watcher's holder of the host copy
+            host = host.tensor
         return host.to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+class _Kept:
+    """A tensor offload leaves on the device, packed by the watcher that counts it."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+    def watcher_unpack(self) -> torch.Tensor:
+        return self.packed.tensor if not isinstance(self.packed, torch.Tensor) else self.packed
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -141,4 +186,5 @@ __all__ = [
     "SAVED_OPS",
     "ActivationOffload",
     "RecomputePolicy",
+    "watch",
 ]

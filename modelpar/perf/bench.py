@@ -22,7 +22,11 @@ pool (load from other jobs drifts over minutes). From the timed steps it reports
   pipelines the bubble-bound ideal ``single-rank tokens/s x ranks x m / (m + p - 1)`` when the sweep ran
   ``single`` too;
 - peak activation memory per pipeline stage: the CUDA allocator's peak over the step on GPU, on CPU the
-  most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``);
+  most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``; offload's host copies
+  apart), and the model states of each rank (``trainer_state_bytes`` at the optimizer step: weights, gradients,
+  optimizer state, gradient buckets; FSDP2's gathered weights and unsharded gradients at their peak), each
+  beside ``modelpar-plan``'s prediction for the same recipe (``modelpar.perf.plan.recipe_memory``) on the
+  stage's fullest rank;
 - communication bytes per step by kind (``modelpar.parallel.collectives.record_comm``, summed over ranks) plus the
   pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``); under
   context parallelism the ring's K/V and dK/dV blocks count as ``send_recv``, the all-gather's as
@@ -60,8 +64,8 @@ from modelpar.data import DataError, WindowSampler
 from modelpar.parallel.collectives import record_comm
 from modelpar.parallel.pool import run_on_ranks, shutdown_pools
 from modelpar.perf.bench_config import BenchRecipe, check_options
-from modelpar.perf.layout_spec import layout_name, parse_layout
-from modelpar.perf.memory import SavedTensorMeter
+from modelpar.perf.layout_spec import case_name, parse_case
+from modelpar.perf.memory import GatheredMeter, SavedTensorMeter, StateProbe
 from modelpar.perf.peers import Peer, peer_name, torch_context_parallel_problem
 from modelpar.perf.report import text_table, write_results
 from modelpar.perf.summary import pool_passes, summarize
@@ -199,9 +203,12 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
 
 
 def _measure_memory_and_comm(trainer: Trainer, step, device: torch.device) -> dict:
-    """One step with the memory meter (saved tensors on CPU, allocator peak on CUDA) and ``record_comm`` on."""
+    """One step with the memory meters (saved tensors on CPU, allocator peak on CUDA; model states at the
+    optimizer step, FSDP2's gathered bytes sampled along the step) and ``record_comm`` on."""
     params = [p for p, _ in trainer.model.params]
-    meter = SavedTensorMeter(exclude=params)
+    gathered = GatheredMeter(trainer.model.chunks)
+    meter = SavedTensorMeter(exclude=params, gathered=gathered if gathered else None)
+    probe = StateProbe(trainer)
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -209,6 +216,10 @@ def _measure_memory_and_comm(trainer: Trainer, step, device: torch.device) -> di
         before = torch.cuda.memory_allocated()
     with record_comm() as log, meter if device.type != "cuda" else contextlib.nullcontext():
         step()
+    probe.remove()
+    states = dict(probe.bytes or {})
+    states |= {"gathered": gathered.peak, "gathered_weights": gathered.peak_weights}
+    states["gathered_gradients"] = gathered.peak_gradients
     if device.type == "cuda":
         activation_peak = torch.cuda.max_memory_allocated() - before
     else:
@@ -220,7 +231,12 @@ def _measure_memory_and_comm(trainer: Trainer, step, device: torch.device) -> di
         for n in trainer.runtime.activation_shape:
             elements *= n
         comm["p2p_send"] = sends * elements * torch.tensor([], dtype=trainer.runtime.dtype).element_size()
-    return {"activation_peak_bytes": activation_peak, "comm_bytes": comm}
+    return {
+        "activation_peak_bytes": activation_peak,
+        "activation_host_peak_bytes": meter.host_peak,
+        "state_bytes": states,
+        "comm_bytes": comm,
+    }
 
 
 def matmul_peak_tflops(n: int = 1024, reps: int = 20) -> float:
@@ -251,10 +267,9 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
         split = name and case.parallel.pp > 1 and opts.peer_partition == "uniform"
         return f"{name} (uniform split)" if split else name
 
-    layouts = [parse_layout(s, cfg.parallel) for s in opts.sweep] or [cfg.parallel]
     cases = []
-    for parallel in layouts:
-        case = replace(cfg, parallel=parallel)
+    for case in [parse_case(s, cfg) for s in opts.sweep] or [cfg]:
+        case = replace(case, trainer=replace(case.trainer))
         case.trainer.steps = max(case.trainer.steps, 1 + opts.warmup + opts.rounds * opts.steps_per_round)
         validate(case)
         cases.append(case)
@@ -270,7 +285,7 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
     pooled: dict[int, list[dict]] = {}
     for k in range(opts.passes):
         for i, case in enumerate(cases):
-            name = layout_name(case.parallel)
+            name = case_name(case)
             peer = peer_of(case)
             world = case.parallel.layout().world_size
             print(

@@ -1,12 +1,19 @@
 """Layout planner: predict memory and step time of every ``tp x cp x pp x dp`` strategy and rank those that fit.
 
-An analytical model, not a simulator. For one strategy (layout, micro-batching, recompute, ZeRO-1, SP) it
-predicts, on the busiest rank:
+An analytical model, not a simulator. For one strategy (layout, micro-batching, recompute and offload, ZeRO
+0-3, SP) it predicts, on the busiest rank:
 
-Memory (bytes), mixed precision ``bf16``: 18 bytes per parameter = 2 (bf16 weights) + 4 (fp32 gradients)
-+ 12 (fp32 master weights and the two Adam moments); ZeRO-1 divides the 12 by dp. ``fp32`` (CPU): 16 =
-4 + 4 + 8 (no master copy). Activations per layer per micro-batch (Korthikanti et al. 2022, 16-bit, GPT
-block; doubled for fp32)::
+Memory (bytes) of our block (``ModelSpec.block="llama"``, the default): ``modelpar.perf.plan_memory``, derived
+tensor by tensor from the code and checked against what ``modelpar-bench`` measures (within 10%; exact on the
+CPU rows): every tensor a block half, the embedding and the head keep for backward under each recompute mode
+and offload, walked along the schedule's action list, and the model states of ZeRO 0-3 (fp32 parameters,
+gradients and moments; ZeRO-1's fp32 master shard; zero-0's gradient buckets; FSDP2's gathered weights and
+unsharded gradients). ``explain`` says why the chosen strategy runs its ZeRO stage, recompute and offload.
+
+Memory of Megatron-LM's GPT block and engine (``block="gpt"``, the published runs), mixed precision ``bf16``:
+18 bytes per parameter = 2 (bf16 weights) + 4 (fp32 gradients) + 12 (fp32 master weights and the two Adam
+moments); ZeRO-1 divides the 12 by dp. ``fp32`` (CPU): 16 = 4 + 4 + 8 (no master copy). Activations per
+layer per micro-batch (Korthikanti et al. 2022, 16-bit, GPT block; doubled for fp32)::
 
     none        s*b*h * (10 + 24/t + 5*a*s/(h*t))        with SP:  s*b*h * (34 + 5*a*s/h) / t
     selective   s*b*h * (10 + 24/t)                      with SP:  s*b*h * 34 / t
@@ -58,9 +65,11 @@ The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) 
 
 Left out, so read predictions as +-15%: matmul efficiency falling for small or thin GEMMs (one global factor
 instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, ZB-H1 and
-GPipe schedules, and the memory of an uneven split (the busiest chunk's layers are assumed on every stage). The
-Korthikanti activation terms are for a GPT block (4h GeLU MLP); a SwiGLU block differs by a few ``sbh``.
-``ModelSpec.flash_attention`` drops the stored ``s x s`` scores (what a fused attention kernel does).
+GPipe schedules' time, and, for the GPT block, the memory of an uneven split (the busiest chunk's layers are
+assumed on every stage). ``ModelSpec.flash_attention`` drops the GPT block's stored ``s x s`` scores (what a
+fused attention kernel does). Recompute adds the rerun FLOPs (full: the block's forward; selective: the
+attention or MLP halves named, ``elementwise`` ``RECOMPUTED_PASSES`` element-wise passes) and one tp
+collective per rerun half; offload adds its copies over ``Hardware.host_bw`` (``offload_per_micro_batch_s``).
 
 Model presets are ``recipes/model/*.yaml``, read through the recipe schema (``load_model``); the command line,
 ``modelpar-plan``, is ``modelpar.cli.plan``.
@@ -83,11 +92,14 @@ from modelpar.model.config import ModelConfig
 from modelpar.model.flops import training_flops_per_token
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
+from modelpar.perf import plan_memory
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.training.config import RECIPES, register_schema
 
 GIB = 2**30
 RECOMPUTE_MODES = ("none", "selective", "full")
+# parallel.recompute_modules the planner tries: the cheap ops, either half, either half plus the other's cheap ops
+SELECTIVE_CHOICES = (("elementwise",), ("attention",), ("mlp",), ("attention", "elementwise"), ("mlp", "elementwise"))
 MODEL_PRESET_DIR = pathlib.Path(RECIPES) / "model"
 
 
@@ -98,13 +110,25 @@ class PlanError(ValueError):
 # -- inputs --------------------------------------------------------------------------------------------------
 
 
+BLOCKS = ("llama", "gpt")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the planner needs of a model: its shape (matmul sizes, and whether the head shares the embedding)
-    and whether attention runs as a fused (flash) kernel that never stores the ``s x s`` scores."""
+    """What the planner needs of a model: its shape (matmul sizes, and whether the head shares the embedding),
+    whether attention runs as a fused (flash) kernel that never stores the ``s x s`` scores (the GPT block's
+    term; our block never stores them), and which block and engine the memory model describes: ``llama``,
+    modelpar's own (``modelpar.perf.plan_memory``: its saved tensors one by one, fp32 parameters and moments)
+    or ``gpt``, Megatron-LM's GPT block and engine (Korthikanti et al. 2022's activations, bf16 weights with
+    fp32 masters), for the published runs (``modelpar.perf.published``)."""
 
     shape: ModelConfig
     flash_attention: bool = False
+    block: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.block not in BLOCKS:
+            raise PlanError(f"block={self.block!r} must be one of {', '.join(BLOCKS)}")
 
     @property
     def name(self) -> str:
@@ -134,6 +158,9 @@ class Hardware:
     #   (op dispatch and autograd bookkeeping on CPU, kernel launches on GPU); 0: not modelled
     busy_slowdown: float = 1.0  # compute time x this when ranks share the compute units (CPU cores) and more
     #   than one computes at once; 1.0 with a device per rank
+    kernels: str = "triton"  # what model.kernels=auto runs: triton on GPUs, the torch reference on CPU
+    host_bw: float = 0.0  # bytes/s between the device and host memory (activation offload); 0: the device's
+    #   memory is host memory (a CPU), where offload frees nothing
 
     @property
     def weight_bytes(self) -> int:
@@ -150,12 +177,13 @@ GRAD_BYTES = 4  # gradients are accumulated and reduced in fp32 in both dtypes
 HARDWARE = {
     # A100 SXM 80GB: 312 TFLOP/s dense bf16; NVLink3 12 links x 25 GB/s per direction; DGX A100 has one
     # 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s).
-    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 3e-6, memory_bw=2.0e12),
+    # Host link for offload: PCIe 4.0 x16 (~25 GB/s per direction) on A100, PCIe 5.0 x16 (~50 GB/s) on H100/H200.
+    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 300e9, 25e9, 8, 3e-6, memory_bw=2.0e12, host_bw=25e9),
     # Latency: ~3 us per ring step (NCCL's low-latency protocol), so an 8-GPU all-reduce starts at ~40 us.
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink4 18 links x 25 GB/s; one 400 Gb/s NDR NIC per GPU (50 GB/s).
     # HBM: A100 80GB 2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s.
-    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=3.35e12),
-    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=4.8e12),
+    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=3.35e12, host_bw=50e9),
+    "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=4.8e12, host_bw=50e9),
     # This project's CPU machine, one thread per rank: torch fp32 matmul measured ~90-98 GFLOP/s on one
     # AMD EPYC core; gloo over loopback moves ~1 GB/s with ~0.25 ms per message (2 MB all-reduce ~4 ms,
     # send+recv round trip ~3.5 ms, see DESIGN.md); element-wise ops on [256, 256] fp32 ~10 GB/s with dispatch;
@@ -172,6 +200,7 @@ HARDWARE = {
         dtype="fp32",
         memory_bw=10e9,
         compute_units=2,
+        kernels="torch",
     ),
 }
 
@@ -191,7 +220,15 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to run a step: the layout plus micro-batching, activation recompute, ZeRO-1 and SP."""
+    """One way to run a step: the layout plus micro-batching, activation recompute and offload, ZeRO and SP.
+
+    ``recompute_modules`` (our block, ``recompute="selective"``): what ``parallel.recompute_modules`` reruns
+    (attention | mlp | elementwise); the GPT block's selective is Megatron's (the attention core). The rest
+    describe a run the planner does not choose but predicts for ``modelpar-bench``: ``zero_group`` (hybrid
+    sharding, ``optim.zero_group``), ``stage_layers`` (the chunks' layer counts; empty: the trainer's default
+    split) and ``pipeline`` (the schedule, where not 1F1B or interleaved). ``reduce_every_micro_batch``
+    (ZeRO-2/3: no unsharded gradients kept across micro-batches, m reduce-scatters) the search tries, like
+    offload, where a strategy does not fit without it."""
 
     layout: ParallelLayout
     micro_batch_size: int
@@ -200,9 +237,17 @@ class Strategy:
     zero: int = 0  # optim.zero: 1 shards the optimizer state over dp x cp, 2 also gradients, 3 also weights
     sp: bool = False
     cp_comm: str = "ring"  # ring | allgather, when layout.cp > 1
+    recompute_modules: tuple[str, ...] = ("elementwise",)
+    offload: bool = False  # parallel.offload_activations
+    zero_group: int = 0
+    stage_layers: tuple[float, ...] = ()
+    pipeline: str = ""
+    reduce_every_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", int(self.zero))  # True/False from older callers: stage 1 / 0
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     @property
     def zero1(self) -> bool:
@@ -217,11 +262,24 @@ class Strategy:
     def schedule(self) -> str:
         if self.layout.pp == 1:
             return "none"
-        return "interleaved" if self.layout.vpp > 1 else "1f1b"
+        return self.schedule_name
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule's name as ``build_schedule`` knows it (1f1b on one stage too)."""
+        return self.pipeline or ("interleaved" if self.layout.vpp > 1 else "1f1b")
+
+    @property
+    def recompute_label(self) -> str:
+        """``none``, ``full`` or ``selective(attention+mlp)``, the modules rerun."""
+        if self.recompute != "selective":
+            return self.recompute
+        return f"selective({'+'.join(self.recompute_modules)})"
 
     def __str__(self) -> str:
-        flags = [f"b{self.micro_batch_size}", f"m{self.micro_batches}", f"rc-{self.recompute}"]
+        flags = [f"b{self.micro_batch_size}", f"m{self.micro_batches}", f"rc-{self.recompute_label}"]
         flags += [f"zero{self.zero}"] * self.zero1 + ["sp"] * self.sp + [self.cp_comm] * (self.layout.cp > 1)
+        flags += ["reduce-every-mb"] * self.reduce_every_micro_batch + ["offload"] * self.offload
         return f"{self.layout} {' '.join(flags)}"
 
 
@@ -230,7 +288,13 @@ class Strategy:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes on one rank; ``stage`` names which pipeline stage (first or last) this is."""
+    """Bytes on one rank; ``stage`` names which pipeline stage (first, last, or ``stage r``) this is.
+
+    ``weights``, ``grads``, ``optimizer`` and ``buffers`` (zero-0's gradient buckets) are held at the optimizer
+    step; ``gathered`` is FSDP2's unsharded weights and gradients at their peak (ZeRO-2/3). ``activations`` is
+    what the step needs for them at its peak: ``saved`` (kept on the device between forward and backward),
+    the ``working`` set a recomputed half rebuilds, and the ``host`` copies of offload where the device's
+    memory is host memory (a CPU); on a GPU ``host`` is pinned host memory, not counted against the device."""
 
     stage: str
     weights: float
@@ -238,10 +302,20 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     reserved: float
+    gathered: float = 0.0
+    buffers: float = 0.0
+    saved: float = 0.0
+    working: float = 0.0
+    host: float = 0.0
+
+    @property
+    def states(self) -> float:
+        """Model-state bytes: weights, gradients, optimizer state, buffers and gathered copies."""
+        return self.weights + self.grads + self.optimizer + self.buffers + self.gathered
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.reserved
+        return self.states + self.activations + self.reserved
 
 
 @dataclass(frozen=True)
@@ -262,11 +336,12 @@ class Prediction:
     hfu: float
     cp_comm_s: float = 0.0  # exposed part only
     ep_comm_s: float = 0.0  # MoE all-to-alls, exposed
+    offload_s: float = 0.0  # activation offload's copies to host memory and back
 
     @property
     def total_s(self) -> float:
         comm = self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s + self.ep_comm_s
-        return self.compute_s + comm + self.bubble_s
+        return self.compute_s + comm + self.bubble_s + self.offload_s
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -293,6 +368,9 @@ class PlannedLayout:
             "micro_batch_size": s.micro_batch_size,
             "micro_batches": s.micro_batches,
             "recompute": s.recompute,
+            "recompute_modules": list(s.recompute_modules) if s.recompute == "selective" else [],
+            "offload": s.offload,
+            "reduce_every_micro_batch": s.reduce_every_micro_batch,
             "zero1": s.zero1,
             "zero": s.zero,
             "sp": s.sp,
@@ -372,6 +450,42 @@ def stored_block_params(shape: ModelConfig, layout: ParallelLayout) -> float:
     return shape.attention_params() / t + total / shape.layers
 
 
+def rerun_halves(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    """The block halves whose forward backward reruns: both under full recompute; under our selective those
+    named in ``recompute_modules``, and with ``elementwise`` the others too (their cheap ops)."""
+    if strategy.recompute == "full":
+        return ("attention", "mlp")
+    if strategy.recompute != "selective" or model.block == "gpt":
+        return ()
+    modules = set(strategy.recompute_modules)
+    return tuple(h for h in ("attention", "mlp") if h in modules or "elementwise" in modules)
+
+
+def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> int:
+    """Tensor-parallel collectives of one layer and micro-batch: 2 forward, 2 backward, and each rerun
+    half's forward one again."""
+    return 4 + len(rerun_halves(model, strategy))
+
+
+def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, seq_len: int) -> float:
+    """Forward FLOPs one layer runs again in backward: the whole block (full), Megatron's attention core (the GPT
+    block's selective), or the attention / MLP halves named in our ``recompute_modules`` (``elementwise``
+    reruns no matmul: ``recomputed_elementwise_s``)."""
+    shape = model.shape
+    if strategy.recompute == "full":
+        return layer_forward_flops(shape, tokens, seq_len)
+    if strategy.recompute != "selective":
+        return 0.0
+    if model.block == "gpt":
+        return 4.0 * tokens * shape.hidden * seq_len
+    modules, extra = set(strategy.recompute_modules), 0.0
+    if "attention" in modules:
+        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len
+    if "mlp" in modules:
+        extra += 2.0 * tokens * shape.mlp_params()
+    return extra
+
+
 def ep_comm_per_layer_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int) -> float:
     """The all-to-alls of one MoE layer and micro-batch (module docstring); 0 without expert parallelism."""
     layout, shape = strategy.layout, model.shape
@@ -381,18 +495,49 @@ def ep_comm_per_layer_s(model: ModelSpec, strategy: Strategy, hardware: Hardware
     rows = shape.moe.top_k * strategy.micro_batch_size * seq_len / layout.cp / layout.tp
     sent = rows * shape.hidden * hardware.weight_bytes * (ep - 1) / ep
     bw = group_bandwidth(hardware, layout.tp * layout.cp * layout.pp * ep)  # ep ranks are dp x cp neighbours
-    count = 6 if strategy.recompute == "full" else 4
+    count = 6 if "mlp" in rerun_halves(model, strategy) else 4
     return count * (sent / bw + (ep - 1) * hardware.latency_s)
 
 
-def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> MemoryBreakdown:
+def stage_memory(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, *, exact: bool = True
+) -> MemoryBreakdown:
+    """Bytes on a rank of pipeline stage ``stage``: our block's exact tables (``plan_memory``), or the GPT
+    block's Korthikanti et al. terms with Megatron's model states (``model.block == "gpt"``). ``exact=False``:
+    interleaved schedules' in-flight chunks in closed form (the search's shortcut)."""
+    layout = strategy.layout
+    label = "first" if stage == 0 else "last" if stage == layout.pp - 1 else f"stage {stage}"
+    if model.block == "gpt":
+        return _gpt_stage_memory(model, strategy, seq_len, hardware, stage, label)
+    states = plan_memory.state_bytes(model, strategy, seq_len, stage, plan_memory.activation_bytes(hardware))
+    act = plan_memory.stage_activations(model, strategy, seq_len, hardware, stage, exact=exact)
+    host_on_device = act.host if not hardware.host_bw else 0.0  # a CPU: the host copies share its memory
+    return MemoryBreakdown(
+        stage=label,
+        weights=states["weights"],
+        grads=states["gradients"],
+        optimizer=states["optimizer"],
+        activations=act.device + act.working + host_on_device,
+        reserved=hardware.reserved_bytes,
+        gathered=states["gathered"],
+        buffers=states["buffers"],
+        saved=act.device,
+        working=act.working,
+        host=act.host,
+    )
+
+
+def _gpt_stage_memory(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, label: str
+) -> MemoryBreakdown:
+    """Megatron-LM's GPT block (the module docstring's Korthikanti et al. terms, 18 or 16 bytes of states)."""
     layout = strategy.layout
     params = stage_params(model, layout, stage)
     s, b, h, t = seq_len / layout.cp, strategy.micro_batch_size, model.shape.hidden, layout.tp
     in_flight = chunks_in_flight(strategy, stage)
     per_layer = activation_bytes_per_layer(model, strategy, seq_len, hardware)
     activations = per_layer * layers_per_chunk(model.shape.layers, layout) * in_flight
-    activations += recompute_working_bytes(model, strategy, seq_len, hardware)
+    working = recompute_working_bytes(model, strategy, seq_len, hardware)
     if stage == 0:
         activations += s * b * h * in_flight / (t if strategy.sp else 1)  # embedding dropout mask, 1 byte
     if stage == layout.pp - 1:
@@ -401,22 +546,62 @@ def stage_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: H
     optimizer = params * hardware.optimizer_bytes / (d if strategy.zero >= 1 else 1)
     grads = params * GRAD_BYTES / (d if strategy.zero >= 2 else 1)
     weights = params * hardware.weight_bytes / (d if strategy.zero >= 3 else 1)
+    gathered = 0.0
     if strategy.zero >= 3:  # FSDP2 holds the gathered weights of the block computing and of the one prefetched
-        weights += 2 * (stored_block_params(model.shape, layout) + 2 * h) * hardware.weight_bytes
+        gathered = 2 * (stored_block_params(model.shape, layout) + 2 * h) * hardware.weight_bytes
     return MemoryBreakdown(
-        stage="first" if stage == 0 else "last",
+        stage=label,
         weights=weights,
         grads=grads,
         optimizer=optimizer,
-        activations=activations,
+        activations=activations + working,
         reserved=hardware.reserved_bytes,
+        gathered=gathered,
+        saved=activations,
+        working=working,
     )
 
 
-def peak_memory(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> MemoryBreakdown:
+def recipe_strategy(cfg) -> Strategy:
+    """The strategy a training recipe (``TrainConfig``) runs: its layout, micro-batching, recompute, offload,
+    ZeRO stage and group, and the trainer's own pipeline split (``build_partition``)."""
+    from modelpar.training.build import build_partition  # training is above perf's planner in the import order
+
+    p = cfg.parallel
+    layout = p.layout()
+    return Strategy(
+        layout,
+        cfg.data.global_batch // (layout.dp * p.microbatches),
+        p.microbatches,
+        p.recompute,
+        cfg.optim.zero,
+        p.sp and p.tp > 1,
+        p.cp_comm,
+        recompute_modules=tuple(p.recompute_modules),
+        offload=p.offload_activations,
+        zero_group=cfg.optim.zero_group,
+        stage_layers=build_partition(cfg).layer_counts,
+        pipeline=p.schedule if p.pp > 1 else "",
+        reduce_every_micro_batch=cfg.optim.reduce_every_micro_batch,
+    )
+
+
+def recipe_memory(cfg, hardware: Hardware | None = None) -> list[MemoryBreakdown]:
+    """Predicted bytes on the fullest rank of every pipeline stage of a training recipe, on ``hardware`` (by
+    default the ``cpu`` preset in the recipe's dtype): what ``modelpar-bench`` measures beside it."""
+    hardware = hardware or dataclasses.replace(HARDWARE["cpu"], dtype="bf16" if cfg.trainer.dtype == "bf16" else "fp32")
+    strategy = recipe_strategy(cfg)
+    model = ModelSpec(cfg.model)
+    return [stage_memory(model, strategy, cfg.data.seq_len, hardware, r) for r in range(strategy.layout.pp)]
+
+
+def peak_memory(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, *, exact: bool = True
+) -> MemoryBreakdown:
     """The fuller of the first stage (most micro-batches in flight) and the last (head and logits)."""
     stages = {0, strategy.layout.pp - 1}
-    return max((stage_memory(model, strategy, seq_len, hardware, st) for st in stages), key=lambda m: m.total)
+    memories = (stage_memory(model, strategy, seq_len, hardware, st, exact=exact) for st in stages)
+    return max(memories, key=lambda m: m.total)
 
 
 def ring_all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency_s: float) -> float:
@@ -447,6 +632,9 @@ def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
 # split (sequence parallelism does): two RMSNorms (forward ~3 passes, backward ~6) and two residual adds
 # (forward 3, backward ~2), counted in activation-sized reads plus writes.
 REPLICATED_PASSES = 24
+# What ``elementwise`` selective recompute reruns per layer, in the same [b, s, h] passes: the two RMSNorms
+# (~3 each), RoPE on q and k (~4) and SwiGLU's silu and product (~4, over f ~ 2.7h wide, tp-split like it).
+RECOMPUTED_PASSES = 14
 
 
 def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
@@ -458,8 +646,15 @@ def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int,
     if not hardware.memory_bw:
         return overhead
     nbytes = strategy.micro_batch_size * seq_len / layout.cp * model.shape.hidden * hardware.weight_bytes
-    nbytes *= REPLICATED_PASSES
-    return overhead + layers * nbytes / (layout.tp if strategy.sp else 1) / hardware.memory_bw
+    rerun = RECOMPUTED_PASSES if "elementwise" in _selective_modules(model, strategy) else 0
+    return (
+        overhead
+        + layers * nbytes * (REPLICATED_PASSES / (layout.tp if strategy.sp else 1) + rerun) / hardware.memory_bw
+    )
+
+
+def _selective_modules(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    return strategy.recompute_modules if strategy.recompute == "selective" and model.block == "llama" else ()
 
 
 def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
@@ -471,8 +666,7 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     shape, layout = model.shape, strategy.layout
     tokens = strategy.micro_batch_size * seq_len
     forward = layer_forward_flops(shape, tokens, seq_len)
-    extra = {"none": 0.0, "selective": 4.0 * tokens * shape.hidden * seq_len, "full": forward}[strategy.recompute]
-    block = 3 * forward + extra
+    block = 3 * forward + recompute_extra_flops(model, strategy, tokens, seq_len)
     head = 6.0 * tokens * shape.vocab_size * shape.hidden
     if layout.pp == 1:
         return shape.layers * block + head
@@ -499,8 +693,7 @@ def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float, 
 def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
     """Model FLOPs of the whole step plus the forwards that recompute runs again."""
     shape, tokens = model.shape, strategy.global_batch * seq_len
-    forward = layer_forward_flops(shape, tokens, seq_len)
-    extra = {"none": 0.0, "selective": 4.0 * tokens * shape.hidden * seq_len, "full": forward}[strategy.recompute]
+    extra = recompute_extra_flops(model, strategy, tokens, seq_len)
     return training_flops_per_token(shape, seq_len) * tokens + shape.layers * extra
 
 
@@ -521,10 +714,10 @@ def predict(
     compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
 
     act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
-    collectives_per_layer = 6 if strategy.recompute == "full" else 4
     layers_on_rank = layers_per_chunk(shape.layers, layout) * v
     tp_bw = group_bandwidth(hardware, t)
-    tp_comm_s = m * layers_on_rank * collectives_per_layer * ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
+    tp_comm_s = m * layers_on_rank * collectives_per_layer(model, strategy)
+    tp_comm_s *= ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
 
     pp_comm_s = 0.0
     if p > 1:
@@ -556,8 +749,9 @@ def predict(
         pp_comm_s *= share
         cp_comm_s *= share
         ep_comm_s *= share
-    memory = peak_memory(model, strategy, seq_len, hardware)
-    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s
+    memory = peak_memory(model, strategy, seq_len, hardware, exact=False)
+    offload_s = m * offload_per_micro_batch_s(model, strategy, seq_len, hardware)
+    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s + offload_s
     tokens = strategy.global_batch * seq_len
     model_flops = training_flops_per_token(shape, seq_len) * tokens
     hw_flops = hardware_flops_per_step(model, strategy, seq_len)
@@ -577,7 +771,20 @@ def predict(
         hfu=hw_flops / total_s / world_peak,
         cp_comm_s=cp_comm_s,
         ep_comm_s=ep_comm_s,
+        offload_s=offload_s,
     )
+
+
+def offload_per_micro_batch_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """Activation offload of one micro-batch on the first stage: every moved byte out to host memory in
+    forward and back in backward over ``host_bw``, not overlapped (the copies are queued on the compute
+    stream); on a CPU (``host_bw`` 0) one copy at ``memory_bw``."""
+    if not strategy.offload or model.block == "gpt":
+        return 0.0
+    moved = plan_memory.offloaded_per_micro_batch(model, strategy, seq_len, hardware, stage=0)
+    if hardware.host_bw:
+        return 2 * moved / hardware.host_bw
+    return moved / hardware.memory_bw if hardware.memory_bw else 0.0
 
 
 def cp_exposed_per_layer_s(
@@ -590,7 +797,7 @@ def cp_exposed_per_layer_s(
         return 0.0
     bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
     kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
-    forwards = 2 if strategy.recompute == "full" else 1
+    forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
     if strategy.cp_comm == "allgather":  # gathered each forward, again in backward, then dK/dV reduce-scattered
         gather = ring_all_gather_s(kv_elements * cp * hardware.weight_bytes, cp, bw, hardware.latency_s)
         return (forwards + 2) * gather
@@ -614,7 +821,8 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
         # FSDP2 reduce-scatters every block's gradients once, after its last micro-batch's backward, and at
         # stage 3 all-gathers its weights before each forward and backward; prefetching hides the dp_overlap share
         m = strategy.micro_batches
-        moved = ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+        scatters = m if strategy.reduce_every_micro_batch else 1  # optim.reduce_every_micro_batch: m x the traffic
+        moved = scatters * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
         if strategy.zero >= 3:
             moved += 2 * m * ring_all_gather_s(params * hardware.weight_bytes, d, bw, hardware.latency_s)
         exposed = (1 - costs.dp_overlap) * moved
@@ -645,8 +853,11 @@ class SearchSpace:
     max_vpp: int = 4
     max_micro_batch_size: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_MODES
+    # what our block's selective recompute may rerun (parallel.recompute_modules); the GPT block has one selective
+    recompute_modules: tuple[tuple[str, ...], ...] = SELECTIVE_CHOICES
     zero: tuple[int, ...] = (0, 1, 2, 3)  # optim.zero stages to try
     sp: tuple[bool, ...] = (False, True)
+    offload: tuple[bool, ...] = (False, True)  # parallel.offload_activations; True is tried where False misses
 
 
 def _divisors(n: int) -> list[int]:
@@ -695,7 +906,8 @@ def valid_layouts(
 
 
 def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_len: int, space: SearchSpace):
-    """Every micro-batching, interleaving, recompute, ZeRO-1 and SP choice for one ``tp x pp x dp``."""
+    """Every micro-batching, interleaving, recompute (and our selective's modules), ZeRO and SP choice for one
+    ``tp x pp x dp``, without offload (``plan`` adds it where a strategy does not fit)."""
     per_replica = global_batch // layout.dp
     for b in (k for k in _divisors(per_replica) if k <= space.max_micro_batch_size):
         m = per_replica // b
@@ -705,10 +917,13 @@ def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_
                 continue
             chunked = dataclasses.replace(layout, vpp=v)
             for recompute in space.recompute:
-                for zero in _zero_stages(model, layout, space):
-                    for sp in space.sp if layout.tp > 1 and seq_len % (layout.tp * layout.cp) == 0 else (False,):
-                        for comm in space.cp_comm if layout.cp > 1 else ("ring",):
-                            yield Strategy(chunked, b, m, recompute, zero, sp, comm)
+                choices = space.recompute_modules if recompute == "selective" and model.block == "llama" else ((),)
+                for modules in choices or (("elementwise",),):
+                    for zero in _zero_stages(model, layout, space):
+                        for sp in space.sp if layout.tp > 1 and seq_len % (layout.tp * layout.cp) == 0 else (False,):
+                            for comm in space.cp_comm if layout.cp > 1 else ("ring",):
+                                extra = {"recompute_modules": modules} if modules else {}
+                                yield Strategy(chunked, b, m, recompute, zero, sp, comm, **extra)
 
 
 def _zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[int, ...]:
@@ -729,16 +944,33 @@ def plan(
     costs: CostModel | None = None,
     space: SearchSpace | None = None,
 ) -> list[PlannedLayout]:
-    """Strategies that fit in memory, fastest first (tokens/s, then less memory). Raises ``PlanError``."""
+    """Strategies that fit in memory, fastest first (tokens/s, then less memory). Raises ``PlanError``.
+
+    Recompute and offload only ever add time, so a strategy that fits without them is not tried with them
+    (its recomputing variants would rank below it), and offload is tried only where a strategy misses."""
     space = space or SearchSpace()
     check_inputs(gpus=gpus, global_batch=global_batch, seq_len=seq_len, space=space)
     layouts = valid_layouts(model, gpus, global_batch, space, seq_len)
     if not layouts:
         raise PlanError(no_layout_message(model, gpus, global_batch, space, seq_len))
     planned, closest = [], None
+    fits_as_is: set[Strategy] = set()  # strategies that fit without recompute: recomputing them only costs time
     for layout in layouts:
         for strategy in strategies(model, layout, global_batch, seq_len, space):
+            if strategy.recompute != "none" and _without_recompute(strategy) in fits_as_is:
+                continue
             prediction = predict(strategy, model, hardware, seq_len=seq_len, costs=costs)
+            if strategy.recompute == "none" and prediction.fits:
+                fits_as_is.add(strategy)
+            if not prediction.fits:
+                # reducing every micro-batch and offload only cost time: tried only where the strategy misses
+                for change in _memory_savers(model, strategy, hardware, space):
+                    trial = dataclasses.replace(strategy, **change)
+                    guess = predict(trial, model, hardware, seq_len=seq_len, costs=costs)
+                    if guess.fits or guess.memory.total < prediction.memory.total:
+                        strategy, prediction = trial, guess
+                    if guess.fits:
+                        break
             entry = PlannedLayout(strategy, prediction)
             if prediction.fits:
                 planned.append(entry)
@@ -748,6 +980,24 @@ def plan(
         raise PlanError(nothing_fits_message(closest, hardware))
     planned.sort(key=lambda e: (-e.prediction.tokens_per_s, e.prediction.memory.total))
     return planned
+
+
+def _without_recompute(strategy: Strategy) -> Strategy:
+    return dataclasses.replace(strategy, recompute="none", recompute_modules=Strategy.recompute_modules)
+
+
+def _memory_savers(model: ModelSpec, strategy: Strategy, hardware: Hardware, space: SearchSpace) -> list[dict]:
+    """What else could make ``strategy`` fit, cheapest first: ZeRO-2/3 reducing every micro-batch's gradients
+    (FSDP2 then keeps no unsharded gradients across them), offload (our block, a device with its own memory:
+    not a CPU), both."""
+    savers = []
+    if strategy.zero >= 2 and strategy.micro_batches > 1 and strategy.layout.dp * strategy.layout.cp > 1:
+        savers.append({"reduce_every_micro_batch": True})
+    if True in space.offload and model.block == "llama" and hardware.host_bw:
+        savers.append({"offload": True})
+        if savers[0] != {"offload": True}:
+            savers.append({"reduce_every_micro_batch": True, "offload": True})
+    return savers
 
 
 def check_inputs(*, gpus: int, global_batch: int, seq_len: int, space: SearchSpace) -> None:
@@ -763,6 +1013,96 @@ def check_inputs(*, gpus: int, global_batch: int, seq_len: int, space: SearchSpa
     bad = [r for r in space.recompute if r not in RECOMPUTE_MODES]
     if bad or not space.recompute:
         raise PlanError(f"recompute={list(space.recompute)} must list modes from {', '.join(RECOMPUTE_MODES)}")
+    known = ("attention", "mlp", "elementwise")
+    for modules in space.recompute_modules:
+        if not modules or set(modules) - set(known):
+            raise PlanError(f"recompute_modules={list(modules)} must name some of {', '.join(known)}")
+
+
+def explain(
+    best: PlannedLayout,
+    model: ModelSpec,
+    hardware: Hardware,
+    *,
+    seq_len: int,
+    costs: CostModel | None = None,
+    space: SearchSpace | None = None,
+) -> list[str]:
+    """Why the chosen strategy runs its ZeRO stage, recompute and offload: one line each, from predicting the
+    same strategy with that one choice changed (what would not fit, and what would be slower)."""
+    space = space or SearchSpace()
+    s, gib = best.strategy, hardware.memory_bytes / GIB
+
+    def variant(**change) -> Prediction:
+        return predict(dataclasses.replace(s, **change), model, hardware, seq_len=seq_len, costs=costs)
+
+    def against(label: str, p: Prediction) -> str:
+        if not p.fits:
+            states = (p.memory.states + p.memory.reserved) / GIB
+            return f"{label} needs {p.memory.total / GIB:.1f} GiB ({states:.1f} of it model states)"
+        slower = best.prediction.tokens_per_s / p.tokens_per_s - 1
+        way = "slower" if slower >= 0 else "faster"
+        return f"{label} fits at {p.memory.total / GIB:.1f} GiB but is {abs(slower):.0%} {way}"
+
+    chosen = f"{best.prediction.memory.total / GIB:.1f} of {gib:.0f} GiB"
+    stages = [z for z in _zero_stages(model, s.layout, space) if z != s.zero]
+    what = {0: "nothing sharded", 1: "optimizer state sharded", 2: "gradients too", 3: "weights too"}
+    every = ", gradients reduced every micro-batch" if s.reduce_every_micro_batch else ""
+    zero = f"zero-{s.zero} ({what[s.zero]}{every}, {chosen})"
+    if s.reduce_every_micro_batch:
+        stages = [z for z in stages if z < 2]
+        zero += (
+            ": " + against("reducing once a step", variant(reduce_every_micro_batch=False)) + ("; " if stages else "")
+        )
+        if stages:
+            zero += "; ".join(against(f"zero-{z}", variant(zero=z, reduce_every_micro_batch=False)) for z in stages)
+        stages = []
+    if stages:
+        zero += ": " + "; ".join(against(f"zero-{z}", variant(zero=z)) for z in stages)
+    elif not s.reduce_every_micro_batch:
+        if s.layout.dp * s.layout.cp == 1:
+            zero += ": no dp x cp replicas to shard over"
+        elif s.layout.ep > 1:
+            zero += ": not searched with expert parallelism (ep > 1)"
+    # the other modes: none, the best of the selective choices (the fastest that fits, else the smallest), full
+    options = []
+    if s.recompute != "none" and "none" in space.recompute:
+        options.append(dataclasses.replace(s, recompute="none"))
+    if "selective" in space.recompute:
+        choices = space.recompute_modules if model.block == "llama" else (s.recompute_modules,)
+        others = [
+            dataclasses.replace(s, recompute="selective", recompute_modules=mods)
+            for mods in choices
+            if (s.recompute, s.recompute_modules) != ("selective", tuple(mods))
+        ]
+        scored = [(o, predict(o, model, hardware, seq_len=seq_len, costs=costs)) for o in others]
+        if scored:
+            options.append(
+                max(scored, key=lambda op: (op[1].fits, op[1].tokens_per_s if op[1].fits else -op[1].memory.total))[0]
+            )
+    if s.recompute != "full" and "full" in space.recompute:
+        options.append(dataclasses.replace(s, recompute="full"))
+    recompute = f"recompute {s.recompute_label}"
+    if options:
+        recompute += ": " + "; ".join(
+            against(o.recompute_label, predict(o, model, hardware, seq_len=seq_len, costs=costs)) for o in options
+        )
+    if s.offload:
+        offload = "offload on: " + against("without it", variant(offload=False))
+    elif model.block == "gpt":
+        offload = "offload: not modelled for the GPT block"
+    elif not hardware.host_bw:
+        offload = f"offload off: {hardware.name}'s memory is host memory, moving activations there frees nothing"
+    else:
+        moved = plan_memory.offloaded_per_micro_batch(model, s, seq_len, hardware, stage=0) * s.micro_batches
+        m_s = (
+            offload_per_micro_batch_s(model, dataclasses.replace(s, offload=True), seq_len, hardware) * s.micro_batches
+        )
+        offload = (
+            f"offload off: it fits without; moving {moved / GIB:.1f} GiB a step over "
+            f"{hardware.host_bw / 1e9:.0f} GB/s would add {m_s:.2f} s"
+        )
+    return [f"why {zero}", f"why {recompute}", f"why {offload}"]
 
 
 def no_layout_message(

@@ -62,7 +62,7 @@ class PublishedRun:
             ffn_hidden=8 * round(self.hidden / 3),
             tie_embeddings=True,
         )
-        return ModelSpec(shape)
+        return ModelSpec(shape, block="gpt")
 
     def paper_flops(self) -> float:
         """The paper's Eq. 3: FLOPs per iteration with full activation recomputation."""

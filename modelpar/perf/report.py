@@ -68,16 +68,74 @@ def _ratio_cell(row: dict) -> str:
     return f"{row['ratio']:.2f}x{spread}"
 
 
+MEMORY_COLUMNS = (
+    "layout",
+    "stage",
+    "states MiB meas.",
+    "w / g / opt / buf / gath. meas.",
+    "states MiB pred.",
+    "pred/meas",
+    "act. MiB meas.",
+    "act. MiB pred.",
+    "pred/meas",
+    "host MiB meas. / pred.",
+)
+
+
+def memory_rows(rows: dict[str, dict]) -> list[list[str]]:
+    """One line per (layout, pipeline stage): measured and predicted states and saved activations (MiB)."""
+
+    def mib(b: float) -> str:
+        return f"{b / 2**20:.2f}"
+
+    def ratio(x: float | None) -> str:
+        return f"{x:.3f}" if x is not None else "-"
+
+    out = []
+    for row in rows.values():
+        for st in row.get("memory_per_stage", []):
+            meas, pred = st["measured"], st["predicted"]
+            kinds = " / ".join(mib(meas[k]) for k in ("weights", "gradients", "optimizer", "buffers", "gathered"))
+            out.append(
+                [
+                    row["layout"],
+                    str(st["stage"]),
+                    mib(meas["states"]),
+                    kinds,
+                    mib(pred["states"]),
+                    ratio(st["states_ratio"]),
+                    mib(meas["activations"]),
+                    mib(pred["activations"]),
+                    ratio(st["activations_ratio"]),
+                    f"{mib(meas['host'])} / {mib(pred['host'])}" if meas["host"] or pred["host"] else "-",
+                ]
+            )
+    return out
+
+
 def markdown_table(rows: dict[str, dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in table_rows(rows)]
+    return _markdown(COLUMNS, table_rows(rows))
+
+
+def memory_markdown_table(rows: dict[str, dict]) -> str:
+    return _markdown(MEMORY_COLUMNS, memory_rows(rows))
+
+
+def _markdown(columns, body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines)
 
 
 def text_table(rows: dict[str, dict]) -> str:
-    body = table_rows(rows)
-    widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(COLUMNS)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    out = _text(COLUMNS, table_rows(rows))
+    memory = memory_rows(rows)
+    return out + ("\n\n" + _text(MEMORY_COLUMNS, memory) if memory else "")
+
+
+def _text(columns, body: list[list[str]]) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
     return "\n".join(lines)
 
@@ -102,6 +160,18 @@ def plot_throughput(rows: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+MEMORY_NOTE = (
+    "states: weights, gradients, optimizer state (AdamW moments; ZeRO-1's fp32 master shard) and gradient buffers "
+    "(zero-0's all-reduce buckets) measured at the optimizer step (`modelpar.perf.memory.trainer_state_bytes`), "
+    "plus FSDP2's gathered weights and unsharded gradients at their peak during the step (ZeRO-2/3, sampled at "
+    "every saved-tensor pack and unpack); act.: peak bytes of tensors kept for backward on the device (on CPU the "
+    "saved-tensor meter, with what offload leaves behind and what selective checkpointing caches; the tensors a "
+    "recomputed block rebuilds in its backward are not in it); host: what offload holds in host memory at its "
+    "peak; pred.: `modelpar-plan`'s memory model (`modelpar/perf/plan_memory.py`) for the same recipe, "
+    "`modelpar.perf.plan.recipe_memory`; pred/meas: their ratio."
+)
 
 
 def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
@@ -153,6 +223,8 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
         "comm: bytes per step summed over ranks. Setting for both engines: CPU ranks bound to cores "
         f"(trainer.cpu_affinity={cfg.trainer.cpu_affinity}); gloo socket threads trainer.gloo_threads="
         f"{cfg.trainer.gloo_threads} (idle: our tensor-parallel group's, and all of the peer's, where tp > 1).\n"
+        f"\n## Memory, measured and predicted (per rank, the fullest of each pipeline stage)\n\n"
+        f"{memory_markdown_table(rows)}\n\n{MEMORY_NOTE}\n"
     )
     plot_throughput(rows, out_dir / f"{cfg.bench.name}_throughput.png")
     return rows

@@ -11,8 +11,11 @@ import statistics
 
 from modelpar.model.flops import training_flops_per_token
 from modelpar.perf.bench_config import BenchRecipe
-from modelpar.perf.layout_spec import layout_name
+from modelpar.perf.layout_spec import case_name
+from modelpar.perf.plan import recipe_memory
 from modelpar.pipeline import Costs, Timeline, build_schedule, simulate
+
+STATE_KINDS = ("weights", "gradients", "optimizer", "buffers", "gathered")
 
 
 def pool_passes(a: dict, b: dict) -> dict:
@@ -59,7 +62,11 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
     durations = _mean_durations(timelines)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)
     row = {
-        "layout": layout_name(p),
+        "layout": case_name(cfg),
+        "zero": cfg.optim.zero,
+        "zero_group": cfg.optim.zero_group,
+        "recompute_modules": list(p.recompute_modules) if p.recompute == "selective" else [],
+        "offload": p.offload_activations,
         "tp": p.tp,
         "cp": p.cp,
         "cp_comm": p.cp_comm if p.cp > 1 else None,
@@ -91,11 +98,52 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         "compute_s_per_stage": [statistics.median(t.compute_time(r) for t in timelines) for r in range(p.pp)],
         "mean_action_ms": {k: v * 1e3 for k, v in durations.items()},
         "activation_peak_bytes_per_stage": [r["activation_peak_bytes"] for r in pipeline],
+        "memory_per_stage": memory_vs_prediction(cfg, per_rank),
         "comm_bytes_per_step": _sum_comm(per_rank),
     }
     row["losses_agree"] = row["first_loss_rel_diff"] <= 1e-5 if theirs else None
     row["_timeline"] = timelines[-1]
     return row
+
+
+def memory_vs_prediction(cfg: BenchRecipe, per_rank: list[dict]) -> list[dict]:
+    """Per pipeline stage, on its fullest rank: the model states (weights, gradients, optimizer, buffers, gathered
+    peak) and peak saved activations (device; offload's host copies apart) measured, and ``modelpar-plan``'s
+    prediction for the same recipe (``recipe_memory``), with predicted / measured for states and activations."""
+    predicted = recipe_memory(cfg)
+    out = []
+    for stage, pred in enumerate(predicted):
+        ranks = [r for r in per_rank if r["pp_rank"] == stage]
+        states = max((r.get("state_bytes") or {} for r in ranks), key=lambda st: sum(st.get(k, 0) for k in STATE_KINDS))
+        measured = {k: states.get(k, 0) for k in STATE_KINDS}
+        measured["states"] = sum(measured.values())
+        measured["gathered_weights"] = states.get("gathered_weights", 0)
+        measured["gathered_gradients"] = states.get("gathered_gradients", 0)
+        measured["activations"] = max(r["activation_peak_bytes"] for r in ranks)
+        measured["host"] = max(r.get("activation_host_peak_bytes", 0) for r in ranks)
+        guess = {
+            "weights": pred.weights,
+            "gradients": pred.grads,
+            "optimizer": pred.optimizer,
+            "buffers": pred.buffers,
+            "gathered": pred.gathered,
+            "states": pred.states,
+            "activations": pred.saved,
+            "host": pred.host,
+            "working": pred.working,
+        }
+        out.append(
+            {
+                "stage": stage,
+                "measured": measured,
+                "predicted": guess,
+                "states_ratio": guess["states"] / measured["states"] if measured["states"] else None,
+                "activations_ratio": guess["activations"] / measured["activations"]
+                if measured["activations"]
+                else None,
+            }
+        )
+    return out
 
 
 def paired_round_ratios(ours: list[float], peer: list[float], per_round: int) -> list[float]:

@@ -1,0 +1,680 @@
+"""The planner's memory model of modelpar-train: saved activations of our block and the model states of a rank.
+
+Derived from the code, tensor by tensor, not fitted: ``modelpar-bench`` measures the same quantities
+(``modelpar.perf.memory``) and ``tests/test_plan_memory.py`` holds them within 10% of each other.
+
+**Saved activations** of one micro-batch on one rank, per block half (what autograd keeps for backward).
+Symbols: ``T = b*s/cp`` tokens of the micro-batch on this rank, ``Ts`` the residual stream's (``T/t`` with
+sequence parallelism, else ``T``), ``e`` bytes of the compute dtype (4 fp32, 2 bf16), ``hq = heads/t``,
+``hkv = kv_heads/t`` (1 when kv heads are replicated, ``kv_heads < t``), ``d`` the head dim, ``f = ffn/t``,
+``Vt`` the padded vocabulary over t. Torch kernels (the CPU reference, measured)::
+
+    attention half                                           kept by                        bytes
+      x, the half's input (the residual stream)              RMSNorm (x^2, x*r)             e*Ts*h
+      x * r, r = 1/rms(x)                                    RMSNorm (* weight)             e*Ts*h
+      r                                                      RMSNorm                        4*Ts
+      the norm's output (all-gathered with SP)               qkv_proj                       e*T*h
+      qkv output, whole (SDPA keeps v, a view of it)         SDPA                           e*T*(hq+2hkv)*d
+      q and k after RoPE                                     SDPA                           e*T*(hq+hkv)*d
+      attention output (o_proj's input: the same storage)    SDPA, o_proj                   e*T*hq*d
+      log-sum-exp (SDPA keeps no s x s scores)               SDPA                           4*T*hq
+      cos, sin rows of this rank's positions (cp > 1)        RoPE                           4*(s/cp)*d
+    MLP half (dense SwiGLU)
+      x, x * r, r                                            RMSNorm                        2e*Ts*h + 4*Ts
+      the norm's output (all-gathered with SP)               gate_up_proj                   e*T*h
+      gate|up output (gate and up are views of it)           silu (gate), product (up)      e*T*2f
+      silu(gate)                                             product                        e*T*f
+      silu(gate) * up                                        down_proj                      e*T*f
+    residual adds, the tp collectives                        (nothing)
+    per chunk, once: RoPE's cos/sin tables (cp = 1, shared by every layer and micro-batch)   4*s*d
+
+bench-tiny (h=256, 8 heads, f=688, tp=1, fp32): 22.79 s*b*h fp32 elements per layer, 22.85 with the shared
+tables, as ``benchmarks/activation_memory.py`` measures. Triton kernels (the GPU default; derived from what
+their autograd functions save, not measured here): RMSNorm keeps x and r only, RoPE only its tables, SwiGLU
+gate|up (not silu(gate)); the rest as above.
+
+Recompute (``parallel.recompute``): ``full`` keeps each block's input (``e*Ts*h``; a half block's, where a
+pipeline cut splits it). ``selective`` per half: a half named in ``recompute_modules`` keeps its input only;
+under ``elementwise`` the other halves keep their input and PyTorch's selective checkpoint caches the outputs
+of the matmuls and of attention::
+
+    attention   input e*Ts*h, qkv output e*T*(hq+2hkv)*d, attention output e*T*hq*d + lse 4*T*hq, o_proj output e*T*h
+    MLP         input e*Ts*h, gate|up output e*T*2f, down_proj output e*T*h
+
+The recomputed tensors exist only while a rerun half's backward runs: ``working`` memory (the largest half's
+full table), not kept between forward and backward, and not what the CPU meter counts.
+
+Offload (``parallel.offload_activations``): what the blocks keep through autograd's hooks moves to host memory
+where its storage is 16 KiB or more; smaller tensors, everything the embedding and head keep, and the outputs
+selective checkpointing caches itself (no hook sees them) stay on the device. Each saved view is copied on
+its own: x of an RMSNorm, saved by two ops, twice; of the qkv output only v, SDPA's view (``Saved.moved``).
+
+Outside the blocks: the first chunk keeps the token ids (int64, 8*T) and the mask of ids other tp ranks own
+(1*T); the last keeps the final norm's three tensors, the head's input (e*T*h) and the cross-entropy's
+exp(logits - max) (fp32, 4*T*Vt) plus 14*T + 8 bytes of per-token statistics (18*T + 8 under tp; the Triton
+loss keeps the logits instead: e*T*Vt). A mixture-of-experts MLP (``moe_saved``) keeps its router's input
+and fp32 probabilities, and for each of the ``k*T/t`` routed rows its input, the expert's gate, up,
+silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices;
+shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached there: the
+experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backward reruns them.
+
+A stage holds the sum over the (micro-batch, chunk) pairs in flight, walked along the schedule's own action
+list (``modelpar.pipeline.schedule``): a forward adds its chunk's bytes, its backward (a zero-bubble weight
+pass, where the schedule has one) frees them. With one chunk per rank this is 1F1B's ``min(m, p - r)``.
+
+**Model states** per rank, exact from the parameter shapes of this rank's chunks (``P`` elements; the split
+is the trainer's, ``parallel.partition=flops`` unless given). modelpar keeps fp32 parameters whatever
+``trainer.dtype`` (bf16 runs autocast over them), fp32 gradients and AdamW's two fp32 moments::
+
+    zero  weights      gradients            optimizer              buffers / gathered (peak)
+    0     4P           4P                   8P                     buckets 4(P + tensors), where dp x cp > 1
+    1     4P           4P + 4S (its shard)  8S + 4S (fp32 master)  -                      S = ceil(P / d)
+    2     4*Q          4*Q                  8*Q                    every weight + a block's gather buffer
+    3     4*Q          4*Q                  8*Q                    roots + the block + the next one's buffer
+    2, 3  gathered also: the unsharded gradients while micro-batches accumulate (m > 1), 4P at the last one
+
+    Q = sum(ceil(rows/G) * cols) over the tensors (FSDP2's dim-0 shard on rank 0)
+
+with ``d = dp x cp`` and ``G`` the shard group (``optim.zero_group``, else ``d``): FSDP2 shards each tensor along
+dim 0, so rank 0 holds ``ceil(rows/G)`` rows. ZeRO-3 gathers a block just before its forward and prefetches
+the next into a flat buffer; the chunk's root (embedding, final norm, head) stays gathered from its forward to
+its backward (``gathered_bytes``). Gathered weights are fp32 here; bf16 runs gather them in bf16 (not
+measured on this machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from modelpar.model.flops import half_block_training_flops, head_training_flops
+from modelpar.model.layers.embedding import padded_vocab_size
+from modelpar.pipeline.actions import B, F, W
+from modelpar.pipeline.partition import Partition, partition_by_cost, partition_explicit
+from modelpar.pipeline.schedule import build_schedule
+
+if TYPE_CHECKING:
+    from modelpar.perf.plan import Hardware, ModelSpec, Strategy
+
+OFFLOAD_MIN_BYTES = 16 * 1024  # modelpar.model.activations.ActivationOffload's default
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor kept for backward: what it is, its storage's bytes (``nbytes``), whether it passes autograd's
+    saved-tensor hooks (offload can move it; False: selective checkpoint's own cache), and what offload copies
+    to the host when it moves it (``moved``: every saved view on its own; default ``nbytes``). ``storage``: the
+    bytes offload's 16 KiB threshold sees, where the tensor is a view of a shared one (default ``nbytes``)."""
+
+    name: str
+    nbytes: float
+    hooked: bool = True
+    moved: float | None = None
+    storage: float | None = None
+
+    @property
+    def host_bytes(self) -> float:
+        return self.nbytes if self.moved is None else self.moved
+
+    @property
+    def storage_bytes(self) -> float:
+        return self.nbytes if self.storage is None else self.storage
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Peak saved bytes of one stage: on the device, in host memory (offload), the rerun working set."""
+
+    device: float
+    host: float
+    working: float
+
+
+# -- shapes ----------------------------------------------------------------------------------------------------
+
+
+def activation_bytes(hardware: Hardware) -> int:
+    """Bytes of one activation element: the compute dtype's."""
+    return 2 if hardware.dtype == "bf16" else 4
+
+
+def kernels(model: ModelSpec, hardware: Hardware) -> str:
+    """``torch`` or ``triton``: the model's ``kernels`` setting, ``auto`` resolved by the hardware."""
+    chosen = model.shape.kernels
+    return hardware.kernels if chosen == "auto" else chosen
+
+
+@dataclass(frozen=True)
+class _Dims:
+    T: float  # tokens of the micro-batch on this rank
+    Ts: float  # tokens of the residual stream (T/t under SP)
+    s: float  # local sequence length (s/cp)
+    h: int
+    hq: float
+    hkv: float
+    d: int
+    f: float
+    vt: int
+    e: int
+    cp: int
+    tp: int
+
+
+def _dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> _Dims:
+    shape, layout = model.shape, strategy.layout
+    t, cp = layout.tp, layout.cp
+    tokens = strategy.micro_batch_size * seq_len / cp
+    return _Dims(
+        T=tokens,
+        Ts=tokens / t if strategy.sp and t > 1 else tokens,
+        s=seq_len / cp,
+        h=shape.hidden,
+        hq=shape.heads / t,
+        hkv=max(1.0, shape.kv_heads / t),
+        d=shape.head_dim,
+        f=shape.ffn_hidden / t,
+        vt=padded_vocab_size(shape.vocab_size, t) // t,
+        e=activation_bytes(hardware),
+        cp=cp,
+        tp=t,
+    )
+
+
+# -- saved tensors of each piece (the module docstring's tables) ----------------------------------------------
+
+
+def attention_saved(x: _Dims, kernels: str) -> list[Saved]:
+    """The attention half without recompute."""
+    T, Ts, e, h, d = x.T, x.Ts, x.e, x.h, x.d
+    torch_kernels = kernels == "torch"
+    norm = e * Ts * h
+    out = [Saved("attention: x (RMSNorm)", norm, moved=2 * norm if torch_kernels else None)]  # by x^2 and x*r
+    if torch_kernels:
+        out.append(Saved("attention: x * 1/rms (RMSNorm)", norm))
+    out += [
+        Saved("attention: 1/rms (RMSNorm)", 4 * Ts),
+        Saved("attention: qkv_proj input", e * T * h),
+        # whole, because SDPA keeps v, a view of it: offload moves v only
+        Saved("attention: qkv output", e * T * (x.hq + 2 * x.hkv) * d, moved=e * T * x.hkv * d),
+        Saved("attention: q after RoPE", e * T * x.hq * d),
+        Saved("attention: k after RoPE", e * T * x.hkv * d),
+        # SDPA's output and o_proj's input: one storage, two saved views (under cp two storages, below)
+        Saved("attention: output (o_proj input)", e * T * x.hq * d, moved=(1 if x.cp > 1 else 2) * e * T * x.hq * d),
+        Saved("attention: log-sum-exp", 4 * T * x.hq),
+    ]
+    if x.cp > 1:  # the exchange returns [b, hq, s, d]: o_proj's flattened input is a copy
+        out.append(Saved("attention: o_proj input (cp)", e * T * x.hq * d))
+        rows = 4 * x.s * d / 2  # cos (sin) rows of this rank's positions, each kept by two products per RoPE
+        out += [Saved(f"attention: {name} rows (cp)", rows, moved=4 * rows) for name in ("cos", "sin")]
+    else:  # views of the shared tables (counted once per stage, ``shared_tables_bytes``), moved 4 times each
+        table = 2.0 * x.s * d
+        out.append(Saved("attention: cos, sin (shared tables)", 0.0, moved=8 * table, storage=table))
+    return out
+
+
+def mlp_saved(x: _Dims, kernels: str, ffn: float | None = None, tokens: float | None = None) -> list[Saved]:
+    """A dense SwiGLU MLP half without recompute (``ffn``/``tokens``: an expert's width and rows, no norm)."""
+    e, h = x.e, x.h
+    f = x.f if ffn is None else ffn
+    T = x.T if tokens is None else tokens
+    torch_kernels = kernels == "torch"
+    out = []
+    if tokens is None:
+        norm = e * x.Ts * h
+        out.append(Saved("mlp: x (RMSNorm)", norm, moved=2 * norm if torch_kernels else None))
+        if torch_kernels:
+            out.append(Saved("mlp: x * 1/rms (RMSNorm)", norm))
+        out.append(Saved("mlp: 1/rms (RMSNorm)", 4 * x.Ts))
+    out += [
+        Saved("mlp: gate_up_proj input", e * T * h),
+        Saved("mlp: gate|up output", e * T * 2 * f),  # gate and up, two views
+    ]
+    if torch_kernels:
+        out.append(Saved("mlp: silu(gate)", e * T * f))
+    out.append(Saved("mlp: down_proj input", e * T * f))
+    return out
+
+
+def moe_saved(model: ModelSpec, x: _Dims, kernels: str, tp: int, ep: int = 1) -> list[Saved]:
+    """A mixture-of-experts MLP half (``modelpar.model.moe``; measured at tp 1 and 2, ep 1): the norm, the router
+    on this tp rank's ``T/t`` tokens, and each of their ``k`` routed rows through an expert's SwiGLU (gate and
+    up are two GEMMs), weighted and added back; the shared experts as a dense SwiGLU of all ``T`` tokens.
+    Every routed row is counted (no capacity drops); under ep the rows a rank computes are its tokens' on
+    average (balanced routing)."""
+    moe, e, h = model.shape.moe, x.e, x.h
+    tokens = x.T / tp  # split over tp (sequence parallel: already)
+    rows = moe.top_k * tokens
+    fe = model.shape.expert_ffn_hidden
+    out = mlp_saved(x, kernels)[: 3 if kernels == "torch" else 2]  # the norm's
+    out += [
+        # the norm's output, or (tp without SP) the rows of it this rank routes: a view, the whole kept
+        Saved("moe: router input", e * x.Ts * h),
+        Saved("moe: router probabilities (fp32)", 4 * tokens * moe.experts),
+        Saved(
+            "moe: top-k experts, weights and their sum", 8 * tokens * moe.top_k + 4 * tokens * moe.top_k + 4 * tokens
+        ),
+        Saved("moe: row order and token of each row (int64)", 3 * 8 * rows + (2 * 8 * rows if ep > 1 else 0)),
+        Saved("moe: routed rows", e * rows * h),
+        Saved("moe: gate, up outputs", e * rows * 2 * fe),
+        Saved("moe: silu(gate), silu(gate) * up", e * rows * 2 * fe),
+        Saved("moe: expert outputs, weighted", 2 * e * rows * h),
+        Saved("moe: row weights (fp32)", 4 * rows),
+    ]
+    if moe.shared_experts:
+        shared = mlp_saved(x, kernels, ffn=moe.shared_experts * fe / tp, tokens=x.T)
+        out += shared if x.Ts < x.T else shared[1:]  # its input: all-gathered under SP, else the router's
+    return out
+
+
+def sac_saved(x: _Dims, half: str, moe=None) -> list[Saved]:
+    """``elementwise`` selective recompute: the half's input, and the matmul/attention outputs it caches. In
+    a mixture-of-experts half only the router's matmul is one of them (the experts' grouped GEMMs are rerun)."""
+    e, h, T = x.e, x.h, x.T
+    out = [Saved(f"{half}: input (checkpoint)", e * x.Ts * h)]
+    if moe is not None:
+        out.append(Saved("moe: router logits (cached)", e * T / x.tp * moe.experts, hooked=False))
+        if moe.shared_experts:
+            fs = moe.shared_experts * (moe.ffn_hidden or x.f * x.tp) / x.tp
+            out.append(Saved("moe: shared experts' gate|up, down outputs (cached)", e * T * (2 * fs + h), hooked=False))
+        return out
+    if half == "attention":
+        out += [
+            Saved("attention: qkv output (cached)", e * T * (x.hq + 2 * x.hkv) * x.d, hooked=False),
+            Saved("attention: output (cached)", e * T * x.hq * x.d, hooked=False),
+            Saved("attention: log-sum-exp (cached)", 4 * T * x.hq, hooked=False),
+            Saved("attention: o_proj output (cached)", e * T * h, hooked=False),
+        ]
+    else:
+        out += [
+            Saved("mlp: gate|up output (cached)", e * T * 2 * x.f, hooked=False),
+            Saved("mlp: down_proj output (cached)", e * T * h, hooked=False),
+        ]
+    return out
+
+
+def embedding_saved(x: _Dims) -> list[Saved]:
+    return [Saved("embedding: token ids", 8 * x.T), Saved("embedding: foreign-id mask", x.T)]
+
+
+def head_saved(x: _Dims, kernels: str) -> list[Saved]:
+    e, h, T = x.e, x.h, x.T
+    out = [Saved("head: x (RMSNorm)", e * x.Ts * h)]
+    if kernels == "torch":
+        out.append(Saved("head: x * 1/rms (RMSNorm)", e * x.Ts * h))
+    out += [Saved("head: 1/rms (RMSNorm)", 4 * x.Ts), Saved("head: lm_head input", e * T * h)]
+    if kernels == "torch":
+        # sum of exp (fp32; under tp a view of the [2, T] buffer all-reduced with the target logits), target
+        # index (int64), two masks (bool), the count of valid targets
+        stats = (8 if x.tp > 1 else 4) * T + 8 * T + 2 * T + 8
+        out += [Saved("loss: exp(logits - max), fp32", 4 * T * x.vt), Saved("loss: per-token statistics", stats)]
+    else:
+        out.append(Saved("loss: logits (their gradient, in place)", e * T * x.vt))
+    return out
+
+
+# -- a chunk, a stage ------------------------------------------------------------------------------------------
+
+
+def half_saved(model: ModelSpec, strategy: Strategy, x: _Dims, kern: str, half: str, layer: int) -> list[Saved]:
+    """One half of block ``layer`` under the strategy's selective recompute (or none)."""
+    modules = set(strategy.recompute_modules) if strategy.recompute == "selective" else set()
+    if half in modules:
+        return [Saved(f"{half}: input (checkpoint)", x.e * x.Ts * x.h)]
+    if "elementwise" in modules:
+        moe = model.shape.moe
+        return sac_saved(x, half, moe if half == "mlp" and moe.is_moe_layer(layer) else None)
+    if half == "attention":
+        return attention_saved(x, kern)
+    if model.shape.moe.is_moe_layer(layer):
+        return moe_saved(model, x, kern, strategy.layout.tp, strategy.layout.ep)
+    return mlp_saved(x, kern)
+
+
+def full_saved(model: ModelSpec, strategy: Strategy, x: _Dims, kern: str, half: str, layer: int) -> list[Saved]:
+    """A half's tensors with nothing recomputed: what a rerun of it holds while its backward runs."""
+    if half == "attention":
+        return attention_saved(x, kern)
+    if model.shape.moe.is_moe_layer(layer):
+        return moe_saved(model, x, kern, strategy.layout.tp, strategy.layout.ep)
+    return mlp_saved(x, kern)
+
+
+def strategy_partition(model: ModelSpec, strategy: Strategy, seq_len: int) -> Partition:
+    """The chunks' layer counts: the strategy's own (``stage_layers``), else the trainer's default split."""
+    layout = strategy.layout
+    if strategy.stage_layers:
+        return partition_explicit(list(strategy.stage_layers), model.shape.layers, layout.pp, layout.vpp)
+    return trainer_flops_partition(model.shape, seq_len, layout.pp, layout.vpp)
+
+
+def trainer_flops_partition(shape, seq_len: int, pp: int, vpp: int) -> Partition:
+    """``parallel.partition=flops`` exactly as ``modelpar.training.build.build_partition`` cuts it."""
+    if pp * vpp == 1:
+        return Partition(1, 1, (float(shape.layers),))
+    moe = shape.moe.enabled
+    mlp = tuple(shape.mlp_params(i) for i in range(shape.layers)) if moe else shape.mlp_params(0)
+    key = (shape.layers, shape.attention_params(), shape.hidden, mlp, shape.vocab_size, seq_len, pp, vpp)
+    return _flops_partition(key, shape)
+
+
+def _flops_partition(key: tuple, shape) -> Partition:
+    if key not in _PARTITIONS:
+        seq_len, pp, vpp = key[-3:]
+        halves = [c for i in range(shape.layers) for c in half_block_training_flops(shape, seq_len, i)]
+        _PARTITIONS[key] = partition_by_cost(halves, pp, vpp, head_cost=head_training_flops(shape), halves=True)
+    return _PARTITIONS[key]
+
+
+_PARTITIONS: dict[tuple, Partition] = {}
+
+
+def chunk_pieces(partition: Partition, chunk: int) -> list[tuple[int, tuple[str, ...]]]:
+    """The blocks of model chunk ``chunk`` as (layer, halves held)."""
+    start, stop = partition.half_range(chunk)
+    blocks: dict[int, list[str]] = {}
+    for half in range(start, stop):
+        blocks.setdefault(half // 2, []).append("attention" if half % 2 == 0 else "mlp")
+    return [(layer, tuple(halves)) for layer, halves in blocks.items()]
+
+
+def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
+    """The pieces of model chunk ``chunk`` counted by kind: (((halves held), is a MoE layer), how many)."""
+    key = (partition, chunk, moe.experts, moe.every, tuple(moe.layers or ()))
+    if key not in _PIECES:
+        counts: dict = {}
+        for layer, halves in chunk_pieces(partition, chunk):
+            kind = (halves, moe.is_moe_layer(layer))
+            counts[kind] = counts.get(kind, 0) + 1
+        _PIECES[key] = tuple(counts.items())
+    return _PIECES[key]
+
+
+_PIECES: dict[tuple, tuple] = {}
+_PIECE_BYTES: dict[tuple, tuple[float, float, float]] = {}  # piece_bytes by everything it reads
+
+
+def _a_layer(moe_layer: bool, moe, layers: int) -> int:
+    """A layer index of that kind (MoE or dense), for the functions that take one."""
+    return next((i for i in range(layers) if moe.is_moe_layer(i) == moe_layer), 0)
+
+
+def piece_bytes(
+    model: ModelSpec, strategy: Strategy, x: _Dims, kern: str, layer: int, halves: tuple[str, ...]
+) -> tuple[float, float, float]:
+    """(device bytes, host bytes under offload, rerun working set) of one block (or half block) of a chunk."""
+    if strategy.recompute == "full":
+        kept = [Saved("block: input (checkpoint)", x.e * x.Ts * x.h)]
+        working = sum(s.nbytes for half in halves for s in full_saved(model, strategy, x, kern, half, layer))
+    else:
+        kept, working = [], 0.0
+        for half in halves:
+            mine = half_saved(model, strategy, x, kern, half, layer)
+            kept += mine
+            if strategy.recompute == "selective":
+                rerun = sum(s.nbytes for s in full_saved(model, strategy, x, kern, half, layer))
+                working = max(working, rerun - sum(s.nbytes for s in mine))
+    device, host = _split_offload(kept, strategy.offload)
+    return device, host, working
+
+
+def chunk_bytes(
+    model: ModelSpec,
+    strategy: Strategy,
+    seq_len: int,
+    hardware: Hardware,
+    partition: Partition,
+    chunk: int,
+    memo: dict | None = None,
+) -> tuple[float, float, float]:
+    """One micro-batch of model chunk ``chunk``: (device bytes, host bytes, the rerun working set of its largest
+    recomputed piece). ``memo`` shares equal pieces' sums between calls of one stage."""
+    memo = {} if memo is None else memo
+    x = _dims(model, strategy, seq_len, hardware)
+    kern = kernels(model, hardware)
+    device = host = working = 0.0
+    moe, layers = model.shape.moe, model.shape.layers
+    rc = (strategy.recompute, strategy.recompute_modules, strategy.offload)
+    for kind, count in chunk_piece_counts(partition, chunk, moe):
+        key = (x, kern, rc, kind, (moe.experts, moe.top_k, moe.shared_experts, model.shape.expert_ffn_hidden) * kind[1])
+        if key not in memo:
+            if key not in _PIECE_BYTES:
+                _PIECE_BYTES[key] = piece_bytes(model, strategy, x, kern, _a_layer(kind[1], moe, layers), kind[0])
+            memo[key] = _PIECE_BYTES[key]
+        d, h, w = memo[key]
+        device, host, working = device + count * d, host + count * h, max(working, w)
+    if partition.has_embedding(chunk):
+        device += sum(s.nbytes for s in embedding_saved(x))
+    if partition.has_head(chunk):
+        device += sum(s.nbytes for s in head_saved(x, kern))
+    return device, host, working
+
+
+def _split_offload(kept: list[Saved], offload: bool) -> tuple[float, float]:
+    """(device bytes, host bytes) of what the blocks keep: offload moves what passes the hooks from 16 KiB."""
+    device = host = 0.0
+    for s in kept:
+        if offload and s.hooked and s.storage_bytes >= OFFLOAD_MIN_BYTES:
+            host += s.host_bytes
+        else:
+            device += s.nbytes
+    return device, host
+
+
+def shared_tables_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """RoPE's cos/sin tables (cp = 1), kept once for every layer and micro-batch where an attention half keeps
+    RoPE's operands (nothing rerun there), unless offload moves (copies of) them instead."""
+    if strategy.layout.cp > 1 or strategy.recompute == "full":
+        return 0.0
+    if strategy.recompute == "selective" and {"attention", "elementwise"} & set(strategy.recompute_modules):
+        return 0.0
+    table = 2.0 * seq_len * model.shape.head_dim  # one of the two [s, d/2] fp32 tables
+    return 0.0 if strategy.offload and table >= OFFLOAD_MIN_BYTES else 2 * table
+
+
+def stage_activations(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, exact: bool = True
+) -> StageActivations:
+    """Peak saved activations of pipeline stage ``stage`` over the strategy's schedule (module docstring).
+    ``exact=False`` (the planner's search): interleaved schedules count in-flight chunks in closed form
+    instead of walking the action list (``in_flight_estimate``)."""
+    layout = strategy.layout
+    partition = strategy_partition(model, strategy, seq_len)
+    memo: dict = {}
+    per_chunk = [
+        chunk_bytes(model, strategy, seq_len, hardware, partition, c, memo) for c in partition.chunks_of(stage)
+    ]
+    working = max(w for _, _, w in per_chunk)
+    name, pp, m, vpp = strategy.schedule_name, layout.pp, strategy.micro_batches, layout.vpp
+    if exact or vpp == 1 or name != "interleaved":
+        counts = in_flight_mixes(name, pp, m, vpp, stage)
+    else:
+        counts = (in_flight_estimate(pp, m, vpp, stage),)
+    device = max(sum(n * per_chunk[j][0] for j, n in enumerate(mix)) for mix in counts)
+    host = max(sum(n * per_chunk[j][1] for j, n in enumerate(mix)) for mix in counts)
+    return StageActivations(device + shared_tables_bytes(model, strategy, seq_len, hardware), host, working)
+
+
+def block_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, layer: int = 0) -> float:
+    """What one whole block keeps of one micro-batch on the device (``benchmarks/activation_memory.py``'s
+    layer), with RoPE's shared tables, under the strategy's recompute and offload."""
+    x = _dims(model, strategy, seq_len, hardware)
+    device, _, _ = piece_bytes(model, strategy, x, kernels(model, hardware), layer, ("attention", "mlp"))
+    return device + shared_tables_bytes(model, strategy, seq_len, hardware)
+
+
+def offloaded_per_micro_batch(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int
+) -> float:
+    """Bytes offload copies to the host for one micro-batch through every chunk of ``stage``."""
+    partition = strategy_partition(model, strategy, seq_len)
+    on = dataclasses.replace(strategy, offload=True)
+    memo: dict = {}
+    return sum(chunk_bytes(model, on, seq_len, hardware, partition, c, memo)[1] for c in partition.chunks_of(stage))
+
+
+def in_flight_estimate(pp: int, m: int, vpp: int, stage: int) -> tuple[int, ...]:
+    """Interleaved 1F1B without walking it: the ``min(m*v, 2(p-r-1) + (v-1)p + 1)`` warm-up forwards of stage
+    ``r``, which visit the local chunks in turns of ``p`` micro-batches (``modelpar.pipeline.schedule``)."""
+    held = min(m * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1)
+    mix = [0] * vpp
+    for k in range(held):
+        mix[(k // pp) % vpp] += 1
+    return tuple(mix)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight_mixes(schedule: str, pp: int, m: int, vpp: int, stage: int) -> tuple[tuple[int, ...], ...]:
+    """The distinct numbers of micro-batches each local chunk holds right after a forward of ``stage``'s
+    action list (the candidates for its peak); one chunk per rank: ``((min(m, p - stage),),)`` for 1F1B."""
+    if schedule == "1f1b" and vpp == 1:
+        return ((min(m, pp - stage),),)
+    if schedule == "gpipe" and vpp == 1:
+        return ((m,),)
+    actions = build_schedule(schedule, pp, m, vpp)[stage]
+    frees_at = W if any(a.kind is W for a in actions) else B
+    held = [0] * vpp
+    mixes = set()
+    for a in actions:
+        if a.kind is F:
+            held[a.chunk] += 1
+            mixes.add(tuple(held))
+        elif a.kind is frees_at:
+            held[a.chunk] -= 1
+    return tuple(sorted(mixes))
+
+
+# -- model states ----------------------------------------------------------------------------------------------
+
+
+def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) -> list[tuple[int, int]]:
+    """(rows, cols) of each parameter tensor of one block half on one rank (its tp shard; experts whole)."""
+    shape, layout = model.shape, strategy.layout
+    t, h, d = layout.tp, shape.hidden, shape.head_dim
+    if half == "attention":
+        hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
+        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d)]  # norm, qkv_proj, o_proj
+    if not shape.moe.is_moe_layer(layer):
+        f = shape.ffn_hidden // t
+        return [(h, 1), (2 * f, h), (h, f)]  # norm, gate_up_proj, down_proj
+    moe, fe = shape.moe, shape.expert_ffn_hidden
+    local = moe.experts // layout.ep
+    out = [(h, 1), (moe.experts, h), (local, fe * h), (local, fe * h), (local, h * fe)]  # norm, router, w1, w3, w2
+    if moe.shared_experts:
+        fs = moe.shared_experts * fe // t
+        out += [(2 * fs, h), (h, fs)]
+    return out
+
+
+def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> list[tuple[str, list, int]]:
+    """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
+    ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
+    chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
+    a copy of the embedding)."""
+    shape, t = model.shape, strategy.layout.tp
+    partition = strategy_partition(model, strategy, seq_len)
+    vt = padded_vocab_size(shape.vocab_size, t) // t
+    units: list[tuple[str, list, int]] = []
+    for c in partition.chunks_of(stage):
+        for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
+            layer = _a_layer(moe_layer, shape.moe, shape.layers)
+            units.append(("block", [p for half in halves for p in piece_params(model, strategy, layer, half)], count))
+        root = [(vt, shape.hidden)] if partition.has_embedding(c) else []
+        if partition.has_head(c):
+            root.append((shape.hidden, 1))  # final norm
+            if not (shape.tie_embeddings and partition.has_embedding(c)):
+                root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
+        units.append(("root", root, 1))
+    return units
+
+
+def stage_param_tensors(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> list[tuple[int, int]]:
+    """(rows, cols) of every parameter tensor a rank of pipeline stage ``stage`` holds."""
+    units = stage_units(model, strategy, seq_len, stage)
+    return [p for _, tensors, count in units for _ in range(count) for p in tensors]
+
+
+def shard_group_size(strategy: Strategy) -> int:
+    """The ranks FSDP2 shards over: ``optim.zero_group`` (hybrid), else all of dp x cp."""
+    d = strategy.layout.dp * strategy.layout.cp
+    return strategy.zero_group if strategy.zero >= 2 and strategy.zero_group else d
+
+
+def state_bytes(
+    model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, gather_bytes: int = 4
+) -> dict[str, float]:
+    """Model-state bytes of rank 0 of dp x cp on pipeline stage ``stage`` (the module docstring's table):
+    ``weights``, ``gradients``, ``optimizer``, ``buffers`` at the optimizer step, and ``gathered``, FSDP2's
+    unsharded weights (``gather_bytes`` per element: the compute dtype's) and gradients at their peak during
+    the step (ZeRO-2/3)."""
+    units = stage_units(model, strategy, seq_len, stage)
+    params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
+    d = strategy.layout.dp * strategy.layout.cp
+    zero = strategy.zero if d > 1 else 0
+    if zero >= 2:
+        g = shard_group_size(strategy)
+        shard = sum(count * math.ceil(r / g) * c for _, tensors, count in units for r, c in tensors)
+        return {
+            "weights": 4.0 * shard,
+            "gradients": 4.0 * shard,
+            "optimizer": 8.0 * shard,
+            "buffers": 0.0,
+            "gathered": gathered_bytes(units, strategy, gather_bytes, stage),
+        }
+    out = {"weights": 4.0 * params, "gradients": 4.0 * params, "optimizer": 8.0 * params, "buffers": 0.0}
+    if zero == 1:
+        shard = math.ceil(params / d)
+        out["gradients"] += 4.0 * shard  # the reduced shard
+        out["optimizer"] = 12.0 * shard  # two moments and the fp32 master
+    elif d > 1:
+        tensors = sum(count * len(t) for _, t, count in units)
+        out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
+    out["gathered"] = 0.0
+    return out
+
+
+def gathered_bytes(
+    units: list[tuple[str, list, int]], strategy: Strategy, weight_bytes: int = 4, stage: int = 0
+) -> float:
+    """FSDP2's unsharded weights and gradients (fp32) at their joint peak on one rank (ZeRO-2/3; ``stage_units``,
+    whose chunks each end with their root).
+
+    Besides the parameters it has unsharded, a unit's flat all-gather buffer lives from its (prefetched) gather
+    until the copy into them. Weights: stage 2 keeps every weight from forward to backward, plus a block's
+    buffer as it is gathered again; stage 3 in forward the chunk roots plus a root's buffer as each forward
+    gathers them again, or the block computing plus the next block's buffer (of the same chunk), in backward
+    the roots and the block in backward (full recompute reruns each block module: as in forward). Gradients:
+    while micro-batches accumulate (m > 1, not ``reduce_every_micro_batch``), every one is held unsharded from
+    the first backward on, so the peak is the forward's gathers where the stage runs a forward after its first
+    backward (``forward_after_backward``), else the backward's; with one reduce per micro-batch the gradients
+    are the roots' (reduced last) and one block's. Measured on CPU (``modelpar.perf.memory.GatheredMeter``);
+    GPU streams may hold one more prefetched buffer."""
+    params = sum(count * sum(r * c for r, c in tensors) for _, tensors, count in units)
+    roots, largest_root, block, pair, chunk = 0, 0, 0, 0, []
+    for kind, tensors, count in units:
+        size = sum(r * c for r, c in tensors)
+        if kind == "block":
+            chunk += [size] * min(count, 2)
+            continue
+        roots, largest_root = roots + size, max(largest_root, size)
+        chunk.sort(reverse=True)
+        block, pair, chunk = max([block, *chunk[:1]]), max(pair, sum(chunk[:2])), []
+    if strategy.zero == 2:
+        forward = backward = params + block
+    else:
+        forward = roots + max(largest_root, pair)
+        backward = forward if strategy.recompute == "full" else roots + block
+    if strategy.micro_batches > 1 and not strategy.reduce_every_micro_batch:
+        return 4.0 * params + (forward if forward_after_backward(strategy, stage) else backward) * weight_bytes
+    return 4.0 * (roots + block) + forward * weight_bytes
+
+
+def forward_after_backward(strategy: Strategy, stage: int) -> bool:
+    """Whether pipeline stage ``stage`` runs a forward after its first backward: 1F1B after its ``p - r``
+    warm-up forwards (interleaved: ``in_flight_estimate``'s), never under GPipe."""
+    p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
+    if strategy.schedule_name == "gpipe":
+        return False
+    return m * v > sum(in_flight_estimate(p, m, v, stage)) if v > 1 else m > p - stage
