@@ -35,6 +35,11 @@ def build_optimizer(
         return ZeroOneOptimizer(params_with_info, groups, **adam)
     if zero in (2, 3):  # the parameters were sharded by ``modelpar.optim.fsdp.shard_chunks``
         return FullyShardedAdamW(
-            params_with_info, groups, chunks=chunks or [], reduce_every_micro_batch=reduce_every_micro_batch, **adam
+            params_with_info,
+            groups,
+            chunks=chunks or [],
+            reduce_every_micro_batch=reduce_every_micro_batch,
+            zero=zero,
+            **adam,
         )
     raise ValueError(f"optim.zero={zero} is not a supported ZeRO stage; choose one of {ZERO_STAGES}")

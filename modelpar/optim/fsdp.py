@@ -193,9 +193,13 @@ class FullyShardedAdamW(DataParallelOptimizer):
         *,
         chunks: list[torch.nn.Module] = (),
         reduce_every_micro_batch: bool = False,
+        zero: int = 3,
         **adam,
     ):
         super().__init__(params_with_info, groups)
+        # stage 3 frees a chunk's weights after each backward; stage 2 keeps them gathered until the step reduces
+        self._reshard_every_backward = zero == 3
+        self._switches: dict[int, tuple[bool, bool]] = {}  # chunk -> (reshard after backward, gradient sync)
         self.optimizer = build_adamw(self.params_with_info, **adam)
         self.chunks = list(chunks)  # the FSDP2 roots, in the pipeline runtime's local order
         self.reduce_every_micro_batch = reduce_every_micro_batch
@@ -216,19 +220,26 @@ class FullyShardedAdamW(DataParallelOptimizer):
         ``reduce_every_micro_batch`` every micro-batch does (less memory). Until a hook says otherwise no
         backward reduces, and weights stay gathered after a backward (a split one's W may still need them)."""
         self._micro_batches = micro_batches
-        for chunk in self.chunks:
-            chunk.set_requires_gradient_sync(False)
-            chunk.set_reshard_after_backward(False)
+        for chunk in range(len(self.chunks)):
+            self._set(chunk, reshard=False, sync=False)
 
     def _reduces(self, micro_batch: int) -> bool:
         return micro_batch == self._micro_batches - 1 or self.reduce_every_micro_batch
 
     def before_backward(self, chunk: int, micro_batch: int) -> None:
         """The pipeline runtime's hook before a fused backward through ``chunk``: FSDP2's own post-backward
-        hooks free the weights after it and, on the last micro-batch, reduce-scatter the gradients."""
+        hooks, on the last micro-batch, reduce-scatter the gradients, and free the weights after it (stage 3:
+        after every backward; stage 2 keeps them gathered from the first forward to the last backward)."""
         if self.chunks:
-            self.chunks[chunk].set_reshard_after_backward(True)
-            self.chunks[chunk].set_requires_gradient_sync(self._reduces(micro_batch))
+            reduces = self._reduces(micro_batch)
+            self._set(chunk, reshard=reduces or self._reshard_every_backward, sync=reduces)
+
+    def _set(self, chunk: int, *, reshard: bool, sync: bool) -> None:
+        """FSDP2's two switches of a chunk; each setter walks every module, so only on a change."""
+        if self._switches.get(chunk) != (reshard, sync):
+            self.chunks[chunk].set_reshard_after_backward(reshard)
+            self.chunks[chunk].set_requires_gradient_sync(sync)
+            self._switches[chunk] = (reshard, sync)
 
     def before_weight_backward(self, chunk: int, micro_batch: int) -> None:
         """The runtime's hook before a split backward's W: the chunk's weights gathered (a no-op when its B
@@ -243,7 +254,10 @@ class FullyShardedAdamW(DataParallelOptimizer):
         """The runtime's hook after a W: FSDP2's backward ends there; after the chunk's last W its accumulated
         gradients are reduce-scattered and its gathered weights freed (see the module docstring)."""
         if self.chunks:
-            _end_weight_backward(self.chunks[chunk], reduce=self._reduces(micro_batch))
+            reduce = self._reduces(micro_batch)
+            _end_weight_backward(self.chunks[chunk], reduce=reduce)
+            if reduce:  # it flipped both switches: the next _set must apply its values
+                self._switches.pop(chunk, None)
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         # FSDP2 reduce-scattered each block's gradients in backward (experts: summed over the ranks holding them,
