@@ -47,7 +47,9 @@ Step time, from the per-rank FLOPs of ``modelpar.model.flops`` (plus recomputed 
 
 Expert parallelism (ep, from dp x cp; mixture-of-experts models only): each rank stores ``E/ep`` experts of
 every MoE layer, whole (replicated over tp), besides its tp shard of the rest; FLOPs count active experts.
-ZeRO is not combined with ep (the trainer refuses it); expert gradients are costed like the dense ones.
+Layouts with ep > 1 are planned at zero-0 only (the trainer runs ZeRO 1-3 with ep, sharding experts over the
+expert data-parallel group, which this model does not describe yet); expert gradients are costed like the
+dense ones.
 
 Context parallelism (cp) divides every per-token quantity by cp: FLOPs (the balanced causal split gives each
 rank equal attention work), activations and their [b, s, h] communication; the attention-score term keeps the
@@ -927,11 +929,12 @@ def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_
 
 
 def _zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[int, ...]:
-    """The ZeRO stages worth trying: none without dp x cp; 2 and 3 only where the trainer runs them (FSDP2
-    needs kv_heads >= tp)."""
-    if layout.dp * layout.cp == 1 or layout.ep > 1:  # the trainer runs ep with optim.zero=0 only
+    """The ZeRO stages worth trying: none without dp x cp. With ep > 1 the trainer shards expert weights over the
+    expert data-parallel group (dp x cp / ep ranks), which the memory and time model do not describe yet: the
+    planner keeps those layouts at zero-0 rather than predict a sharding the trainer does not do."""
+    if layout.dp * layout.cp == 1 or layout.ep > 1:
         return (0,)
-    return tuple(z for z in space.zero if z < 2 or model.shape.kv_heads >= layout.tp)
+    return tuple(space.zero)
 
 
 def plan(

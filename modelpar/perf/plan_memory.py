@@ -630,9 +630,30 @@ def state_bytes(
         out["optimizer"] = 12.0 * shard  # two moments and the fp32 master
     elif d > 1:
         tensors = sum(count * len(t) for _, t, count in units)
+        if strategy.layout.ep == d:  # each rank's experts are its own: their gradients are not bucketed
+            experts, expert_tensors = _expert_elements(model, strategy, seq_len, stage)
+            params, tensors = params - experts, tensors - expert_tensors
         out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
     out["gathered"] = 0.0
     return out
+
+
+def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
+    """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
+    ``E/ep`` experts in each MoE layer)."""
+    shape, layout = model.shape, strategy.layout
+    if not shape.moe.enabled:
+        return 0, 0
+    local = shape.moe.experts // layout.ep
+    per_layer = 3 * local * shape.expert_ffn_hidden * shape.hidden
+    partition = strategy_partition(model, strategy, seq_len)
+    layers = sum(
+        count
+        for c in partition.chunks_of(stage)
+        for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe)
+        if moe_layer and "mlp" in halves
+    )
+    return layers * per_layer, 3 * layers
 
 
 def gathered_bytes(
