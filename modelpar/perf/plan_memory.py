@@ -663,14 +663,15 @@ def gathered_bytes(
     whose chunks each end with their root).
 
     Besides the parameters it has unsharded, a unit's flat all-gather buffer lives from its (prefetched) gather
-    until the copy into them. Weights: stage 2 keeps every weight from forward to backward, plus a block's
-    buffer as it is gathered again; stage 3 in forward the chunk roots plus a root's buffer as each forward
-    gathers them again, or the block computing plus the next block's buffer (of the same chunk), in backward
-    the roots and the block in backward (full recompute reruns each block module: as in forward). Gradients:
-    while micro-batches accumulate (m > 1, not ``reduce_every_micro_batch``), every one is held unsharded from
-    the first backward on, so the peak is the forward's gathers where the stage runs a forward after its first
-    backward (``forward_after_backward``), else the backward's; with one reduce per micro-batch the gradients
-    are the roots' (reduced last) and one block's. Measured on CPU (``modelpar.perf.memory.GatheredMeter``);
+    until the copy into them. Weights: stage 2 keeps every weight from the first forward to the reducing backward,
+    plus a block's buffer as it is gathered again where each micro-batch frees them; stage 3 in forward the chunk
+    roots plus a root's buffer as each forward gathers them again, or the block computing plus the next block's
+    buffer (of the same chunk), in backward the roots and the block in backward (full recompute reruns each block
+    module: as in forward). Gradients: while micro-batches accumulate (m > 1, not ``reduce_every_micro_batch``),
+    every one is held unsharded from the first backward on, so the peak is the forward's gathers where the stage
+    runs a forward after its first backward (``forward_after_backward``), else the backward's; with one reduce per
+    micro-batch the gradients are the roots' (reduced last) and one block's. Measured on CPU
+    (``modelpar.perf.memory.GatheredMeter``);
     GPU streams may hold one more prefetched buffer."""
     params = sum(count * sum(r * c for r, c in tensors) for _, tensors, count in units)
     roots, largest_root, block, pair, chunk = 0, 0, 0, 0, []
@@ -683,7 +684,9 @@ def gathered_bytes(
         chunk.sort(reverse=True)
         block, pair, chunk = max([block, *chunk[:1]]), max(pair, sum(chunk[:2])), []
     if strategy.zero == 2:
-        forward = backward = params + block
+        # every weight from the first forward to the reducing backward; regathered (one block's buffer on top)
+        # only where each micro-batch reduces and frees them
+        forward = backward = params + (block if strategy.reduce_every_micro_batch or strategy.micro_batches == 1 else 0)
     else:
         forward = roots + max(largest_root, pair)
         backward = forward if strategy.recompute == "full" else roots + block
