@@ -199,6 +199,8 @@ class ModelConfig:
         a MoE ``layer`` the router and the top-k routed plus the shared experts only (active parameters).
         ``layer=None``: the mean over the layers."""
         if layer is None:
+            if not self.moe.enabled:  # every layer alike (the planner asks this millions of times)
+                return 3 * self.hidden * self.ffn_hidden
             return round(sum(self.mlp_params(i) for i in range(self.layers)) / self.layers)
         if not self.moe.is_moe_layer(layer):
             return 3 * self.hidden * self.ffn_hidden
@@ -216,4 +218,6 @@ class ModelConfig:
 
     def matmul_params(self) -> int:
         """Active matmul weights of the model (for a MoE: the top-k routed experts of each MoE layer)."""
+        if not self.moe.enabled:
+            return self.layers * self.block_params(0) + self.vocab_size * self.hidden
         return sum(self.block_params(i) for i in range(self.layers)) + self.vocab_size * self.hidden

@@ -442,6 +442,8 @@ def stored_block_params(shape: ModelConfig, layout: ParallelLayout) -> float:
     """Parameters of one block a rank stores, the mean over the blocks: its tp shard of attention and of a
     dense MLP; in a MoE block the router, the shared experts' tp shard and ``E/ep`` whole experts."""
     moe, t = shape.moe, layout.tp
+    if not moe.enabled:  # every block alike
+        return shape.attention_params() / t + shape.mlp_params(0) / t
     total = 0.0
     for i in range(shape.layers):
         if moe.is_moe_layer(i):

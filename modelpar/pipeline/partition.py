@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -132,25 +133,23 @@ def partition_by_cost(
     for cost in layer_costs:
         prefix.append(prefix[-1] + float(cost))
 
-    def chunk_cost(c: int, lo: int, hi: int) -> float:
-        extra = (embedding_cost if c == 0 else 0.0) + (head_cost if c == chunks - 1 else 0.0)
-        return prefix[hi] - prefix[lo] + extra
-
     # best[c][i]: smallest possible max cost when chunks 0..c-1 hold layers 0..i-1
+    # (each row vectorised over the split point j; argmin takes the first of equal values, as a strict < would)
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
-    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    ends = np.asarray(prefix, dtype=np.float64)
+    best = np.full((chunks + 1, n + 1), inf)
+    cut = np.zeros((chunks + 1, n + 1), dtype=np.int64)
     best[0][0] = 0.0
     for c in range(1, chunks + 1):
+        extra = (embedding_cost if c == 1 else 0.0) + (head_cost if c == chunks else 0.0)
         for i in range(c, n - (chunks - c) + 1):
-            for j in range(c - 1, i):
-                value = max(best[c - 1][j], chunk_cost(c - 1, j, i))
-                if value < best[c][i]:
-                    best[c][i], cut[c][i] = value, j
+            values = np.maximum(best[c - 1, c - 1 : i], (ends[i] - ends[c - 1 : i]) + extra)
+            j = int(np.argmin(values))
+            best[c, i], cut[c, i] = values[j], c - 1 + j
     counts, i = [], n
     for c in range(chunks, 0, -1):
-        counts.append(i - cut[c][i])
-        i = cut[c][i]
+        counts.append(i - int(cut[c, i]))
+        i = int(cut[c, i])
     counts.reverse()
     return Partition(pp, vpp, tuple(c / 2 for c in counts) if halves else tuple(counts))
 
