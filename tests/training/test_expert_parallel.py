@@ -106,7 +106,6 @@ LAYOUTS = [
     ("softmax", dict(dp=4, ep=2, microbatches=1, zero_=2)),  # experts sharded over the pair holding them (FSDP2)
     ("softmax", dict(dp=4, ep=2, microbatches=1, zero_=3)),
     ("softmax", dict(tp=2, dp=2, ep=2, microbatches=1, zero_=3)),
-    ("softmax", dict(tp=2, dp=4, ep=2, microbatches=1, zero_=3)),  # tp sums on the experts' dp shards
     ("softmax", dict(cp=2, dp=2, ep=2, microbatches=1, zero_=3)),  # experts sharded over a dp x cp pair
     ("softmax", dict(cp=2, ep=2, microbatches=1, zero_=2)),
     ("softmax", dict(pp=2, dp=2, ep=2, microbatches=2, schedule="gpipe", zero_=3)),
@@ -115,7 +114,6 @@ LAYOUTS = [
     ("sigmoid", dict(tp=2, dp=2, microbatches=2, zero_=2)),
     ("sigmoid", dict(dp=2, ep=2, microbatches=2, zero_=3)),
     ("sigmoid", dict(pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1", zero_=3)),  # split backward, whole experts
-    ("sigmoid", dict(pp=2, dp=4, ep=2, microbatches=2, schedule="zb-h1", zero_=3)),  # ... and FSDP2-sharded ones
     ("sigmoid", dict(dp=4, ep=2, microbatches=2, zero_=1)),
     ("sigmoid", dict(dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(tp=2, dp=2, ep=2, microbatches=2)),
