@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import TINY, assemble, make_config, train_and_collect
+from tests.training.test_layouts import TINY, assemble, assert_matches_reference, make_config, train_and_collect
 
 EOS = 3
 
@@ -84,12 +84,7 @@ def test_context_parallel_matches_single_device(layout, documents, token_path, r
     p = cfg.parallel
     results = run_on_ranks(p.tp * p.cp * p.pp * p.dp, train_and_collect, cfg, token_path)
     ref_losses, ref_params = references[documents]
-    for losses, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
-    params = assemble(results)
-    assert params.keys() == ref_params.keys()
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(results, (ref_losses, ref_params), layout)
 
 
 def _world(cfg) -> int:

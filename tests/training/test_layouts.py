@@ -70,6 +70,17 @@ def assemble(results) -> dict[str, torch.Tensor]:
     return full
 
 
+def assert_matches_reference(results, reference, label) -> None:
+    """Every rank's losses and the assembled parameters equal the single-device run's (1e-5)."""
+    ref_losses, ref_params = reference
+    for losses, _ in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(label))
+    params = assemble(results)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.fixture(scope="module")
 def reference(token_path, tmp_path_factory):
     cfg = make_config(tmp_path_factory.mktemp("ref"))
@@ -137,12 +148,7 @@ def test_layout_matches_single_device(layout, token_path, reference, tmp_path):
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     results = run_on_ranks(world, train_and_collect, cfg, token_path)
     ref_losses, ref_params = reference
-    for losses, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
-    params = assemble(results)
-    assert params.keys() == ref_params.keys()
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(results, (ref_losses, ref_params), layout)
 
 
 @pytest.mark.parametrize(
@@ -297,9 +303,4 @@ def test_fsdp_layout_matches_single_device(model, layout, token_path, request, t
     cfg = replace(cfg, trainer=replace(cfg.trainer, check_every=1, drift_action="halt"))  # tp-replicated rows agree
     ref_losses, ref_params = request.getfixturevalue("reference" if model is TINY else "reference_kv1")
     results = run_on_ranks(cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp, train_and_collect, cfg, token_path)
-    for losses, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
-    params = assemble(results)
-    assert params.keys() == ref_params.keys()
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(results, (ref_losses, ref_params), layout)
