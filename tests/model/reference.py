@@ -91,3 +91,7 @@ def check_pieces(per_rank: list[dict], reference: dict[str, torch.Tensor], tol: 
             primaries[index] += int(primary)
         assert bool((primaries == 1).all()), f"{name}: primary pieces do not tile the global tensor exactly once"
     return worst
+
+
+# The token ids the Hugging Face Llama fixture (tests/model/conftest.py) is evaluated on.
+HF_IDS = torch.tensor([[3, 17, 60, 0, 42, 9, 9, 31], [59, 1, 2, 44, 12, 37, 50, 8]])

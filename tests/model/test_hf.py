@@ -12,41 +12,12 @@ from modelpar.model.config import ModelConfig
 from modelpar.model.hf import config_from_hf, export_hf, import_hf
 from modelpar.model.transformer import build_model
 from modelpar.testing import current_groups, run_on_ranks
-from tests.model.reference import layout_for, rel_err
+from tests.model.reference import HF_IDS, layout_for, rel_err
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
-IDS = torch.tensor([[3, 17, 60, 0, 42, 9, 9, 31], [59, 1, 2, 44, 12, 37, 50, 8]])
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def hf_model(request, tmp_path_factory):
-    """A random LlamaForCausalLM saved to a directory, and its logits on IDS."""
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-        initializer_range=0.2,
-        tie_word_embeddings=request.param,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # HF initialises norms to ones, which would hide a swapped norm
-                param.normal_(1.0, 0.2)
-    path = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(path)
-    with torch.no_grad():
-        logits = model(IDS).logits
-    return path, logits
+IDS = HF_IDS
 
 
 def test_config_from_hf_maps_every_field(hf_model):

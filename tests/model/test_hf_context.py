@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
 from tests.model.reference import rel_err
-from tests.model.test_hf import hf_model  # noqa: F401  (the fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +40,7 @@ def _cp_logits_and_loss(path, comm):
 
 
 @pytest.mark.parametrize("layout, comm", [(ParallelLayout(cp=2), "ring"), (ParallelLayout(tp=2, cp=2), "allgather")])
-def test_imported_model_gives_transformers_loss_at_cp(hf_model, layout, comm):  # noqa: F811
+def test_imported_model_gives_transformers_loss_at_cp(hf_model, layout, comm):
     from modelpar.parallel.context import merge_from_context
 
     path, _ = hf_model

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import make_config, token_path  # noqa: F401 - the fixture
+from tests.helpers import make_config
 
 
 def _p2p_bytes_and_loss(cfg, data_path: str) -> tuple[dict, float]:
@@ -35,7 +35,7 @@ def _p2p_bytes_and_loss(cfg, data_path: str) -> tuple[dict, float]:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_bf16_runs_send_half_the_bytes_of_fp32_and_train_alike(schedule, token_path, tmp_path):  # noqa: F811
+def test_bf16_runs_send_half_the_bytes_of_fp32_and_train_alike(schedule, token_path, tmp_path):
     # native collectives: the exchange ones would post their own isend/irecv, which are not pipeline traffic
     base = make_config(tmp_path, pp=2, schedule=schedule, microbatches=2, collectives="native")
     runs = {}

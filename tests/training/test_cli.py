@@ -11,7 +11,7 @@ import torch
 from modelpar.cli.ckpt import main as ckpt_main
 from modelpar.cli.generate import load_single_device_model
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import TINY, make_config, train_and_collect
+from tests.helpers import TINY, make_config, train_and_collect
 
 
 def train_cli(*overrides, cwd=None):

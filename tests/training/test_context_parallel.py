@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import TINY, assemble, assert_matches_reference, make_config, train_and_collect
+from tests.helpers import TINY, assemble, assert_matches_reference, make_config, train_and_collect
 
 EOS = 3
 

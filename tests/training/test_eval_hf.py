@@ -75,3 +75,20 @@ def test_a_real_conflict_names_the_field_and_both_values(imported):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "hidden=48" in lines[0] and "model.hidden=64" in lines[0], lines[0]
+
+
+# -- each window split over cp ranks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"]]
+)
+def test_eval_at_cp_gives_transformers_loss(imported, layout):
+    root, want = imported
+    proc = eval_cli(
+        f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", f"eval.windows={WINDOWS}",
+        "parallel=single", "parallel.microbatches=2", *layout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)

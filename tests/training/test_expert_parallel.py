@@ -11,9 +11,7 @@ from modelpar.model.config import MoEConfig
 from modelpar.parallel.layout import LayoutError
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError, validate
-from tests.training.test_layouts import TINY, assemble, make_config, token_path
-
-__all__ = ["token_path"]
+from tests.helpers import TINY, assemble, make_config
 
 ROUTERS = {
     # Mixtral: softmax top-2, with the load-balancing and z losses (their gradients cross the all-to-alls)
@@ -181,7 +179,7 @@ RESUMED = [dict(ep=2), dict(zero_=3), dict(ep=2, zero_=3), dict(dp=4, ep=2, zero
 
 @pytest.mark.parametrize("layout", RESUMED, ids=["ep2", "zero3", "ep2-zero3", "dp4-ep2-zero3"])
 def test_expert_parallel_resume_continues_bit_for_bit(token_path, tmp_path, layout):
-    from tests.training.test_layouts import train_and_collect as train_and_save
+    from tests.helpers import train_and_collect as train_and_save
 
     cfg = moe_config(tmp_path / "a", "sigmoid", microbatches=2, **{"dp": 2, **layout})
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
@@ -198,8 +196,8 @@ def test_expert_parallel_resume_continues_bit_for_bit(token_path, tmp_path, layo
 
 @pytest.mark.parametrize("layout", [dict(), dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2)], ids=str)
 def test_ep2_checkpoint_loads_into_other_layouts_with_identical_logits(token_path, tmp_path, layout):
-    from tests.training.test_layouts import logits_after_loading
-    from tests.training.test_layouts import train_and_collect as train_and_save
+    from tests.helpers import logits_after_loading
+    from tests.helpers import train_and_collect as train_and_save
 
     cfg = moe_config(tmp_path / "src", "softmax", dp=2, ep=2, microbatches=1)
     run_on_ranks(2, train_and_save, cfg, token_path, None, (3,))
@@ -292,7 +290,7 @@ def test_each_moe_layer_moves_its_routed_rows_four_times_through_all_to_all():
 def test_reshard_cli_writes_an_ep_layout_and_refuses_an_ep_that_cannot_split_the_experts(token_path, tmp_path, capsys):
     from modelpar.checkpoint.store import Piece, load_pieces, read_index
     from modelpar.cli.ckpt import main as ckpt_main
-    from tests.training.test_layouts import train_and_collect as train_and_save
+    from tests.helpers import train_and_collect as train_and_save
 
     cfg = moe_config(tmp_path / "src", "softmax", dp=2, ep=2, microbatches=1)
     run_on_ranks(2, train_and_save, cfg, token_path, None, (2,))

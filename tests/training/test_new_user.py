@@ -16,8 +16,7 @@ import torch
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError
 from modelpar.training.preflight import check_device
-from tests.test_reliability import SMALL
-from tests.training.test_layouts import make_config, token_path, train_and_collect  # noqa: F401 - the fixture
+from tests.helpers import SMALL, make_config, train_and_collect
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +85,7 @@ def _hashes_while_resuming(cfg, data_path: str, ckpt: str) -> int:
     return len(hashed)
 
 
-def test_a_resume_hashes_the_checkpoint_once_on_rank_0(token_path, tmp_path):  # noqa: F811
+def test_a_resume_hashes_the_checkpoint_once_on_rank_0(token_path, tmp_path):
     cfg = make_config(tmp_path, pp=2)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=1))
     run_on_ranks(2, train_and_collect, cfg, token_path, None, (1,))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
+from tests.helpers import make_config
 
 
 def fit(cfg, data_path):
@@ -23,7 +23,7 @@ def losses_of(cfg, data_path):
     return [trainer.train_step().loss for _ in range(cfg.trainer.steps)]
 
 
-def test_fit_writes_metrics_timeline_checkpoint_and_flight_records(token_path, tmp_path):  # noqa: F811
+def test_fit_writes_metrics_timeline_checkpoint_and_flight_records(token_path, tmp_path):
     cfg = make_config(tmp_path, tp=2, pp=2, microbatches=4)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=3, ckpt_every=3, timeline_step=2, check_every=1))
     run_on_ranks(4, fit, cfg, token_path)
@@ -39,7 +39,7 @@ def test_fit_writes_metrics_timeline_checkpoint_and_flight_records(token_path, t
     assert record["where"] == "pp 1 tp 1 dp 0" and record["events"], record
 
 
-def test_bf16_compute_on_fp32_master_weights_tracks_fp32(token_path, tmp_path):  # noqa: F811
+def test_bf16_compute_on_fp32_master_weights_tracks_fp32(token_path, tmp_path):
     cfg = make_config(tmp_path, pp=2)
     bf16 = replace(cfg, trainer=replace(cfg.trainer, dtype="bf16"))
     (fp32_losses, _), (bf16_losses, _) = (run_on_ranks(2, losses_of, c, token_path) for c in (cfg, bf16))
@@ -47,7 +47,7 @@ def test_bf16_compute_on_fp32_master_weights_tracks_fp32(token_path, tmp_path): 
     np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=2e-2)
 
 
-def test_tensorboard_without_the_package_is_one_clear_error(token_path, tmp_path):  # noqa: F811
+def test_tensorboard_without_the_package_is_one_clear_error(token_path, tmp_path):
     pytest.importorskip("torch")
     try:
         import tensorboard  # noqa: F401

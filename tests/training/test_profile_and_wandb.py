@@ -8,7 +8,7 @@ import pytest
 
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError, validate
-from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
+from tests.helpers import make_config
 
 
 def profiled_fit(cfg, data_path):
@@ -24,7 +24,7 @@ def profiled_fit(cfg, data_path):
     return issued, [str(a) for a in trainer.runtime.actions], json.loads(trace.read_text())
 
 
-def test_a_profiled_tp2_pp2_step_names_every_action_and_collective_on_each_rank(token_path, tmp_path):  # noqa: F811
+def test_a_profiled_tp2_pp2_step_names_every_action_and_collective_on_each_rank(token_path, tmp_path):
     cfg = make_config(tmp_path, tp=2, pp=2, microbatches=4)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=3, profile_steps=[2, 2], ckpt_every=0))
     results = run_on_ranks(4, profiled_fit, cfg, token_path)
@@ -92,7 +92,7 @@ def wandb_records(path) -> list:
     return out
 
 
-def test_wandb_sink_logs_each_step_and_the_layout_offline(token_path, tmp_path):  # noqa: F811
+def test_wandb_sink_logs_each_step_and_the_layout_offline(token_path, tmp_path):
     pytest.importorskip("wandb")
     cfg = make_config(tmp_path, pp=2)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=3, wandb=True, ckpt_every=0))

@@ -11,7 +11,7 @@ import pytest
 
 from modelpar.perf.host_syncs import count_host_syncs
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import make_config, token_path  # noqa: F401 - the fixture
+from tests.helpers import make_config
 
 
 def _syncs_of_steady_step(cfg, data_path: str) -> list[str]:
@@ -34,7 +34,7 @@ def _syncs_of_steady_step(cfg, data_path: str) -> list[str]:
     ],
     ids=["single", "tp2-pp2", "dp2-pp2-zb-zero1", "dp4-outlier-check"],
 )
-def test_a_steady_step_has_one_host_sync(parallel, optim, token_path, tmp_path):  # noqa: F811
+def test_a_steady_step_has_one_host_sync(parallel, optim, token_path, tmp_path):
     from dataclasses import replace
 
     cfg = make_config(tmp_path, **parallel)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from modelpar.backends.gloo_cpu import core_block, job_cores, pinned
-from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
+from tests.helpers import make_config
 
 
 @pytest.mark.parametrize(
@@ -133,7 +133,7 @@ def _trainer_gloo_policies(cfg, data_path: str) -> dict:
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class on this OS")
 @pytest.mark.parametrize("mode", ["idle", "normal"])
-def test_trainer_puts_only_the_tp_groups_socket_threads_idle_for_the_run(mode, token_path, tmp_path):  # noqa: F811
+def test_trainer_puts_only_the_tp_groups_socket_threads_idle_for_the_run(mode, token_path, tmp_path):
     from dataclasses import replace
 
     from modelpar.testing import run_on_ranks

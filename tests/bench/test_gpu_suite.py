@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
 SECTIONS = {"tests", "kernels", "mfu", "host_syncs", "moe_layer"}
 
 

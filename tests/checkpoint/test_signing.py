@@ -14,11 +14,11 @@ from modelpar.checkpoint.signing import SIGNATURE, keygen
 from modelpar.checkpoint.store import CheckpointError, sha256_file
 from modelpar.cli.ckpt import main as ckpt_main
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import make_config, token_path, train_and_collect  # noqa: F401 - the fixture
+from tests.helpers import make_config, train_and_collect
 
 
 @pytest.fixture(scope="module")
-def signed_run(tmp_path_factory, token_path):  # noqa: F811
+def signed_run(tmp_path_factory, token_path):
     root = tmp_path_factory.mktemp("signed")
     key = keygen(root / "key")
     cfg = make_config(root / "run", pp=2)
@@ -88,7 +88,7 @@ def _resume(cfg, data_path: str, ckpt: str) -> str:
     return "loaded"
 
 
-def test_resume_refuses_a_forged_checkpoint_on_every_rank(signed_run, tmp_path, token_path):  # noqa: F811
+def test_resume_refuses_a_forged_checkpoint_on_every_rank(signed_run, tmp_path, token_path):
     cfg, _, ckpt = signed_run
     forged = _forge(ckpt, tmp_path / "forged")
     assert run_on_ranks(2, _resume, cfg, token_path, str(ckpt)) == ["loaded", "loaded"]

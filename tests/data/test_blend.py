@@ -19,7 +19,7 @@ from modelpar.data import (
 from modelpar.data.blend import quotas
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import BlendEntry, RecipeError, validate
-from tests.training.test_layouts import make_config, train_and_collect
+from tests.helpers import make_config, train_and_collect
 
 
 def one_line(error, match, fn, *args, **kwargs) -> str:
@@ -207,7 +207,7 @@ def test_train_and_eval_commands_take_a_blend(tmp_path):
     import subprocess
     import sys
 
-    from tests.training.test_layouts import TINY
+    from tests.helpers import TINY
 
     corpus(tmp_path, "web", 300, seed=0, val_fraction=0.1)
     code = tmp_path / "code.npy"

@@ -15,7 +15,7 @@ from modelpar.pipeline.schedule import SCHEDULES, single_micro_batch
 from modelpar.pipeline.simulate import check_schedule
 from modelpar.testing import run_on_ranks
 from modelpar.training.sdc import bit_checksum
-from tests.training.test_layouts import TINY, make_config
+from tests.helpers import TINY, make_config
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -128,7 +128,7 @@ def test_the_check_changes_no_result(token_path, tmp_path):
 
 
 def test_the_command_line_names_the_corrupted_rank_in_one_line(tmp_path):
-    from tests.test_reliability import train
+    from tests.helpers import train
 
     proc, seconds = train(tmp_path, "trainer.steps=4", "trainer.sdc_check_every=2", faults="bitflip@3:1")
     assert proc.returncode == 1

@@ -11,7 +11,7 @@ import pytest
 
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError, validate
-from tests.training.test_layouts import make_config, token_path  # noqa: F401 - fixture
+from tests.helpers import make_config
 
 
 def _state_bytes(cfg, data_path: str) -> dict[str, int]:
@@ -35,7 +35,7 @@ def _zero(tmp_path, zero: int):
     return replace(cfg, optim=replace(cfg.optim, zero=zero))
 
 
-def test_zero3_holds_a_quarter_of_the_model_state_at_dp4(token_path, tmp_path):  # noqa: F811
+def test_zero3_holds_a_quarter_of_the_model_state_at_dp4(token_path, tmp_path):
     plain = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z0", 0), token_path)
     sharded = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z3", 3), token_path)
     for z0, z3 in zip(plain, sharded, strict=True):
@@ -45,14 +45,14 @@ def test_zero3_holds_a_quarter_of_the_model_state_at_dp4(token_path, tmp_path): 
         assert z3["weights"] <= 0.30 * z0["weights"]
 
 
-def test_zero2_shards_gradients_and_optimizer_state(token_path, tmp_path):  # noqa: F811
+def test_zero2_shards_gradients_and_optimizer_state(token_path, tmp_path):
     plain = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z0", 0), token_path)
     sharded = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z2", 2), token_path)
     for z0, z2 in zip(plain, sharded, strict=True):
         assert z2["gradients"] + z2["optimizer"] <= 0.30 * (z0["gradients"] + z0["optimizer"]), (z0, z2)
 
 
-def test_hybrid_sharding_holds_half_at_dp4_in_pairs(token_path, tmp_path):  # noqa: F811
+def test_hybrid_sharding_holds_half_at_dp4_in_pairs(token_path, tmp_path):
     plain = run_on_ranks(4, _state_bytes, _zero(tmp_path / "z0", 0), token_path)
     cfg = _zero(tmp_path / "h", 3)
     hybrid = run_on_ranks(4, _state_bytes, replace(cfg, optim=replace(cfg.optim, zero_group=2)), token_path)
@@ -92,7 +92,7 @@ def test_what_fsdp2_is_not_combined_with_is_refused_in_one_line(tmp_path, change
     ],
     ids=["zb-h1", "zb-h1-recompute", "kv-heads-below-tp"],
 )
-def test_zb_h1_and_kv_heads_below_tp_run_under_fsdp2(tmp_path, zero, change):
+def test_zb_h1_and_kv_heads_below_tp_pass_validation_under_fsdp2(tmp_path, zero, change):
     cfg = make_config(tmp_path, dp=2)
     cfg = replace(cfg, optim=replace(cfg.optim, zero=zero))
     for key, value in change.items():
@@ -122,7 +122,7 @@ def _weight_pass_hooks(cfg, data_path: str) -> list[bool]:
     return [*seen, sharded()]
 
 
-def test_zb_h1_leaves_zero3_weights_sharded_and_w_gathers_them(token_path, tmp_path):  # noqa: F811
+def test_zb_h1_leaves_zero3_weights_sharded_and_w_gathers_them(token_path, tmp_path):
     cfg = make_config(tmp_path, dp=2, pp=2, schedule="zb-h1", microbatches=2)
     cfg = replace(cfg, optim=replace(cfg.optim, zero=3))
     for seen in run_on_ranks(4, _weight_pass_hooks, cfg, token_path):
@@ -147,7 +147,7 @@ def _bf16_losses(cfg, data_path: str) -> tuple[list[float], set[str]]:
     [("fp32", {}), ("bf16", {}), ("fp32", dict(pp=2, schedule="zb-h1"))],  # zb-h1: W's bf16 grads accumulated
     ids=["fp32", "bf16", "fp32-zb-h1"],
 )
-def test_zero3_bf16_gathers_bf16_weights_and_tracks_the_replicated_run(token_path, tmp_path, reduce_dtype, layout):  # noqa: F811
+def test_zero3_bf16_gathers_bf16_weights_and_tracks_the_replicated_run(token_path, tmp_path, reduce_dtype, layout):
     base = make_config(tmp_path / "z0", dp=2, **layout)
     base = replace(base, trainer=replace(base.trainer, dtype="bf16"))
     sharded = replace(base, optim=replace(base.optim, zero=3, reduce_dtype=reduce_dtype))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_reliability import SMALL
+from tests.helpers import SMALL
 
 pytestmark = pytest.mark.slow
 

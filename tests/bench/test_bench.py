@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.perf.bench_config import register_bench_schema
 from modelpar.perf.layout_spec import layout_name, parse_layout
 from modelpar.perf.memory import SavedTensorMeter
 from modelpar.perf.peers import regroup_rows
-from modelpar.training.config import RECIPES, ParallelConfig
+from modelpar.training.config import ParallelConfig
+from tests.helpers import tiny_bench_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -104,39 +104,12 @@ def test_regrouped_fused_weight_shards_like_our_tensor_parallel_layer():
         assert torch.equal(regrouped.chunk(2)[rank], ours)
 
 
-def _tiny_bench_config(tmp, *extra):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    tokens = tmp / "tokens.npy"
-    np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16))
-    overrides = [
-        "model=tiny",
-        "model.tie_embeddings=false",
-        "data.seq_len=16",
-        "data.global_batch=8",
-        f"data.path={tokens}",
-        "parallel.microbatches=4",
-        "bench.sweep=[single,tp2,pp2-1f1b]",
-        "bench.warmup=1",
-        "bench.rounds=1",
-        "bench.steps_per_round=1",
-        "bench.peak_tflops=0.1",
-        f"bench.results_dir={tmp}",
-        "trainer.out_dir=" + str(tmp / "run"),
-        *extra,
-    ]
-    register_bench_schema()
-    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
-
-
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
     from modelpar.perf.bench import run
 
     tmp = tmp_path_factory.mktemp("bench")
-    run(_tiny_bench_config(tmp))
+    run(tiny_bench_config(tmp))
     return tmp
 
 
@@ -153,7 +126,7 @@ def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
 ):
     from modelpar.perf.bench import run
 
-    cfg = _tiny_bench_config(
+    cfg = tiny_bench_config(
         tmp_path,
         f"bench.sweep=[{layout}]",
         "parallel.partition=explicit",
@@ -183,7 +156,7 @@ def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
 def test_bad_bench_options_are_refused_before_any_rank_starts(tmp_path, override, message):
     from modelpar.perf.bench import run
 
-    cfg = _tiny_bench_config(tmp_path, override)
+    cfg = tiny_bench_config(tmp_path, override)
     cfg.bench.results_dir = str(tmp_path / "results")
     with pytest.raises(ValueError, match=message):
         run(cfg)
@@ -390,7 +363,7 @@ def test_tp_breakdown_refuses_bad_input_in_one_line_before_any_rank(tmp_path, ca
 def test_recompute_row_holds_less_activation_memory_and_has_no_peer(tmp_path):
     from modelpar.perf.bench import run
 
-    rows = run(_tiny_bench_config(tmp_path, "bench.sweep=[pp2-1f1b,pp2-1f1b-rc]"))
+    rows = run(tiny_bench_config(tmp_path, "bench.sweep=[pp2-1f1b,pp2-1f1b-rc]"))
     plain, rc = rows["pp2-1f1b-m4"], rows["pp2-1f1b-m4-rc"]
     assert rc["peer_name"] is None and rc["peer"] is None  # the peers have no recompute to compare with
     assert plain["peer"] is not None

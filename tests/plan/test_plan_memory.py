@@ -15,7 +15,7 @@ from modelpar.perf.plan import HARDWARE, SearchSpace, Strategy, explain, load_mo
 from modelpar.perf.summary import memory_vs_prediction
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import validate
-from tests.test_bench import _tiny_bench_config
+from tests.helpers import tiny_bench_config
 
 TOLERANCE = 0.10  # the issue's goal: predicted within 10% of measured, states and activations separately
 
@@ -54,7 +54,7 @@ def measured(tmp_path_factory):
     """{case name: (recipe, per-rank measurements)} for every layout of SINGLE and MULTI."""
     tmp = tmp_path_factory.mktemp("plan_memory")
     # 64 tokens x micro-batches of 2: the blocks' saved tensors reach offload's 16 KiB, so it moves them
-    base = _tiny_bench_config(tmp, "data.seq_len=64")
+    base = tiny_bench_config(tmp, "data.seq_len=64")
 
     def recipe(spec: str):
         cfg = parse_case(spec, base)

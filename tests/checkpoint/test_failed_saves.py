@@ -25,7 +25,7 @@ from modelpar.checkpoint.store import (
     step_dir,
 )
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import TINY, make_config
+from tests.helpers import TINY, make_config
 
 
 def _save(root: Path, step: int):

@@ -4,7 +4,7 @@ context parallelism is not raced."""
 
 from modelpar.perf.layout_spec import layout_name, parse_layout
 from modelpar.training.config import ParallelConfig
-from tests.test_bench import _tiny_bench_config
+from tests.helpers import tiny_bench_config
 
 
 def test_cp_specs_set_cp_and_the_exchange_and_read_back():
@@ -20,7 +20,7 @@ def test_cp_specs_set_cp_and_the_exchange_and_read_back():
 def test_cp_rows_hold_half_the_activations_and_count_the_kv_exchange(tmp_path):
     from modelpar.perf.bench import run
 
-    rows = run(_tiny_bench_config(tmp_path, "bench.sweep=[single,cp2,cp2-allgather]", "data.seq_len=32"))
+    rows = run(tiny_bench_config(tmp_path, "bench.sweep=[single,cp2,cp2-allgather]", "data.seq_len=32"))
     single, ring, gather = rows["single-m4"], rows["cp2-m4"], rows["cp2-allgather-m4"]
     for row in (ring, gather):
         assert row["cp"] == 2 and row["peer"] is None

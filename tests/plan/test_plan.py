@@ -25,7 +25,7 @@ from modelpar.perf.plan import (
 )
 from modelpar.perf.published import GPT3_175B, SEQ_LEN, TABLE_1, VOCAB, predicted_tflops
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 A100 = HARDWARE["a100-80gb"]
 LLAMA_8B = load_model("llama-8b")
@@ -403,7 +403,7 @@ def test_plan_vs_published_script_reports_each_row_with_its_residual():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_published.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "plan_vs_published.py"
     spec = importlib.util.spec_from_file_location("plan_vs_published", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

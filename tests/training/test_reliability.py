@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,24 +12,9 @@ import torch
 
 from modelpar.checkpoint.store import Piece, load_pieces, read_index, step_dir
 from modelpar.testing import RankError, run_on_ranks
-from tests.training.test_layouts import TINY, make_config
+from tests.helpers import TINY, make_config, train
 
 pytestmark = pytest.mark.slow
-
-SMALL = [  # the default recipe's model, shrunk: every run here is a real multi-process job
-    "model.hidden=32", "model.layers=2", "model.ffn_hidden=64", "data.seq_len=32", "data.global_batch=8",
-    "data.corpus_max_bytes=200000", "trainer.progress=false", "trainer.sample_tokens=0",
-]  # fmt: skip
-
-
-def train(tmp_path: Path, *overrides: str, faults: str = "", timeout: int = 240):
-    env = dict(os.environ, MODELPAR_FAULTS=faults)
-    start = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "modelpar.cli.train", *SMALL, f"hydra.run.dir={tmp_path}", *overrides],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
-    return proc, time.time() - start
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.test_reliability import SMALL
+from tests.helpers import SMALL
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")]
 

@@ -58,7 +58,7 @@ def test_shipped_mixtral_recipe_is_the_planners_first_choice_with_ep8(mixtral):
     from omegaconf import OmegaConf
 
     from modelpar.training.config import register_schema
-    from tests.test_recipe_properties import RECIPES
+    from tests.helpers import RECIPES
 
     register_schema()
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
@@ -82,7 +82,7 @@ def test_the_overrides_of_an_ep_plan_name_ep_and_an_aux_loss_the_schedule_can_ru
 
     from modelpar.cli.plan import trainer_overrides
     from modelpar.training.config import register_schema, validate
-    from tests.test_recipe_properties import RECIPES
+    from tests.helpers import RECIPES
 
     strategy = Strategy(ParallelLayout(tp=2, pp=4, dp=8, ep=8), 1, 32, "none", 1, True)
     overrides = trainer_overrides(strategy, 4096, mixtral)

@@ -9,7 +9,7 @@ import numpy as np
 from modelpar.checkpoint.store import read_index
 from modelpar.data.fingerprint import fingerprint
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import make_config, train_and_collect
+from tests.helpers import make_config, train_and_collect
 
 
 def _resume(cfg, data_path: str, ckpt: str) -> str:

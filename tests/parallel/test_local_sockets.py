@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_reliability import SMALL
+from tests.helpers import SMALL
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")]
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from modelpar.testing import run_on_ranks
-from tests.training.test_layouts import make_config
+from tests.helpers import make_config
 
 
 @pytest.fixture(scope="module")

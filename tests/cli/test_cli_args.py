@@ -9,7 +9,7 @@ import pytest
 
 from modelpar.cli.args import check_layouts, positive_float, positive_int
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "1.5", "two", ""])

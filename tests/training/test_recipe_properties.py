@@ -12,7 +12,7 @@ from modelpar.training.config import DataConfig, ModelConfig, OptimConfig, Paral
 from modelpar.training.preflight import USER_ERRORS, check_recipe
 
 VOCAB = 64
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 @st.composite

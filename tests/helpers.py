@@ -1,0 +1,147 @@
+"""What many test modules share: the tiny model and its training config, a multi-process training run of the
+CLI, a tiny bench config, and the pieces-to-tensors assembly that layout comparisons use. No test module imports
+another; they import this."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from modelpar.training.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+
+TINY = ModelConfig(
+    name="test",
+    vocab_size=61,
+    hidden=32,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    ffn_hidden=48,
+    max_seq_len=32,
+    tie_embeddings=True,
+)
+
+
+def make_config(tmp_path, **parallel) -> TrainConfig:
+    return TrainConfig(
+        model=TINY,
+        parallel=ParallelConfig(**{"microbatches": 2, **parallel}),
+        optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, grad_clip=0.5, bucket_mb=0.001),
+        data=DataConfig(seq_len=16, global_batch=8, seed=7),
+        trainer=TrainerConfig(steps=3, out_dir=str(tmp_path), progress=False, timeout_s=60.0),
+    )
+
+
+def train_and_collect(cfg: TrainConfig, data_path: str, resume_from=None, save_at=()):
+    """On every rank: train to ``cfg.trainer.steps``; return (loss, grad norm) per step and this rank's pieces."""
+    from modelpar.checkpoint.reshard import model_pieces
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, resume_from)
+    losses = []
+    while trainer.step < cfg.trainer.steps:
+        metrics = trainer.train_step()
+        losses.append((metrics.loss, metrics.grad_norm))
+        if trainer.step in save_at:
+            trainer.save()
+    pieces = {(p.name, p.region): t.detach().clone() for p, t in model_pieces(trainer.model.chunks).items()}
+    return losses, pieces
+
+
+def assemble(results) -> dict[str, torch.Tensor]:
+    """Global tensors from every rank's pieces."""
+    shapes: dict[str, list[int]] = {}
+    for _, pieces in results:
+        for (name, region), _ in pieces.items():
+            shapes[name] = [
+                max(a, b) for a, b in zip(shapes.get(name, [0] * len(region)), (r[1] for r in region), strict=True)
+            ]
+    full = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
+    for _, pieces in results:
+        for (name, region), tensor in pieces.items():
+            full[name][tuple(slice(a, b) for a, b in region)] = tensor
+    return full
+
+
+def assert_matches_reference(results, reference, label) -> None:
+    """Every rank's losses and the assembled parameters equal the single-device run's (1e-5)."""
+    ref_losses, ref_params = reference
+    for losses, _ in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(label))
+    params = assemble(results)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def logits_after_loading(cfg: TrainConfig, data_path: str, ckpt: str):
+    """Every rank loads ``ckpt`` into its layout; the last stage returns the full-vocab logits of one batch."""
+    import torch.distributed as dist
+
+    from modelpar.parallel.collectives import all_gather
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, ckpt)
+    inputs, _ = trainer.tokens.batch(range(2))
+    x = inputs
+    with torch.no_grad():
+        for chunk in trainer.model.chunks:  # pp=1 layouts: one rank holds every layer
+            x = chunk(x)
+        if trainer.groups.layout.tp > 1:
+            x = all_gather(x.contiguous(), trainer.groups.tp_group, dim=-1)
+    return x[..., : cfg.model.vocab_size].detach(), dist.get_rank()
+
+
+SMALL = [  # the default recipe's model, shrunk: every run here is a real multi-process job
+    "model.hidden=32", "model.layers=2", "model.ffn_hidden=64", "data.seq_len=32", "data.global_batch=8",
+    "data.corpus_max_bytes=200000", "trainer.progress=false", "trainer.sample_tokens=0",
+]  # fmt: skip
+
+
+def train(tmp_path: Path, *overrides: str, faults: str = "", timeout: int = 240):
+    env = dict(os.environ, MODELPAR_FAULTS=faults)
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.cli.train", *SMALL, f"hydra.run.dir={tmp_path}", *overrides],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    return proc, time.time() - start
+
+
+def tiny_bench_config(tmp, *extra):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    tokens = tmp / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16))
+    overrides = [
+        "model=tiny",
+        "model.tie_embeddings=false",
+        "data.seq_len=16",
+        "data.global_batch=8",
+        f"data.path={tokens}",
+        "parallel.microbatches=4",
+        "bench.sweep=[single,tp2,pp2-1f1b]",
+        "bench.warmup=1",
+        "bench.rounds=1",
+        "bench.steps_per_round=1",
+        "bench.peak_tflops=0.1",
+        f"bench.results_dir={tmp}",
+        "trainer.out_dir=" + str(tmp / "run"),
+        *extra,
+    ]
+    from modelpar.perf.bench_config import register_bench_schema
+
+    register_bench_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
