@@ -145,3 +145,13 @@ def tiny_bench_config(tmp, *extra):
     register_bench_schema()
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         return OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The whole logical tensors of the checkpoint a run wrote at ``step``."""
+    from modelpar.checkpoint.store import Piece, load_pieces, read_index, step_dir
+
+    ckpt = step_dir(run_dir / "checkpoints", step)
+    index = read_index(ckpt)
+    wanted = [Piece.whole(name, tuple(t["global_shape"])) for name, t in index["tensors"].items()]
+    return {p.name: t for p, t in load_pieces(ckpt, index, wanted).items()}

@@ -30,8 +30,10 @@ from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
 from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema
+from modelpar.training.faults import FIRED_ENV
 from modelpar.training.flight import flight_hang_report
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
+from modelpar.training.restart import RestartPolicy, run_with_restarts
 from modelpar.training.trainer import train_worker
 
 
@@ -66,13 +68,31 @@ def run(cfg: TrainConfig) -> None:
             f"{out_dir}" + (f", resuming from {resume_from}" if resume_from else ""),
             flush=True,
         )
-    try:
+    policy = RestartPolicy(cfg.trainer.max_restarts, cfg.trainer.restart_backoff_s)
+    if policy.max_restarts and env is not None:
+        print(
+            "modelpar-train: trainer.max_restarts applies to locally spawned jobs; under torchrun use "
+            "--max-restarts (each new worker resumes from the newest verified checkpoint)",
+            flush=True,
+        )
+        policy = RestartPolicy(0)
+    if policy.max_restarts:
+        os.environ[FIRED_ENV] = str(out_dir / "flight" / "faults-fired")  # an injected fault happens once
+
+    def attempt(restart: int) -> None:
+        resume = resume_from
+        if restart:
+            try:
+                _, _, resume = preflight(cfg)  # the newest checkpoint that verifies now
+            except USER_ERRORS as exc:
+                fail(str(exc))
+            print(f"modelpar-train: resuming from {resume or 'the start (no checkpoint yet)'}", flush=True)
         launch(
             layout.world_size,
             train_worker,
             cfg,
             train_path,
-            resume_from,
+            resume,
             True,  # preflight verified the checkpoint: the ranks load it without hashing it again
             timeout_s=cfg.trainer.timeout_s,
             threads_per_rank=cfg.trainer.threads_per_rank,
@@ -80,6 +100,9 @@ def run(cfg: TrainConfig) -> None:
             rank_setup=rank_setup(runs_on_cpu(cfg), cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity),
             log_path=str(out_dir / "failure.log"),
         )
+
+    try:
+        run_with_restarts(attempt, policy, out_dir / "restarts.jsonl", say=partial(print, flush=True))
     except LaunchError as exc:
         print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

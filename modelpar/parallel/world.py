@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 DEFAULT_TIMEOUT_S = 300.0
 LOCAL_ADDR = "127.0.0.1"
@@ -91,12 +92,22 @@ def init_distributed(
         torch.cuda.set_device(env.local_rank)
     global _timeout
     _timeout = datetime.timedelta(seconds=timeout_s)
+    url = init_method or f"tcp://{env.master_addr}:{env.master_port}"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method is None and env.source == "torchrun" and restart not in (None, "0"):
+        # torchrun --max-restarts keeps its rendezvous store across restarts: the gloo/NCCL addresses the last
+        # attempt's ranks published there are stale, so each attempt meets under its own prefix
+        store, _, _ = next(rendezvous(f"{url}?rank={env.rank}&world_size={env.world_size}", timeout=_timeout))
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"attempt-{restart}/", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=_timeout,
+        )
+        return env
     dist.init_process_group(
-        backend=backend,
-        init_method=init_method or f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=_timeout,
+        backend=backend, init_method=url, rank=env.rank, world_size=env.world_size, timeout=_timeout
     )
     return env
 

@@ -119,6 +119,8 @@ class TrainerConfig:
     ckpt_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    max_restarts: int = 0  # a failed local job starts again from the newest verified checkpoint, up to N times
+    restart_backoff_s: float = 1.0  # wait before the first restart, doubling per restart (at most 60 s)
     files: str = "group"  # who may read run directories, checkpoints, flight records: group (and owner) | owner
     signing_key: str = ""  # a key file (modelpar-ckpt keygen): checkpoints signed, unsigned ones refused
     timeout_s: float = 300.0
@@ -318,6 +320,11 @@ def _check_choices(cfg: TrainConfig) -> None:
             listed = ", ".join(map(str, allowed))
             verb = "is unknown; choose one of" if key in _UNKNOWN else "must be one of"
             raise RecipeError(f"{key}={value!r} {verb} {listed}")
+    if cfg.trainer.max_restarts > 0 and cfg.trainer.resume != "auto":
+        raise RecipeError(
+            f"trainer.max_restarts={cfg.trainer.max_restarts} restarts from the newest verified checkpoint of the run, "
+            f"which trainer.resume={cfg.trainer.resume!r} does not read; use trainer.resume=auto"
+        )
 
 
 def _check_blend(d: DataConfig) -> None:
@@ -369,6 +376,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         ("trainer.seed", t.seed, 0 <= t.seed < SEED_LIMIT, "in [0, 2**32)"),
         ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
         ("trainer.ckpt_every", t.ckpt_every, t.ckpt_every >= 0, ">= 0 (0: no checkpoints)"),
+        ("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0 (0: a failed job stays failed)"),
+        ("trainer.restart_backoff_s", t.restart_backoff_s, t.restart_backoff_s >= 0, ">= 0"),
         ("trainer.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0: keep every checkpoint)"),
         ("trainer.threads_per_rank", t.threads_per_rank, t.threads_per_rank >= 1, ">= 1"),
         ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0: no sample)"),

@@ -15,6 +15,10 @@ Set ``MODELPAR_FAULTS`` to a comma-separated list of ``KIND@RANK:STEP[:ARG]`` be
     grad_flip@2:1    rank 2's gradients change sign in step 1 (a poisoned worker)
 
 Steps count from 0 (the first step run). Nothing here runs unless the variable is set.
+
+With ``MODELPAR_FAULTS_FIRED`` naming a directory (the launcher sets it when ``trainer.max_restarts`` > 0), each
+fault happens once per job, as the event it stands for would: a marker file is written there as it fires, and a
+restarted job skips the faults already marked (``delay`` is a condition, not an event, and is never marked).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from modelpar.model.transformer import Block
 
 ENV = "MODELPAR_FAULTS"
+FIRED_ENV = "MODELPAR_FAULTS_FIRED"
 KINDS = (
     "sleep",
     "kill",
@@ -57,6 +62,26 @@ class Fault:
             return False
         return step >= self.step if kind == "delay" else step == self.step
 
+    @property
+    def marker(self) -> str:
+        return f"{self.kind}@{self.rank}:{self.step}"
+
+
+def _mark_fired(fault: Fault) -> None:
+    """Record that ``fault`` happened (before it acts: a kill leaves no time after)."""
+    root = os.environ.get(FIRED_ENV)
+    if root and fault.kind != "delay":
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, fault.marker), "w"):
+            pass
+
+
+def _not_fired(faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
+    root = os.environ.get(FIRED_ENV)
+    if not root:
+        return faults
+    return tuple(f for f in faults if not os.path.exists(os.path.join(root, f.marker)))
+
 
 def parse_faults(text: str | None = None) -> tuple[Fault, ...]:
     text = os.environ.get(ENV, "") if text is None else text
@@ -78,6 +103,7 @@ def fire(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
     """Run the fault of ``kind`` due now (sleep, kill and delay act here); return it, or None."""
     for fault in faults:
         if fault.due(kind, rank, step):
+            _mark_fired(fault)
             if kind == "sleep":
                 while True:
                     time.sleep(3600)
@@ -117,7 +143,8 @@ class FaultHooks:
 
     def gradient(self, grad):
         for fault in self.faults:
-            if fault.rank == self.rank and fault.step == self.step:
+            if fault.rank == self.rank and fault.step == self.step and fault.kind in ("grad_scale", "grad_flip"):
+                _mark_fired(fault)
                 if fault.kind == "grad_scale":
                     grad = grad * fault.arg
                 elif fault.kind == "grad_flip":
@@ -144,6 +171,8 @@ class FaultHooks:
             return state
         faults, rank = self.faults, self.rank
         failing = "save_error" in due
+        if failing:
+            _mark_fired(next(f for f in faults if f.kind == "save_error" and f.rank == rank and f.step == step))
 
         class Crashing(Mapping):
             def __getitem__(self, key):
@@ -166,7 +195,7 @@ class FaultHooks:
 
 def install(chunks, rank: int, params: list) -> FaultHooks | None:
     """Hook the faults of ``MODELPAR_FAULTS`` due on this rank into its chunks; None when none is set."""
-    faults = parse_faults()
+    faults = _not_fired(parse_faults())
     if not faults:
         return None
     hooks = FaultHooks(faults, rank, params)

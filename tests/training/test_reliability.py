@@ -4,24 +4,15 @@ import json
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from modelpar.checkpoint.store import Piece, load_pieces, read_index, step_dir
 from modelpar.testing import RankError, run_on_ranks
-from tests.helpers import TINY, make_config, train
+from tests.helpers import TINY, final_weights, make_config, train
 
 pytestmark = pytest.mark.slow
-
-
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    ckpt = step_dir(run_dir / "checkpoints", step)
-    index = read_index(ckpt)
-    wanted = [Piece.whole(name, tuple(t["global_shape"])) for name, t in index["tensors"].items()]
-    return {p.name: t for p, t in load_pieces(ckpt, index, wanted).items()}
 
 
 def test_a_rank_that_sleeps_forever_is_named_within_the_timeout(tmp_path):
