@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
+from modelpar.checkpoint.save import save_checkpoint
 from modelpar.checkpoint.signing import (
     KEY_ENV,
     keygen,
@@ -27,7 +28,7 @@ from modelpar.checkpoint.signing import (
     sign_checkpoint,
     sign_file,
 )
-from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint, save_checkpoint
+from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint
 from modelpar.cli.generate import load_single_device_model
 from modelpar.model.config import ModelConfig
 from modelpar.model.hf import config_from_hf, import_hf, save_hf

@@ -23,14 +23,9 @@ from modelpar.checkpoint.reshard import (
     optimizer_pieces,
     resharded_optimizer_state,
 )
+from modelpar.checkpoint.save import CheckpointSaveError, save_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
-from modelpar.checkpoint.store import (
-    CheckpointError,
-    CheckpointSaveError,
-    load_rank_state,
-    read_index,
-    save_checkpoint,
-)
+from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index
 from modelpar.data import DataError
 from modelpar.data.fingerprint import check_same_data, fingerprint
 from modelpar.model.flops import training_flops_per_token

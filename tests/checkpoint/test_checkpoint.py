@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from modelpar.checkpoint.save import save_checkpoint
 from modelpar.checkpoint.store import (
     CheckpointError,
     Piece,
@@ -12,7 +13,6 @@ from modelpar.checkpoint.store import (
     load_pieces,
     load_rank_state,
     read_index,
-    save_checkpoint,
     step_dir,
 )
 from modelpar.testing import run_on_ranks

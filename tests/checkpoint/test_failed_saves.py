@@ -14,16 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.checkpoint.store import (
-    CheckpointError,
-    CheckpointSaveError,
-    Piece,
-    checkpoint_dirs,
-    load_pieces,
-    read_index,
-    save_checkpoint,
-    step_dir,
-)
+from modelpar.checkpoint.save import CheckpointSaveError, save_checkpoint
+from modelpar.checkpoint.store import CheckpointError, Piece, checkpoint_dirs, load_pieces, read_index, step_dir
 from modelpar.testing import run_on_ranks
 from tests.helpers import TINY, make_config
 
@@ -45,7 +37,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
 
 def test_an_io_error_while_writing_leaves_latest_and_moves_the_partial_files_aside(tmp_path, monkeypatch):
     _save(tmp_path, 1)
-    import modelpar.checkpoint.store as store
+    import modelpar.checkpoint.save as store
 
     def full_disk(path, tensors):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

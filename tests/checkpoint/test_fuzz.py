@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, save_checkpoint, sha256_file
+from modelpar.checkpoint.save import save_checkpoint
+from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, sha256_file
 from modelpar.data import DataError, TokenFile
 
 SHAPES = {"embed.weight": (16, 8), "layers.0.mlp.weight": (8, 8), "norm.weight": (8,)}
