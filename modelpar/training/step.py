@@ -2,9 +2,8 @@
 until a single read-back at the end of the step.
 
     batch (this dp replica's share of the global batch) -> m micro-batches -> pipeline runtime (F/B[/W])
-      -> dp average (bucketed all-reduce overlapped with the last backward) or ZeRO-1 reduce-scatter
-      -> reduce tp-partial grads (sequence-parallel norms, replicated kv heads)
-      -> sum tied-embedding grads over the embedding group (first + last stage)
+      -> gradients finalised (``modelpar.optim.finalize``): the dp average (bucketed all-reduce overlapped
+         with the last backward, or a reduce-scatter), tp-partial sums, the tied embedding's two copies
       -> global grad norm (each parameter counted once), clipped on device
       -> one world all-reduce of the loss: its dp mean, and a non-finite value anywhere seen everywhere
       -> the one host sync: [loss, norm] read back; the guard decides skip / halt identically on every rank
@@ -22,7 +21,7 @@ import torch
 
 from modelpar.data import TokenFile, WindowSampler
 from modelpar.optim import DataParallelOptimizer, lr_at, set_lr
-from modelpar.optim.fsdp import is_sharded, local
+from modelpar.optim.finalize import finalize_grads
 from modelpar.parallel import collectives
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
@@ -109,7 +108,9 @@ class TrainStep:
             raise
         # the local gradients, before the dp average is written back: is this replica's like the others'?
         replica_stats = self.outliers.stats() if self.outliers is not None else None
-        self.optimizer.reduce_gradients(self._reduce_over_tp_and_embedding, defer_flags=True)
+        finalize_grads(
+            self.optimizer, self.model.chunks, self.groups, tied=self.model.tied, whole_experts=self.model.whole_experts
+        )
         norm = self.optimizer.clip_grad_norm(cfg.optim.grad_clip)
         corruption = None
         if checking_sdc:  # the first micro-batch again, compared bit for bit (one extra micro-batch)
@@ -214,34 +215,6 @@ class TrainStep:
         contribution = (loss if primary else loss * 0.0).reshape(1).to(torch.float64)
         collectives.all_reduce(contribution, None)
         return (contribution / (g.layout.dp * g.layout.cp)).reshape(())
-
-    def _reduce_over_tp_and_embedding(self) -> None:
-        """Sums that commute with the dp average: tp-partial gradients, then the tied embedding's two copies."""
-        for chunk in self.model.chunks:
-            chunk.reduce_tensor_parallel_grads()
-        self._sync_tied_embedding()
-
-    def _sync_tied_embedding(self) -> None:
-        """The embedding on the first stage and its copy on the last stage get the sum of both gradients."""
-        tied = self.model.tied
-        if not tied:
-            return
-        if is_sharded(tied[0]):  # ZeRO-2/3: both stages hold the same dp shard of it; sum the local shards
-            grads = [local(p.grad) for p in tied if p.grad is not None]
-            flat = torch.cat([g.flatten() for g in grads]) if len(grads) == len(tied) else None
-            if flat is None:
-                raise RuntimeError("a tied embedding copy has no gradient under ZeRO-2/3")
-            with collectives.comm_tag("tied_embedding"):
-                collectives.all_reduce(flat, self.groups.embedding_group)
-            for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(piece.view_as(g))
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tied]
-        flat = torch.cat([g.flatten() for g in grads])
-        with collectives.comm_tag("tied_embedding"):
-            collectives.all_reduce(flat, self.groups.embedding_group)
-        for p, piece in zip(tied, flat.split([g.numel() for g in grads]), strict=True):
-            p.grad = piece.view_as(p).clone()
 
     def _autocast(self):
         """bf16 compute over fp32 master weights: parameters, gradients and optimizer state stay fp32."""

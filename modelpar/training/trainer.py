@@ -46,7 +46,6 @@ from modelpar.training.build import (
     build_rank_optimizer,
     build_runtime,
     resolve_device,
-    resolve_dtype,
 )
 from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
@@ -70,7 +69,6 @@ class Trainer:
         self.groups = g = ParallelGroups.build(self.layout)
         self.rank = dist.get_rank()
         self.device = resolve_device(cfg)
-        self.dtype = resolve_dtype(cfg, self.device)
         if cfg.trainer.sdc_check_every and self.device.type == "cuda":  # a rerun must repeat every bit
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -81,6 +79,7 @@ class Trainer:
         self.idle_threads = self.tuning.idle_threads
         torch.manual_seed(cfg.trainer.seed)
         self.model = build_rank_model(cfg, g, self.device)
+        self.dtype = self.model.dtype  # of activations; resolved once, by the model build
         self.runtime = build_runtime(cfg, self.model, g, self.device, self.dtype)
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
         for hook in ("before_backward", "before_weight_backward", "after_weight_backward"):  # FSDP2's
