@@ -50,7 +50,9 @@ from modelpar.training.build import (
 from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
+from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.outliers import GradientOutlierCheck
+from modelpar.training.plugins import GradientFlags, GradientOutliers, MoEStats, SilentCorruption, StepPlugin
 from modelpar.training.profile import StepProfiler
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
@@ -114,30 +116,32 @@ class Trainer:
             dtype=self.dtype,
             guard=self.guard,
             flops_per_step=flops * cfg.data.seq_len,
-            hooks=(self.faults,) if self.faults else (),
-            outliers=GradientOutlierCheck(
-                [p for p, _ in self.model.params], g, t.grad_outlier_cosine, t.grad_outlier_norm
-            )
-            if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2
-            else None,  # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
-            sdc=SilentCorruptionCheck(
-                self.model.chunks,
-                [p for p, _ in self.model.params],
-                g,
-                self.runtime,
-                build_runtime(cfg, self.model, g, self.device, self.dtype, rerun=True),
-            )
-            if t.sdc_check_every
-            else None,
+            plugins=tuple(self._step_plugins()),
         )
-        if self.train_one.sdc is not None:
-            self.train_one.sdc.rerun_runtime.observer = self.flight
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)
-        if self.faults:
-            self.faults.step = self.step
 
     # -- one step ------------------------------------------------------------------------------------------
+
+    def _step_plugins(self) -> list[StepPlugin]:
+        """The step's optional features the recipe turns on, in the order the step calls them."""
+        cfg, t, g = self.cfg, self.cfg.trainer, self.groups
+        params = [p for p, _ in self.model.params]
+        plugins: list[StepPlugin] = [GradientFlags(self.optimizer)]
+        moe = MoEStats(MoEStatistics(self.model.chunks, g), self.device) if cfg.model.moe.enabled else None
+        plugins += [moe] if moe is not None else []
+        # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
+        if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2:
+            plugins.append(
+                GradientOutliers(GradientOutlierCheck(params, g, t.grad_outlier_cosine, t.grad_outlier_norm))
+            )
+        if t.sdc_check_every:
+            rerun = build_runtime(cfg, self.model, g, self.device, self.dtype, rerun=True)
+            rerun.observer = self.flight
+            check = SilentCorruptionCheck(self.model.chunks, params, g, self.runtime, rerun)
+            plugins.append(SilentCorruption(check, t.sdc_check_every, moe))
+        plugins += [self.faults] if self.faults is not None else []
+        return plugins
 
     def train_step(self) -> StepMetrics:
         """One optimizer step; on check steps also times the actions and runs the straggler and drift checks."""
