@@ -92,14 +92,12 @@ def layer_overhead(layers: int = 8, reps: int = 20) -> float:
     (8 heads of 4, SwiGLU 32) on 2 sequences of 8 tokens, where matmuls, attention scores and element-wise
     work are all negligible and what remains is op dispatch and autograd bookkeeping."""
     from modelpar.model.config import ModelConfig
+    from modelpar.model.spec import ChunkSpec
     from modelpar.model.transformer import Block
-    from modelpar.parallel.regions import TensorParallelGroup
 
     torch.set_num_threads(1)
     config = ModelConfig(vocab_size=64, hidden=32, layers=layers, heads=8, kv_heads=8, ffn_hidden=32)
-    blocks = torch.nn.Sequential(
-        *(Block(config, TensorParallelGroup(), sequence_parallel=False, backend="torch") for _ in range(layers))
-    )
+    blocks = torch.nn.Sequential(*(Block(config, ChunkSpec.whole(layers)) for _ in range(layers)))
     x = torch.randn(2, 8, 32, requires_grad=True)
     times = []
     for _ in range(reps + 3):
@@ -114,14 +112,12 @@ def busy_slowdown(reps: int = 8) -> float:
     runs while the other rank runs the same loop on the other core than while it is idle (the fastest rep of
     each; shared caches and memory bandwidth)."""
     from modelpar.model.config import ModelConfig
+    from modelpar.model.spec import ChunkSpec
     from modelpar.model.transformer import Block
-    from modelpar.parallel.regions import TensorParallelGroup
 
     torch.set_num_threads(1)
     config = ModelConfig(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=8, ffn_hidden=688)
-    blocks = torch.nn.Sequential(
-        *(Block(config, TensorParallelGroup(), sequence_parallel=False, backend="torch") for _ in range(2))
-    )
+    blocks = torch.nn.Sequential(*(Block(config, ChunkSpec.whole(config.layers)) for _ in range(2)))
     x = torch.randn(2, 128, 256, requires_grad=True)
     rank = dist.get_rank()
 

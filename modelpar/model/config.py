@@ -207,11 +207,6 @@ class ModelConfig:
         m = self.moe
         return self.hidden * m.experts + 3 * self.hidden * self.expert_ffn_hidden * (m.top_k + m.shared_experts)
 
-    def expert_params(self) -> int:
-        """Matmul weights of all routed experts of the model (what expert parallelism splits over ep)."""
-        moe_layers = sum(self.moe.is_moe_layer(i) for i in range(self.layers))
-        return moe_layers * self.moe.experts * 3 * self.hidden * self.expert_ffn_hidden
-
     def block_params(self, layer: int | None = None) -> int:
         """Matmul weights of one block a token goes through: q, k, v, o projections and the (active) MLP."""
         return self.attention_params() + self.mlp_params(layer)

@@ -79,7 +79,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group
 class RoutedExperts(nn.Module):
     """The weights of one ep rank's routed experts, ``w1``, ``w3`` [E/ep, f, h] and ``w2`` [E/ep, h, f], and
     their SwiGLU: a module of their own, so that ZeRO-2/3 can shard them (``fully_shard``) over the ranks
-    holding the same experts while the rest of the block shards over dp x cp (``modelpar.optim.fsdp``)."""
+    holding the same experts while the rest of the block shards over dp x cp (``model.parallelize.apply_fsdp``)."""
 
     def __init__(
         self,

@@ -14,14 +14,14 @@ sequence parallel) and only attention talks over cp.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import torch
 from modelpar_kernels import resolve_backend
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from modelpar.model.activations import DEFAULT_SELECTIVE, ActivationOffload, RecomputePolicy
+from modelpar.model.activations import ActivationOffload
 from modelpar.model.config import ModelConfig
 from modelpar.model.init import init_logical
 from modelpar.model.layers import (
@@ -37,55 +37,53 @@ from modelpar.model.layers import (
     vocab_range,
 )
 from modelpar.model.moe import MoELayer
+from modelpar.model.spec import ChunkGroups, ChunkSpec
 from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
-from modelpar.parallel.context import ContextParallelGroup
-from modelpar.parallel.experts import ExpertParallelGroup
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.parallel.regions import TensorParallelGroup
-
-BLOCK_HALVES = ("attention", "mlp")
 
 
 class Block(nn.Module):
     """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h].
 
-    ``half="attention"`` or ``"mlp"`` builds only that half (a pipeline split inside the block); the other half
-    lives in the neighbouring chunk, and the residual stream between them is what crosses the stages. Block
-    ``layer`` of a mixture-of-experts model (``config.moe.is_moe_layer``) has a ``MoELayer`` as its MLP, its
-    experts split over ``ep``.
+    Block ``layer`` of the chunk ``spec`` describes: all of it, or the half ``spec.half(layer)`` names
+    (``"attention"`` or ``"mlp"``, a pipeline split inside the block), the other half living in the
+    neighbouring chunk, the residual stream between them being what crosses the stages. Block ``layer`` of a
+    mixture-of-experts model (``config.moe.is_moe_layer``) has a ``MoELayer`` as its MLP, its experts split
+    over ``groups.ep``. ``documents``: the chunk's document ids, for document-causal attention.
     """
 
     def __init__(
         self,
         config: ModelConfig,
-        tp: TensorParallelGroup,
+        spec: ChunkSpec,
+        groups: ChunkGroups | None = None,
         *,
-        sequence_parallel: bool,
-        backend: str,
-        half: str | None = None,
-        cp: ContextParallelGroup | None = None,
-        documents: DocumentIds | None = None,
-        recompute: RecomputePolicy | None = None,
         layer: int = 0,
-        ep: ExpertParallelGroup | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        documents: DocumentIds | None = None,
     ):
         super().__init__()
-        if half is not None and half not in BLOCK_HALVES:
-            raise ValueError(f"half={half!r} must be None or one of {BLOCK_HALVES}")
-        self.half = half
-        self.recompute = recompute or RecomputePolicy()
-        kw = dict(sequence_parallel=sequence_parallel, backend=backend, device=device, dtype=dtype)
+        groups = groups or ChunkGroups()
+        tp = groups.tp
+        self.half = half = spec.half(layer)
+        self.recompute = spec.recompute_policy()
+        backend = resolve_backend(config.kernels, spec.device or "cpu")
+        kw = dict(sequence_parallel=spec.sequence_parallel, backend=backend, device=spec.device, dtype=spec.dtype)
         if half != "mlp":
             self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             self.self_attn = ParallelAttention(
-                config.hidden, config.heads, config.kv_heads, config.rope_theta, tp, cp=cp, documents=documents, **kw
+                config.hidden,
+                config.heads,
+                config.kv_heads,
+                config.rope_theta,
+                tp,
+                cp=groups.cp,
+                documents=documents,
+                **kw,
             )
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             if config.moe.is_moe_layer(layer):
-                self.mlp = MoELayer(config, tp, ep, **kw)
+                self.mlp = MoELayer(config, tp, groups.ep, **kw)
             else:
                 self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
 
@@ -117,11 +115,11 @@ Fetch = Callable[[str, ShardInfo], torch.Tensor]
 
 
 class ModelChunk(nn.Module):
-    """Blocks ``layer_ids`` of the model, plus the embedding if ``first`` and the final norm and head if ``last``.
+    """The piece of the model ``spec`` describes: blocks ``spec.layer_ids``, plus the embedding if
+    ``spec.first`` and the final norm and head if ``spec.last`` (``modelpar.model.spec``).
 
-    ``split_blocks`` names blocks of ``layer_ids`` held only in part (``{4: "mlp"}``: block 4's MLP half, its
-    attention being in the previous chunk); only the first block may be an ``"mlp"`` half and only the last an
-    ``"attention"`` half, so the chunk stays a contiguous piece of the model.
+    ``groups``: a ``ChunkGroups``, a ``ParallelGroups`` (its tp, cp and ep groups), a ``TensorParallelGroup``
+    (tp only), or None (the single device).
 
     ``chunk(x)``: x is token ids [b, s] int64 on the first chunk, else the residual stream [b, s, h] ([b, s/t, h]
     with sequence parallel; under context parallelism ``cp`` s is this cp rank's s/cp tokens, see
@@ -130,78 +128,42 @@ class ModelChunk(nn.Module):
     rank's vocab-shard logits [b, s, V_pad/t] on the last chunk. Parameters hold only this rank's tp shard;
     ``logical_shards`` maps them to the global (HF Llama named) tensors. With tied embeddings the head reuses the
     embedding when both are in this chunk; otherwise the last chunk holds a copy named ``embed_tokens.weight`` too,
-    whose gradient the trainer adds to the first chunk's (and vice versa) over the embedding group.
+    whose gradient is added to the first chunk's (and vice versa) over the embedding group
+    (``modelpar.optim.finalize``).
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        tp: TensorParallelGroup,
-        layer_ids: Iterable[int],
-        *,
-        first: bool,
-        last: bool,
-        split_blocks: Mapping[int, str] | None = None,
-        sequence_parallel: bool = False,
-        recompute: str = "none",
-        recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
-        cp: ContextParallelGroup | None = None,
-        ep: ExpertParallelGroup | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ):
+    def __init__(self, config: ModelConfig, spec: ChunkSpec, groups=None):
         super().__init__()
-        policy = RecomputePolicy(recompute, recompute_modules)  # raises on an unknown mode or module
-        self.config, self.tp, self.first, self.last = config, tp, first, last
-        self.recompute = recompute
-        self.offload: ActivationOffload | None = None  # set to move saved activations to host memory
-        self.cp = cp or ContextParallelGroup()
-        self.ep = ep or ExpertParallelGroup()
+        self.config, self.spec = config, spec
+        g = ChunkGroups.of(groups, spec.cp_comm)
+        tp = g.tp
+        self.tp, self.cp, self.ep = tp, g.cp, g.ep
+        self.first, self.last = spec.first, spec.last
+        self.recompute = spec.recompute
+        self.offload: ActivationOffload | None = None  # set by ``parallelize``: saved activations to host memory
         self.documents = DocumentIds()
-        self.layer_ids = ids = tuple(layer_ids)
-        if list(ids) != sorted(set(ids)) or not set(ids) <= set(range(config.layers)):
+        self.layer_ids = ids = spec.layer_ids
+        if not set(ids) <= set(range(config.layers)):
             raise ValueError(f"layer_ids={ids} must be ascending ids in 0..{config.layers - 1}")
-        self.split_blocks = dict(split_blocks or {})
-        for i, half in self.split_blocks.items():
-            if not ((ids and i == ids[0] and half == "mlp") or (ids and i == ids[-1] and half == "attention")):
-                raise ValueError(
-                    f"split_blocks={self.split_blocks}: only the first block may be an 'mlp' half and only the last "
-                    f"an 'attention' half of layer_ids={ids}"
-                )
+        self.split_blocks = dict(spec.split_blocks)
         config.check()
         config.check_layout(ParallelLayout(tp=tp.size))
-        self.sequence_parallel = sequence_parallel and tp.size > 1
-        self.backend = resolve_backend(config.kernels, device or "cpu")
-        kw = dict(sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
+        self.sequence_parallel = spec.sequence_parallel and tp.size > 1
+        self.backend = resolve_backend(config.kernels, spec.device or "cpu")
+        kw = dict(sequence_parallel=self.sequence_parallel, device=spec.device, dtype=spec.dtype)
         h = config.hidden
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, **kw) if first else None
-        self.layers = nn.ModuleDict(
-            {
-                str(i): Block(
-                    config,
-                    tp,
-                    backend=self.backend,
-                    half=self.split_blocks.get(i),
-                    cp=self.cp,
-                    documents=self.documents,
-                    recompute=policy,
-                    layer=i,
-                    ep=self.ep,
-                    **kw,
-                )
-                for i in ids
-            }
-        )
-        self.norm = RMSNorm(h, config.norm_eps, tp, backend=self.backend, **kw) if last else None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, **kw) if self.first else None
+        self.layers = nn.ModuleDict({str(i): Block(config, spec, g, layer=i, documents=self.documents) for i in ids})
+        self.norm = RMSNorm(h, config.norm_eps, tp, backend=self.backend, **kw) if self.last else None
         self.lm_head = None
-        if last:
+        if self.last:
             start, size = vocab_range(config.vocab_size, tp)
             head_name = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
             self.lm_head = ColumnParallelLinear(h, [ColumnPart(head_name, config.vocab_size, start, size)], tp, **kw)
-            if config.tie_embeddings and first:
+            if config.tie_embeddings and self.first:
                 self.lm_head.weight = self.embed_tokens.weight
         # what ``record_comm`` reports each collective under (a recompute's rerun of a block counts as "layer")
-        self.cross_entropy = VocabParallelCrossEntropy(config.vocab_size, tp, self.backend) if last else None
+        self.cross_entropy = VocabParallelCrossEntropy(config.vocab_size, tp, self.backend) if self.last else None
         for module, tag in (
             (self.embed_tokens, "embedding"),
             (self.norm, "head"),
@@ -309,37 +271,6 @@ class ModelChunk(nn.Module):
             state |= moe.gather_experts(f"layers.{i}.mlp.")
         return state
 
-    @torch.no_grad()
-    def reduce_tensor_parallel_grads(self) -> None:
-        """Sum the partial gradients of tp-replicated weights over the tp group; call once after backward.
-
-        Partial gradients come from norm weights under sequence parallel (each rank saw s/t tokens) and from kv
-        heads replicated because kv_heads < tp (each rank used them for its own query heads only). Call after
-        the last micro-batch's backward and before data-parallel reduction and clipping. One all-reduce per
-        chunk, tagged "grad_sync"; nothing when no weight is partial.
-        """
-        partial = [s for s in self.logical_shards().values() if s.grad_is_partial]
-        if not partial:
-            return
-        # Under ZeRO-2/3 the gradients are already dp-sharded (FSDP2 reduce-scattered them; a sum over tp and
-        # a mean over dp commute): each rank sums the rows of its dp shard, the same rows on every tp rank.
-        buffers = []
-        for shard in partial:
-            full = torch.zeros(shard.global_shape, dtype=shard.param.dtype, device=shard.param.device)
-            piece = None if shard.param.grad is None else shard.piece_of(shard.param.grad)
-            if piece is not None:
-                full[piece[1]] = piece[0]
-            buffers.append(full.flatten())
-        flat = torch.cat(buffers)
-        with comm_tag("grad_sync"):
-            all_reduce(flat, self.tp.group)
-        for shard, summed in zip(partial, flat.split([b.numel() for b in buffers]), strict=True):
-            if shard.param.grad is None:
-                shard.param.grad = torch.zeros_like(shard.param)
-            piece = shard.piece_of(shard.param.grad)
-            if piece is not None:
-                piece[0].copy_(summed.view(shard.global_shape)[piece[1]])
-
     def initialise(self, seed: int) -> None:
         """Layout-invariant initialisation: every logical tensor drawn whole from (seed, name), then sliced."""
         c = self.config
@@ -348,95 +279,20 @@ class ModelChunk(nn.Module):
         )
 
 
-def tensor_parallel_group(groups=None) -> TensorParallelGroup:
-    """The tp group of a ``ParallelGroups``, a ``TensorParallelGroup`` as is, or the single device for None."""
-    if groups is None:
-        return TensorParallelGroup()
-    if isinstance(groups, TensorParallelGroup):
-        return groups
-    return TensorParallelGroup.of(groups)
-
-
-def context_parallel_group(groups=None, comm: str = "ring") -> ContextParallelGroup:
-    """The cp group of a ``ParallelGroups`` (exchanging K/V by ``comm``); no context parallelism otherwise."""
-    if groups is None or isinstance(groups, TensorParallelGroup):
-        return ContextParallelGroup(comm=comm)
-    return ContextParallelGroup.of(groups, comm)
-
-
-def expert_parallel_group(groups=None) -> ExpertParallelGroup:
-    """The ep group of a ``ParallelGroups`` (with the dp x cp ranks its routing statistics sum over); one rank
-    holding every expert otherwise."""
-    if groups is None or isinstance(groups, TensorParallelGroup):
-        return ExpertParallelGroup()
-    return ExpertParallelGroup.of(groups)
-
-
 def build_chunk(
-    config: ModelConfig,
-    groups,
-    layer_ids: Iterable[int],
-    *,
-    first: bool,
-    last: bool,
-    seed: int,
-    split_blocks: Mapping[int, str] | None = None,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
-    cp_comm: str = "ring",
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    config: ModelConfig, groups, layer_ids: Iterable[int], *, first: bool, last: bool, seed: int, **options
 ) -> ModelChunk:
     """One pipeline chunk, initialised layout-invariantly from ``seed``.
 
-    ``groups``: a ``ParallelGroups`` (its tp and cp groups are used), a ``TensorParallelGroup``, or None (single
-    device). ``split_blocks``: blocks held in part, as for ``ModelChunk``. ``cp_comm``: ring | allgather, how
-    attention exchanges K/V under context parallelism.
+    ``groups``: as for ``ModelChunk``. ``layer_ids``, ``first``, ``last`` and ``options`` (``split_blocks``,
+    ``sequence_parallel``, ``recompute``, ``cp_comm``, ``device``, ...): the fields of its ``ChunkSpec``.
     """
-    chunk = ModelChunk(
-        config,
-        tensor_parallel_group(groups),
-        layer_ids,
-        first=first,
-        last=last,
-        split_blocks=split_blocks,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-        recompute_modules=recompute_modules,
-        cp=context_parallel_group(groups, cp_comm),
-        ep=expert_parallel_group(groups),
-        device=device,
-        dtype=dtype,
-    )
+    chunk = ModelChunk(config, ChunkSpec(tuple(layer_ids), first=first, last=last, **options), groups)
     chunk.initialise(seed)
     return chunk
 
 
-def build_model(
-    config: ModelConfig,
-    groups=None,
-    *,
-    seed: int,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    recompute_modules: Iterable[str] = DEFAULT_SELECTIVE,
-    cp_comm: str = "ring",
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> ModelChunk:
-    """The whole model as one chunk (no pipeline). With ``groups=None`` it is the single-device model."""
-    return build_chunk(
-        config,
-        groups,
-        range(config.layers),
-        first=True,
-        last=True,
-        seed=seed,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-        recompute_modules=recompute_modules,
-        cp_comm=cp_comm,
-        device=device,
-        dtype=dtype,
-    )
+def build_model(config: ModelConfig, groups=None, *, seed: int, **options) -> ModelChunk:
+    """The whole model as one chunk (no pipeline); ``options``: fields of its ``ChunkSpec``. With
+    ``groups=None`` it is the single-device model."""
+    return build_chunk(config, groups, range(config.layers), first=True, last=True, seed=seed, **options)

@@ -33,7 +33,7 @@ def build_optimizer(
         return ReplicatedAdamW(params_with_info, groups, bucket_bytes=bucket_bytes, **adam)
     if zero == 1:
         return ZeroOneOptimizer(params_with_info, groups, **adam)
-    if zero in (2, 3):  # the parameters were sharded by ``modelpar.optim.fsdp.shard_chunks``
+    if zero in (2, 3):  # the parameters were sharded by ``modelpar.model.parallelize.apply_fsdp``
         return FullyShardedAdamW(
             params_with_info,
             groups,

@@ -1,14 +1,11 @@
-"""ZeRO-2 and ZeRO-3 on torch's FSDP2: gradients (and at stage 3 weights) sharded over dp x cp, per block
-(a mixture of experts' experts over the ranks holding the same experts).
+"""ZeRO-2 and ZeRO-3 on torch's FSDP2: the optimizer over parameters ``modelpar.model.parallelize.apply_fsdp``
+sharded over dp x cp, block by block (a mixture of experts' experts over the ranks holding the same experts).
 
-``shard_chunks(chunks, groups, zero)`` applies ``torch.distributed.fsdp.fully_shard`` to every transformer
-block and then to each chunk (the embedding, final norm and head) over a mesh of this rank's dp x cp group,
-on top of our own tensor-parallel shards: a parameter's dp shard is a slice along dim 0 of its tp shard.
-At stage 3 a block's weights are all-gathered just before its forward (the next block's gather is
-prefetched by FSDP2) and freed after it; at stage 2 they stay gathered from forward to backward. Gradients
-accumulate unsharded over a step's micro-batches and are reduce-scattered (averaged over dp x cp) once,
-by the chunk's last backward; with ``reduce_every_micro_batch`` every backward does (the memory mode:
-gradients are never kept unsharded across micro-batches).
+The optimizer never shards the model; it drives FSDP2's switches through a step. Gradients accumulate
+unsharded over a step's micro-batches and are reduce-scattered (averaged over dp x cp) once, by the chunk's
+last backward; with ``reduce_every_micro_batch`` every backward does (the memory mode: gradients are never
+kept unsharded across micro-batches). At stage 3 a chunk's weights are freed after each backward; at stage 2
+they stay gathered until the step reduces.
 
 **Split backward (ZB-H1).** FSDP2's post-backward hook sits on each block's *input*, so it fires at the end
 of B (``modelpar.pipeline.split_backward``), before W has produced a single weight gradient. Under a split
@@ -31,19 +28,11 @@ those of every other stage. Sums over tp (sequence-parallel norm weights, kv hea
 each logical tensor's rows are mapped onto the rows of the dp shard (``ShardInfo.piece_of``). Parameters
 without a gradient (a sigmoid router's balancing bias, moved by rule) are not sharded (``ignored_params``).
 
-**Expert parallelism** (ep > 1; as torchtitan does it). The ep ranks of a block hold different experts, so the
-experts cannot shard over dp x cp with the rest of the block. Each MoE layer's ``RoutedExperts`` (its
-``w1``, ``w3``, ``w2`` [E/ep, ...]) gets its own ``fully_shard``, before the block's, over a mesh of the expert
-data-parallel group (the ranks holding the same experts, ``groups.expert_dp_group``); the block's
-``fully_shard`` then leaves them out. Their gradients are reduce-scattered there, summed and divided by all of
-dp x cp (``set_gradient_divide_factor``: each rank's loss is a mean over its own tokens; on gloo, which has no
-``PREMUL_SUM``, a sum then a division), as zero-0 averages them. When no other rank holds a rank's experts
-(ep = dp x cp) they stay whole on it, outside FSDP2 (``ignored_params``), and ``FullyShardedAdamW`` divides
-their gradients by dp x cp itself. Either way every expert value lives on exactly one rank of dp x cp, so the
-grad norm sums the dp x cp group once (no extra sum over ep); the checkpoint's gathers and ``piece_of`` read
-each parameter's own mesh. Hybrid sharding (``optim.zero_group``) with ep > 1 is refused. FSDP2 shards dim 0,
-the local experts: with fewer local experts than expert data-parallel ranks some ranks hold none (correct,
-unbalanced memory).
+**Expert parallelism.** Experts sharded over the ranks holding the same experts are reduce-scattered and
+divided by dp x cp by FSDP2 itself; experts no other rank holds stay whole, outside FSDP2, and the gradient
+finalisation divides them (``modelpar.optim.finalize``). Either way every expert value lives on exactly one
+rank of dp x cp, so the grad norm sums the dp x cp group once (no extra sum over ep); the checkpoint's
+gathers and ``piece_of`` read each parameter's own mesh.
 
 Not combined (refused in one line by the recipe check): the dp-replica outlier check and the
 silent-corruption rerun (both need the gradients before they are reduced), and ``model.compile``.
@@ -55,93 +44,15 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from modelpar.model.moe import RoutedExperts
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.data_parallel import DataParallelOptimizer, _nothing
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo
 from modelpar.optim.state import MOMENTS
 from modelpar.parallel.groups import ParallelGroups
-
-SHARDED_STAGES = (2, 3)
-
-
-def shard_chunks(
-    chunks: list[torch.nn.Module],
-    groups: ParallelGroups,
-    zero: int,
-    block_type: type,
-    *,
-    compute_dtype: torch.dtype = torch.float32,
-    reduce_dtype: torch.dtype = torch.float32,
-    shard_group: int = 0,
-) -> None:
-    """Apply FSDP2 to each block (``block_type``) of ``chunks``, then to each chunk, over dp x cp.
-
-    With a bf16 ``compute_dtype`` the weights are all-gathered in bf16 (half the bytes) from the sharded fp32
-    masters, and gradients are reduce-scattered in ``reduce_dtype`` before landing in fp32. ``shard_group`` > 0
-    (``optim.zero_group``): hybrid sharding, shards over blocks of that many consecutive dp x cp ranks (a
-    node, say) and replicas across the blocks; gradients are reduce-scattered inside a block and all-reduced
-    across blocks. Under ep > 1 each MoE layer's experts shard over the expert data-parallel group first, or
-    stay whole where that group is this rank alone (see the module docstring); not with hybrid sharding."""
-    if zero not in SHARDED_STAGES:
-        raise ValueError(f"zero={zero} is not a sharded stage {SHARDED_STAGES}")
-    split_experts = groups.layout.ep > 1
-    if split_experts and shard_group not in (0, len(groups.dp_cp_ranks)):
-        raise ValueError(f"zero_group={shard_group} with ep={groups.layout.ep}: experts are not hybrid-sharded")
-    device = next(p for c in chunks for p in c.parameters()).device.type
-    mesh = _mesh(groups, shard_group, device)
-    policy = MixedPrecisionPolicy()
-    if compute_dtype != torch.float32:
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    expert_mesh = None
-    if split_experts and len(groups.expert_dp_ranks) > 1:
-        expert_mesh = DeviceMesh.from_group(groups.expert_dp_group, device)
-    for chunk in chunks:
-        # what moves by rule, not by gradient (a sigmoid router's balancing bias), stays whole on every rank
-        ruled = {p for p in chunk.parameters() if not p.requires_grad}
-        experts = [m for m in chunk.modules() if isinstance(m, RoutedExperts)] if split_experts else []
-        for module in experts:  # first: the blocks' own fully_shard then leaves them out
-            if expert_mesh is None:  # no other rank holds these experts: whole here, averaged by the optimizer
-                ruled |= set(module.parameters())
-                continue
-            fully_shard(module, mesh=expert_mesh, reshard_after_forward=zero == 3, mp_policy=policy)
-            module.set_gradient_divide_factor(float(len(groups.dp_cp_ranks)))  # summed over expert dp, / dp x cp
-            if dist.get_backend(groups.expert_dp_group) != "nccl":  # gloo has no PREMUL_SUM: sum, then divide
-                module.set_force_sum_reduction_for_comms(True)
-        for module in chunk.modules():
-            if isinstance(module, block_type):
-                fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, ignored_params=ruled)
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, ignored_params=ruled)
-
-
-def _mesh(groups: ParallelGroups, shard_group: int, device: str) -> DeviceMesh:
-    """The dp x cp group as a mesh: 1-D, or (replicate, shard) blocks of ``shard_group`` ranks. Collective over
-    the world (every rank creates every block's groups, in the same order)."""
-    size = len(groups.dp_cp_ranks)
-    if shard_group in (0, size):
-        return DeviceMesh.from_group(groups.dp_cp_group, device)
-    if size % shard_group:
-        raise ValueError(f"zero_group={shard_group} must divide dp x cp = {size}")
-    mine_shard = mine_replicate = mesh = None
-    rank = dist.get_rank()
-    for ranks in groups.layout.all_dp_cp_groups():
-        blocks = [ranks[i : i + shard_group] for i in range(0, len(ranks), shard_group)]
-        for block in blocks:
-            group = dist.new_group(block)
-            mine_shard = group if rank in block else mine_shard
-        for j in range(shard_group):
-            across = [block[j] for block in blocks]
-            group = dist.new_group(across)
-            mine_replicate = group if rank in across else mine_replicate
-        if rank in ranks:
-            mesh = torch.tensor(blocks)
-    return DeviceMesh.from_group([mine_replicate, mine_shard], device, mesh=mesh, mesh_dim_names=("replicate", "shard"))
 
 
 def shard_rank_and_size(t: DTensor) -> tuple[int, int]:
@@ -210,9 +121,6 @@ class FullyShardedAdamW(DataParallelOptimizer):
         # so over dp x cp each expert value too is held once
         hybrid = first is not None and first.device_mesh.ndim > 1
         self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if hybrid else None
-        # experts no other rank holds (ep = dp x cp) are left whole, outside FSDP2: averaged here, over dp x cp
-        self._whole_experts = [p for p, i in self.params_with_info if i.expert_parallel and not isinstance(p, DTensor)]
-        self._expert_divisor = float(len(groups.dp_cp_ranks))
 
     def expect_micro_batches(self, micro_batches: int) -> None:
         """Gradients accumulate unsharded until each chunk's last micro-batch, which reduce-scatters them once
@@ -261,10 +169,7 @@ class FullyShardedAdamW(DataParallelOptimizer):
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         # FSDP2 reduce-scattered each block's gradients in backward (experts: summed over the ranks holding them,
-        # divided by dp x cp); experts held by this rank alone are divided here; tp sums follow
-        grads = [p.grad for p in self._whole_experts if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, self._expert_divisor)
+        # divided by dp x cp): what is left commutes with that average
         other_reductions()
 
     def _has_grad_flags(self) -> torch.Tensor:
@@ -353,12 +258,10 @@ class _LocalGrad:
 
 
 __all__ = [
-    "SHARDED_STAGES",
     "FullyShardedAdamW",
     "dp_rows",
     "full_local",
     "is_sharded",
     "load_local",
     "local",
-    "shard_chunks",
 ]

@@ -200,12 +200,6 @@ class GradientSynchronizer:
             bucket.drop_unused(any_grad[start : start + len(bucket.params)])
             start += len(bucket.params)
 
-    def remove_hooks(self) -> None:
-        """Detach from the parameters (the synchronizer is unusable afterwards)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         key = id(param)
         b, pos = self._where[key]

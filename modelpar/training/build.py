@@ -5,7 +5,7 @@ Every layout runs this same code; ``tp = pp = dp = 1`` is the single-device run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,12 +19,11 @@ from modelpar.data import (
     open_blend,
     open_dataset,
 )
-from modelpar.model.activations import ActivationOffload
-from modelpar.model.compile import compile_blocks
 from modelpar.model.flops import half_block_training_flops, head_training_flops
-from modelpar.model.transformer import Block, ModelChunk, build_chunk
+from modelpar.model.parallelize import Parallelism, parallelize
+from modelpar.model.spec import ChunkSpec
+from modelpar.model.transformer import ModelChunk
 from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, default_decay
-from modelpar.optim.fsdp import shard_chunks
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
@@ -42,11 +41,14 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # trainer.dtype, optim.reduce_dtype
+
+
 def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """The compute dtype of activations; parameters and optimizer state stay fp32 (master weights)."""
     if cfg.trainer.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.trainer.dtype]
+    return DTYPES[cfg.trainer.dtype]
 
 
 def build_partition(cfg: TrainConfig) -> Partition:
@@ -78,52 +80,63 @@ class RankModel:
     chunks: list[ModelChunk]
     params: list[tuple[torch.nn.Parameter, ParamInfo]]
     tied: list[torch.nn.Parameter]  # this rank's copies of a tied embedding that lives on two stages
+    dtype: torch.dtype = torch.float32  # the compute dtype of activations (parameters stay fp32)
+    whole_experts: list[torch.nn.Parameter] = field(default_factory=list)  # experts FSDP2 left whole
 
 
-def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> RankModel:
-    """Build this rank's chunks (layout-invariant init from ``trainer.seed``) and describe their parameters."""
-    tcfg = cfg.model
-    partition = build_partition(cfg)
-    chunks = [
-        build_chunk(
-            tcfg,
-            groups,
-            partition.layers(c),
+def chunk_specs(cfg: TrainConfig, pp_rank: int, device: torch.device) -> list[ChunkSpec]:
+    """The specs of the chunks pipeline rank ``pp_rank`` holds: its place in the partition and how it runs."""
+    p, partition = cfg.parallel, build_partition(cfg)
+    return [
+        ChunkSpec(
+            tuple(partition.layers(c)),
             first=partition.has_embedding(c),
             last=partition.has_head(c),
             split_blocks=partition.split_blocks(c),
-            seed=cfg.trainer.seed,
-            sequence_parallel=cfg.parallel.sp,
-            recompute=cfg.parallel.recompute,
-            recompute_modules=cfg.parallel.recompute_modules,
-            cp_comm=cfg.parallel.cp_comm,
+            sequence_parallel=p.sp,
+            recompute=p.recompute,
+            recompute_modules=tuple(p.recompute_modules),
+            cp_comm=p.cp_comm,
             device=device,
         )
-        for c in partition.chunks_of(groups.pp_rank)
+        for c in partition.chunks_of(pp_rank)
     ]
-    if cfg.parallel.offload_activations:
-        offload = ActivationOffload(exclude=[p for chunk in chunks for p in chunk.parameters()])
-        for chunk in chunks:
-            chunk.offload = offload
-    if cfg.model.compile:
-        compile_blocks(chunks, report=print if groups.rank == 0 else _quiet)
-    if cfg.optim.zero >= 2:  # gradients (and at 3 weights) sharded over dp x cp by FSDP2, block by block
-        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.optim.reduce_dtype]
-        shard_chunks(
-            chunks,
-            groups,
-            cfg.optim.zero,
-            Block,
-            compute_dtype=resolve_dtype(cfg, device),
-            reduce_dtype=reduce_dtype,
-            shard_group=cfg.optim.zero_group,
-        )
-    tied_across_stages = tcfg.tie_embeddings and groups.layout.pp > 1
-    experts: set[int] = set()
-    for chunk in chunks:
-        for moe in chunk.moe_layers().values():
-            moe.micro_batches = cfg.parallel.microbatches  # each micro-batch's auxiliary loss counts 1/m
-            experts |= {id(p) for p in moe.expert_parameters()}
+
+
+def parallelism(cfg: TrainConfig, dtype: torch.dtype) -> Parallelism:
+    """What ``parallelize`` applies to the built chunks, from the recipe (``dtype``: the compute dtype)."""
+    return Parallelism(
+        micro_batches=cfg.parallel.microbatches,
+        offload_activations=cfg.parallel.offload_activations,
+        compile=cfg.model.compile,
+        zero=cfg.optim.zero,
+        compute_dtype=dtype,
+        reduce_dtype=DTYPES[cfg.optim.reduce_dtype],
+        zero_group=cfg.optim.zero_group,
+    )
+
+
+def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.device) -> RankModel:
+    """This rank's model, the one path every rank of every layout takes: its chunks built from their specs
+    (layout-invariant init from ``trainer.seed``), made parallel (``modelpar.model.parallelize``), and their
+    parameters described for the optimizer."""
+    dtype = resolve_dtype(cfg, device)
+    chunks = []
+    for spec in chunk_specs(cfg, groups.pp_rank, device):
+        chunks.append(ModelChunk(cfg.model, spec, groups))
+        chunks[-1].initialise(cfg.trainer.seed)
+    whole_experts = parallelize(chunks, groups, parallelism(cfg, dtype), report=print if groups.rank == 0 else _quiet)
+    params, tied = describe_params(cfg, chunks, groups)
+    return RankModel(chunks, params, tied, dtype, whole_experts)
+
+
+def describe_params(
+    cfg: TrainConfig, chunks: list[ModelChunk], groups: ParallelGroups
+) -> tuple[list[tuple[torch.nn.Parameter, ParamInfo]], list[torch.nn.Parameter]]:
+    """Each trainable parameter of ``chunks`` once, with what the optimizer needs to know of it, and this
+    rank's copies of a tied embedding that lives on two stages."""
+    tied_across_stages = cfg.model.tie_embeddings and groups.layout.pp > 1
+    experts = {id(p) for chunk in chunks for moe in chunk.moe_layers().values() for p in moe.expert_parameters()}
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []
     seen: set[int] = set()
@@ -146,7 +159,7 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
                 expert_parallel=id(param) in experts and len(groups.ep_ranks) > 1,
             )
             params.append((param, info))
-    return RankModel(chunks, params, tied)
+    return params, tied
 
 
 def _norm_share(param: torch.nn.Parameter, logical) -> float | torch.Tensor:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from modelpar.model.transformer import Block
+from modelpar.training.plugins import StepPlugin
 
 ENV = "MODELPAR_FAULTS"
 FIRED_ENV = "MODELPAR_FAULTS_FIRED"
@@ -115,11 +116,13 @@ def fire(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
     return None
 
 
-class FaultHooks:
+class FaultHooks(StepPlugin):
     """The faults of ``MODELPAR_FAULTS`` due on this rank, hooked into a trainer from outside: a forward
     pre-hook on each chunk (sleep, kill, delay), a forward hook on the first block (bitflip), the step's
-    ``StepHook`` points (nan, perturb) and the checkpoint's rank state (save_crash, save_error). ``install``
+    plug-in points (nan, perturb) and the checkpoint's rank state (save_crash, save_error). ``install``
     registers them only when the variable is set."""
+
+    name = "faults"
 
     def __init__(self, faults: tuple[Fault, ...], rank: int, params: list):
         self.faults, self.rank, self.params = faults, rank, params
@@ -151,13 +154,16 @@ class FaultHooks:
                     grad = -grad
         return grad
 
+    def begin(self, step: int) -> None:
+        self.step = step  # the forward hooks' step (a resumed run starts past 0)
+
     def loss(self, step: int, loss):
         self.step = step
         if fire(self.faults, "nan", self.rank, step):
             return loss * float("nan")  # as if this rank's batch were poisoned
         return loss
 
-    def after_update(self, step: int) -> None:
+    def after_update(self, step: int, applied: bool = True) -> None:
         if fire(self.faults, "perturb", self.rank, step):
             with torch.no_grad():
                 self.params[0].add_(1e-3)

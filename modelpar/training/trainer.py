@@ -41,12 +41,13 @@ from modelpar.training.build import (
     build_rank_optimizer,
     build_runtime,
     resolve_device,
-    resolve_dtype,
 )
 from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
+from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.outliers import GradientOutlierCheck
+from modelpar.training.plugins import GradientFlags, GradientOutliers, MoEStats, SilentCorruption, StepPlugin
 from modelpar.training.profile import StepProfiler
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
@@ -65,7 +66,6 @@ class Trainer:
         self.groups = g = ParallelGroups.build(self.layout)
         self.rank = dist.get_rank()
         self.device = resolve_device(cfg)
-        self.dtype = resolve_dtype(cfg, self.device)
         if cfg.trainer.sdc_check_every and self.device.type == "cuda":  # a rerun must repeat every bit
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -76,6 +76,7 @@ class Trainer:
         self.idle_threads = self.tuning.idle_threads
         torch.manual_seed(cfg.trainer.seed)
         self.model = build_rank_model(cfg, g, self.device)
+        self.dtype = self.model.dtype  # of activations; resolved once, by the model build
         self.runtime = build_runtime(cfg, self.model, g, self.device, self.dtype)
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
         for hook in ("before_backward", "before_weight_backward", "after_weight_backward"):  # FSDP2's
@@ -110,30 +111,32 @@ class Trainer:
             dtype=self.dtype,
             guard=self.guard,
             flops_per_step=flops * cfg.data.seq_len,
-            hooks=(self.faults,) if self.faults else (),
-            outliers=GradientOutlierCheck(
-                [p for p, _ in self.model.params], g, t.grad_outlier_cosine, t.grad_outlier_norm
-            )
-            if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2
-            else None,  # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
-            sdc=SilentCorruptionCheck(
-                self.model.chunks,
-                [p for p, _ in self.model.params],
-                g,
-                self.runtime,
-                build_runtime(cfg, self.model, g, self.device, self.dtype, rerun=True),
-            )
-            if t.sdc_check_every
-            else None,
+            plugins=tuple(self._step_plugins()),
         )
-        if self.train_one.sdc is not None:
-            self.train_one.sdc.rerun_runtime.observer = self.flight
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)
-        if self.faults:
-            self.faults.step = self.step
 
     # -- one step ------------------------------------------------------------------------------------------
+
+    def _step_plugins(self) -> list[StepPlugin]:
+        """The step's optional features the recipe turns on, in the order the step calls them."""
+        cfg, t, g = self.cfg, self.cfg.trainer, self.groups
+        params = [p for p, _ in self.model.params]
+        plugins: list[StepPlugin] = [GradientFlags(self.optimizer)]
+        moe = MoEStats(MoEStatistics(self.model.chunks, g), self.device) if cfg.model.moe.enabled else None
+        plugins += [moe] if moe is not None else []
+        # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
+        if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2:
+            plugins.append(
+                GradientOutliers(GradientOutlierCheck(params, g, t.grad_outlier_cosine, t.grad_outlier_norm))
+            )
+        if t.sdc_check_every:
+            rerun = build_runtime(cfg, self.model, g, self.device, self.dtype, rerun=True)
+            rerun.observer = self.flight
+            check = SilentCorruptionCheck(self.model.chunks, params, g, self.runtime, rerun)
+            plugins.append(SilentCorruption(check, t.sdc_check_every, moe))
+        plugins += [self.faults] if self.faults is not None else []
+        return plugins
 
     def train_step(self) -> StepMetrics:
         """One optimizer step; on check steps also times the actions and runs the straggler and drift checks."""

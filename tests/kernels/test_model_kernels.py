@@ -9,6 +9,7 @@ from modelpar_kernels.grid import interpreting
 from modelpar import ParallelLayout
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import build_model
+from modelpar.optim.finalize import reduce_tensor_parallel_grads
 from modelpar.testing import current_groups, run_on_ranks
 from tests.kernels import ATTENTION_FP32_TOL, DEVICE, FP32_TOL, assert_close
 
@@ -40,7 +41,7 @@ def _loss_and_grads(config, kernels, groups=None, device=DEVICE):
     loss = model.loss(model(ids), targets)
     loss.backward()
     if groups is not None:
-        model.reduce_tensor_parallel_grads()
+        reduce_tensor_parallel_grads(model)
     return loss.detach().cpu(), {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
 
 

@@ -9,6 +9,7 @@ import torch
 
 from modelpar.backends import gloo_cpu
 from modelpar.model.transformer import build_model
+from modelpar.optim.finalize import reduce_tensor_parallel_grads
 from modelpar.parallel import collectives, regions
 from modelpar.parallel.collectives import record_comm
 from modelpar.parallel.regions import TensorParallelGroup
@@ -92,7 +93,7 @@ def _model_comm(config, sp, recompute="none"):
     with record_comm() as backward:
         loss.backward()
     with record_comm() as grad_sync:
-        model.reduce_tensor_parallel_grads()
+        reduce_tensor_parallel_grads(model)
     return [log.events for log in (forward, loss_log, backward, grad_sync)]
 
 
@@ -147,7 +148,7 @@ def test_single_device_model_records_no_communication():
     ids, targets = batch(config)
     with record_comm() as log:
         model.loss(model(ids), targets).backward()
-        model.reduce_tensor_parallel_grads()
+        reduce_tensor_parallel_grads(model)
     assert log.events == []
 
 

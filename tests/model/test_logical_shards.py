@@ -8,6 +8,7 @@ import torch
 from modelpar import LayoutError, ParallelLayout
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import build_chunk, build_model
+from modelpar.optim.finalize import reduce_tensor_parallel_grads
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import BATCH, CONFIGS, SEED, SEQ, batch, check_pieces, layout_for, pieces, rel_err
 
@@ -51,7 +52,7 @@ def _pipeline_vs_whole(config, sp):
     want = whole(ids)
     whole.loss(want, targets).backward()
     for chunk in (whole, *stages):
-        chunk.reduce_tensor_parallel_grads()
+        reduce_tensor_parallel_grads(chunk)
     whole_shards = whole.logical_shards()
     grads = {}
     for chunk in stages:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from modelpar.model.transformer import build_model
+from modelpar.optim.finalize import reduce_tensor_parallel_grads
 from modelpar.testing import current_groups, run_on_ranks
 from tests.model.reference import CONFIGS, SEED, batch, check_pieces, layout_for, pieces, rel_err
 
@@ -21,7 +22,7 @@ def _sharded_forward_backward(config, sp, reduce_grads=True):
     loss.backward()
     partial = pieces(model)
     if reduce_grads:
-        model.reduce_tensor_parallel_grads()
+        reduce_tensor_parallel_grads(model)
     padded = [model.embed_tokens.weight.grad, model.lm_head.weight.grad]
     held = model.config.vocab_size - model.embed_tokens.vocab_start
     return {
@@ -82,7 +83,7 @@ def _train(model, config, steps):
         ids, targets = batch(config, step)
         loss = model.loss(model(ids), targets)
         loss.backward()
-        model.reduce_tensor_parallel_grads()
+        reduce_tensor_parallel_grads(model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -1,4 +1,5 @@
-"""A steady training step reads the device back to the host once: loss and norm together, nothing else.
+"""A steady training step reads the device back to the host once: loss, norm and the plug-ins' values together,
+in the step's read-back, nothing else.
 
 On CPU nothing truly waits, so the calls that would sync on a GPU are counted (``count_host_syncs``). torch's
 own non-fused AdamW reads its step counters with ``.item()`` on CPU tensors (``via`` torch/optim); on a GPU it
@@ -42,4 +43,4 @@ def test_a_steady_step_has_one_host_sync(parallel, optim, token_path, tmp_path):
     world = cfg.parallel.layout().world_size
     for rank, syncs in enumerate(run_on_ranks(world, _syncs_of_steady_step, cfg, token_path, timeout_s=120)):
         assert len(syncs) == 1, f"rank {rank}: {syncs}"
-        assert "step.py" in syncs[0], f"rank {rank}: {syncs}"
+        assert "training/readback.py" in syncs[0], f"rank {rank}: {syncs}"
