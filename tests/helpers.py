@@ -81,7 +81,9 @@ def assert_matches_reference(results, reference, label) -> None:
     params = assemble(results)
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # atol: Adam divides by sqrt(v), so an element whose gradient is at rounding level (tp4's summation order
+        # differs from one device's) can move by a little more than 1e-6 of the lr=1e-3 step: 1.05e-6 was seen
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def logits_after_loading(cfg: TrainConfig, data_path: str, ckpt: str):

@@ -117,6 +117,7 @@ class TrainerConfig:
     out_dir: str = "runs/default"
     log_every: int = 1
     ckpt_every: int = 50
+    ckpt_async: bool = False  # snapshot to host memory at a save step; a background thread writes the files
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
     max_restarts: int = 0  # a failed local job starts again from the newest verified checkpoint, up to N times

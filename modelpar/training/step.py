@@ -47,6 +47,7 @@ class StepMetrics:
     stragglers: list[int] | None = None  # ranks named slow at this step's check
     drift: list[str] | None = None  # parameters found differing at this step's check
     moe: dict | None = None  # mixture of experts: aux loss, dropped fraction, per-layer expert load
+    checkpoint: dict | None = None  # an asynchronous save: its step, the save step's stall, the wait at its finish
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -17,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from modelpar import backends
+from modelpar.checkpoint.async_save import AsyncCheckpointer
 from modelpar.checkpoint.reshard import (
     load_model_from_checkpoint,
     model_pieces,
     optimizer_pieces,
     resharded_optimizer_state,
 )
-from modelpar.checkpoint.save import CheckpointSaveError, save_checkpoint
+from modelpar.checkpoint.save import CheckpointSaveError, prepare_save, save_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index
 from modelpar.data import DataError
@@ -98,6 +100,8 @@ class Trainer:
         self.runtime.observer = self.flight
         collectives.set_collective_observer(self.flight)
         self.faults = faults.install(self.model.chunks, self.rank, [p for p, _ in self.model.params])
+        self.async_ckpt = AsyncCheckpointer() if cfg.trainer.ckpt_async else None
+        self._ckpt_report: dict | None = None
         flops = training_flops_per_token(cfg.model, cfg.data.seq_len) * cfg.data.global_batch
         self.train_one = TrainStep(
             cfg=cfg,
@@ -231,10 +235,12 @@ class Trainer:
             optim_state = {}
         rank_state = {f"optim/{k}": v for k, v in optim_state.items()}
         rank_state["rng/torch"] = torch.get_rng_state()
-        if self.faults:
+        if self.faults and self.async_ckpt is None:
             rank_state = self.faults.rank_state(self.step, rank_state)
         pieces = model_pieces(self.model.chunks)
         sign = functools.partial(sign_checkpoint, key=self.signing_key) if self.signing_key else None
+        if self.async_ckpt is not None:
+            return self._save_async(pieces, rank_state, meta, moments, sign)
         return save_checkpoint(
             self.ckpt_root,
             self.step,
@@ -246,11 +252,33 @@ class Trainer:
             sign=sign,
         )
 
-    def save_or_report(self) -> Path | None:
-        """``save()``; a save that failed (the same error on every rank, ``latest`` untouched) halts or is
-        reported in one line and training goes on (``trainer.save_error``)."""
+    def _save_async(self, pieces, rank_state, meta, moments, sign) -> None:
+        """Collective: finish the save in flight (at most one), then snapshot this one and start its writer."""
+        began = time.perf_counter()
+        self.finish_async_save()
+        keep = self.cfg.trainer.keep_last
+        pending = prepare_save(self.ckpt_root, self.step, pieces, rank_state, meta, keep, optimizer=moments, sign=sign)
+        step = self.step
+        wrap = (lambda state: self.faults.rank_state(step, state)) if self.faults else None
+        self.async_ckpt.start(pending, wrap_state=wrap)
+        self._ckpt_report = {"step": step, "stall_s": time.perf_counter() - began}
+        return None
+
+    def finish_async_save(self) -> Path | None:
+        """Collective: wait for the background writer and publish its checkpoint (no-op when none is in
+        flight); its wait is reported in the next step's metrics under ``checkpoint``."""
+        if self.async_ckpt is None or self.async_ckpt.in_flight is None:
+            return None
+        path, waited = self.async_ckpt.finish()
+        self._ckpt_report = {**(self._ckpt_report or {}), "wait_s": waited, "published": path.name}
+        return path
+
+    def save_or_report(self, finish: bool = False) -> Path | None:
+        """``save()`` (or, with ``finish``, the finish of an asynchronous one); a save that failed (the same
+        error on every rank, ``latest`` untouched) halts or is reported in one line and training goes on
+        (``trainer.save_error``)."""
         try:
-            return self.save()
+            return self.finish_async_save() if finish else self.save()
         except CheckpointSaveError as exc:
             if self.cfg.trainer.save_error == "halt":
                 raise CheckpointSaveError(f"{exc}; halting (trainer.save_error=halt)") from None
@@ -320,10 +348,15 @@ class Trainer:
                 profiler.starting(self.step + 1)
                 m = self.train_step()
                 profiler.finished(self.step)
+                if self.async_ckpt is not None and self.async_ckpt.in_flight is not None:
+                    self.save_or_report(finish=True)  # the writer had this step to finish its files
+                if self._ckpt_report is not None:
+                    m, self._ckpt_report = replace(m, checkpoint=self._ckpt_report), None
                 for sink in sinks:
                     sink.write(m)
                 if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
                     self.save_or_report()
+            self.save_or_report(finish=True)
         finally:
             profiler.close()
             for sink in sinks:
