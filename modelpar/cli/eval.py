@@ -32,6 +32,7 @@ from modelpar.backends import rank_setup
 from modelpar.checkpoint.reshard import load_model_from_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
+from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError, default_corpus, eval_split, open_dataset
 from modelpar.model.config import IDENTITY, ModelConfig
 from modelpar.parallel.context import document_ids, split_for_context
@@ -194,6 +195,7 @@ def _app(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    refuse_unknown_overrides("modelpar-eval", TrainConfig, RECIPES)
     register_schema()
     _app()
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from modelpar.backends import rank_setup
 from modelpar.checkpoint.store import latest_checkpoint
 from modelpar.cli.generate import sample_from_checkpoint
+from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
@@ -115,6 +116,7 @@ def _app(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    refuse_unknown_overrides("modelpar-train", TrainConfig, RECIPES)
     os.umask(FILE_ACCESS["group"])  # before Hydra makes the run directory: nothing the run writes is world-readable
     register_schema()
     _app()
