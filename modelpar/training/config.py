@@ -220,6 +220,11 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
     if p.schedule == "interleaved" and p.vpp < 2:
         raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
+    if m.moe.enabled and (m.moe.experts % p.ep or (p.dp * p.cp) % p.ep):  # both rules in one hint
+        raise RecipeError(
+            f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} and dp x cp = {p.dp * p.cp}; try ep "
+            f"in {m.expert_splits(p.dp * p.cp)}"
+        )
     layout = p.layout()
     m.check_layout(layout)  # the layout's shape rules and the experts' split over ep
     if p.etp != 1:
