@@ -294,9 +294,9 @@ def prepare(
         if val_output is not None:
             streams.append(_NpyStream(val_output, dtype))
             _move_tail(streams[0], streams[1], round(streams[0].length * val_fraction))
-        for stream in streams:
+        for stream, fix in zip(streams, ("lower", "raise"), strict=False):
             if stream.length == 0:
-                raise DataError(f"{stream.dest.name} would hold no tokens; add text or lower val_fraction")
+                raise DataError(f"{stream.dest.name} would hold no tokens; add text or {fix} --val-fraction")
         digests = [stream.commit() for stream in streams]
     except BaseException:
         for stream in streams:
