@@ -145,3 +145,19 @@ def tiny_bench_config(tmp, *extra):
     register_bench_schema()
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         return OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
+
+
+def save_whole_model_checkpoint(root, config: ModelConfig, **meta):
+    """A one-rank checkpoint of ``build_model(config, seed=0)`` under ``root`` (what import-hf writes), with
+    ``meta`` added to its index; returns its step directory."""
+    from dataclasses import asdict
+
+    from modelpar.checkpoint.reshard import model_pieces
+    from modelpar.checkpoint.store import save_checkpoint
+    from modelpar.model.transformer import build_model
+    from modelpar.parallel.layout import ParallelLayout
+
+    meta = {"layout": asdict(ParallelLayout()), "model": asdict(config), "parallel": asdict(ParallelConfig()),
+            "world_size": 1, "sampler": None, "optimizer": False, **meta}  # fmt: skip
+    pieces = model_pieces([build_model(config, seed=0)])
+    return save_checkpoint(root, 0, pieces, {"rng/torch": torch.get_rng_state()}, meta)

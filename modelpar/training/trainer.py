@@ -31,7 +31,7 @@ from modelpar.checkpoint.store import (
     read_index,
     save_checkpoint,
 )
-from modelpar.data import DataError
+from modelpar.data import DataError, tokenizer_spec
 from modelpar.data.fingerprint import check_same_data, fingerprint
 from modelpar.model.flops import training_flops_per_token
 from modelpar.optim.fsdp import local
@@ -224,6 +224,9 @@ class Trainer:
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
             "data_fingerprint": fingerprint(self.data_path) if self.rank == 0 else None,  # rank 0 writes the index
+            "tokenizer": tokenizer_spec(self.data_path)
+            if self.rank == 0
+            else None,  # what modelpar-generate decodes with
         }
         optim_state = self.optimizer.state_tensors()
         moments, optimizer_step = optimizer_pieces(self.model.chunks, self.optimizer)

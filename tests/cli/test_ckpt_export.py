@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import stat
-from dataclasses import asdict
 
-import torch
-
-from modelpar.checkpoint.reshard import model_pieces
-from modelpar.checkpoint.store import save_checkpoint
 from modelpar.cli.ckpt import main as ckpt_main
 from modelpar.model.config import ModelConfig, MoEConfig
-from modelpar.model.transformer import build_model
-from modelpar.parallel.layout import ParallelLayout
-from modelpar.training.config import ParallelConfig
+from tests.helpers import save_whole_model_checkpoint
 
 
 def _checkpoint(root, moe: MoEConfig):
     config = ModelConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=24, moe=moe)
-    meta = {"layout": asdict(ParallelLayout()), "model": asdict(config), "parallel": asdict(ParallelConfig()),
-            "world_size": 1, "sampler": None, "optimizer": False}  # fmt: skip
-    pieces = model_pieces([build_model(config, seed=0)])
-    return save_checkpoint(root, 0, pieces, {"rng/torch": torch.get_rng_state()}, meta)
+    return save_whole_model_checkpoint(root, config)
 
 
 def test_a_refused_export_leaves_nothing_and_a_retry_into_the_same_directory_works(tmp_path, capsys):
