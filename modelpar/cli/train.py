@@ -32,6 +32,7 @@ from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
 from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema
 from modelpar.training.flight import flight_hang_report
+from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.trainer import train_worker
 
@@ -60,6 +61,9 @@ def run(cfg: TrainConfig) -> None:
     layout = cfg.parallel.layout()
     env = launch_env_from_environ()
     job_rank0 = env is None or env.rank == 0  # under torchrun/SLURM every rank runs this function
+    note = outlier_check_note(cfg.trainer.grad_outlier_action, layout.dp, cfg.optim.zero)
+    if job_rank0 and note:
+        print(f"modelpar-train: note: {note}", flush=True)
     if job_rank0:
         print(
             f"modelpar-train: {cfg.model.name} on {layout} ({layout.world_size} ranks), schedule "

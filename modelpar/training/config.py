@@ -136,7 +136,7 @@ class TrainerConfig:
     check_every: int = 25  # steps between replica-drift and straggler checks (0: never)
     drift_action: str = "warn"  # warn | halt
     straggler_factor: float = 2.0  # a rank whose compute time exceeds this x the median is named
-    # a dp replica whose gradient disagrees with the others' (training/outliers.py; needs dp >= 3)
+    # a dp replica whose gradient disagrees with the others' (training/outliers.py; dp >= 3 names it, dp2 only warns)
     grad_outlier_action: str = "warn"  # off | warn | skip | halt
     grad_outlier_cosine: float = 0.5  # named when its cosine to the others' mean is < 0 and this far below the median
     grad_outlier_norm: float = 10.0  # named above this x the median replica's gradient norm

@@ -75,7 +75,7 @@ class TrainStep:
     guard: LossGuard
     flops_per_step: float
     hooks: tuple[StepHook, ...] = ()
-    outliers: GradientOutlierCheck | None = None  # with trainer.grad_outlier_action != off and dp >= 3
+    outliers: GradientOutlierCheck | None = None  # with trainer.grad_outlier_action != off and dp >= 2
     sdc: SilentCorruptionCheck | None = None  # with trainer.sdc_check_every > 0
 
     def __post_init__(self) -> None:

@@ -119,7 +119,7 @@ class Trainer:
             outliers=GradientOutlierCheck(
                 [p for p, _ in self.model.params], g, t.grad_outlier_cosine, t.grad_outlier_norm
             )
-            if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2
+            if t.grad_outlier_action != "off" and self.layout.dp >= 2 and cfg.optim.zero < 2
             else None,  # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
             sdc=SilentCorruptionCheck(
                 self.model.chunks,
