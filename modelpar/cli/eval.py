@@ -43,6 +43,7 @@ from modelpar.pipeline import PipelineRuntime, forward_only
 from modelpar.training.build import build_rank_model, resolve_device, resolve_eos_id
 from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register_schema, validate
 from modelpar.training.preflight import USER_ERRORS, runs_on_cpu
+from modelpar.training.torch_version import check_torch_version
 
 
 def eval_config(cfg: TrainConfig, microbatches_set: bool = True) -> TrainConfig:
@@ -148,6 +149,7 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> dict:
     a whole model recipe); everything else about the model's shape comes from the checkpoint."""
     overridden = overridden or {}
     try:
+        check_torch_version()
         if not cfg.eval.checkpoint:
             raise RecipeError("eval.checkpoint is empty; pass eval.checkpoint=<run>/checkpoints or a step-* directory")
         ckpt = resolve_checkpoint(cfg.eval.checkpoint)
