@@ -66,9 +66,8 @@ def run(cfg: TrainConfig) -> None:
         print(f"modelpar-train: note: {note}", flush=True)
     if job_rank0:
         print(
-            f"modelpar-train: {cfg.model.name} on {layout} ({layout.world_size} ranks), schedule "
-            f"{cfg.parallel.schedule}, {cfg.parallel.microbatches} micro-batches, {cfg.trainer.steps} steps -> "
-            f"{out_dir}" + (f", resuming from {resume_from}" if resume_from else ""),
+            f"modelpar-train: {describe_run(cfg)} -> {out_dir}"
+            + (f", resuming from {resume_from}" if resume_from else ""),
             flush=True,
         )
     try:
@@ -90,6 +89,24 @@ def run(cfg: TrainConfig) -> None:
         raise SystemExit(1) from None
     if job_rank0:
         summarize(cfg, val_path)
+
+
+def _count(n: int, word: str, plural: str = "") -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def describe_run(cfg: TrainConfig) -> str:
+    """The start-up banner: model (and its experts), layout, ZeRO stage, schedule, masking, steps."""
+    layout, p, moe = cfg.parallel.layout(), cfg.parallel, cfg.model.moe
+    model = cfg.model.name + (f" (MoE {moe.experts} experts, top-{moe.top_k})" if moe.enabled else "")
+    parts = [f"{model} on {layout} ({_count(layout.world_size, 'rank')})"]
+    if cfg.optim.zero:
+        parts.append(f"ZeRO-{cfg.optim.zero}")
+    parts.append(f"schedule {p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')}")
+    if cfg.data.document_mask:
+        parts.append("document masking")
+    parts.append(_count(cfg.trainer.steps, "step"))
+    return ", ".join(parts)
 
 
 def summarize(cfg: TrainConfig, val_path: str) -> None:
