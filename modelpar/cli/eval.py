@@ -93,12 +93,15 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
             differ.append((name, theirs, ours, key if key in overridden else f"model={group}"))
     if differ:
         held = ", ".join(f"{name}={theirs!r}" for name, theirs, _, _ in differ)
-        given = ", ".join(f"{by} gives {name}={ours!r}" if by.startswith("model=") else f"{by}={ours!r}"
-                          for name, _, ours, by in differ)  # fmt: skip
+        by_group = [f"{name}={ours!r}" for name, _, ours, by in differ if by.startswith("model=")]
+        by_field = [f"{by}={ours!r}" for _, _, ours, by in differ if not by.startswith("model=")]
+        given = " and ".join(
+            ([f"model={group} gives {', '.join(by_group)}"] if by_group else [])
+            + ([f"this run sets {', '.join(by_field)}"] if by_field else [])
+        )
         drop = ", ".join(dict.fromkeys(by for *_, by in differ))
         raise RecipeError(
-            f"{ckpt} holds a model with {held}, but this run sets {given}; drop {drop} "
-            "(the checkpoint's model is used by default)"
+            f"{ckpt} holds a model with {held}, but {given}; drop {drop} (the checkpoint's model is used by default)"
         )
     if "max_seq_len" in saved and "model.max_seq_len" not in overridden and group is None:
         taken["max_seq_len"] = max(saved["max_seq_len"], cfg.data.seq_len)

@@ -36,5 +36,5 @@ def test_a_model_group_choice_is_named_with_every_field_it_changes():
         model_of_checkpoint(TrainConfig(model=bench), asdict(ModelConfig()), {"model": "bench-tiny"}, CKPT)
     message = str(err.value)
     assert "hidden=64" in message and "ffn_hidden=176" in message
-    assert "model=bench-tiny gives hidden=128" in message and "model=bench-tiny gives ffn_hidden=688" in message
+    assert "but model=bench-tiny gives hidden=128, ffn_hidden=688;" in message
     assert "drop model=bench-tiny " in message
