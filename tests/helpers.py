@@ -157,3 +157,19 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     index = read_index(ckpt)
     wanted = [Piece.whole(name, tuple(t["global_shape"])) for name, t in index["tensors"].items()]
     return {p.name: t for p, t in load_pieces(ckpt, index, wanted).items()}
+
+
+def save_whole_model_checkpoint(root, config: ModelConfig, **meta):
+    """A one-rank checkpoint of ``build_model(config, seed=0)`` under ``root`` (what import-hf writes), with
+    ``meta`` added to its index; returns its step directory."""
+    from dataclasses import asdict
+
+    from modelpar.checkpoint.reshard import model_pieces
+    from modelpar.checkpoint.save import save_checkpoint
+    from modelpar.model.transformer import build_model
+    from modelpar.parallel.layout import ParallelLayout
+
+    meta = {"layout": asdict(ParallelLayout()), "model": asdict(config), "parallel": asdict(ParallelConfig()),
+            "world_size": 1, "sampler": None, "optimizer": False, **meta}  # fmt: skip
+    pieces = model_pieces([build_model(config, seed=0)])
+    return save_checkpoint(root, 0, pieces, {"rng/torch": torch.get_rng_state()}, meta)

@@ -42,6 +42,8 @@ Region = tuple[tuple[int, int], ...]
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked; the message names the file and the problem."""
 
+    one_line = True  # raised in a rank too: the launcher reports the message alone, never a traceback
+
 
 @dataclass(frozen=True)
 class Piece:

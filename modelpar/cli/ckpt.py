@@ -2,8 +2,8 @@
 
     modelpar-ckpt verify  runs/x/checkpoints                    # latest (or a step-* directory): every SHA-256
     modelpar-ckpt reshard runs/x/checkpoints/step-00000200 out/tp4 --tp 4 --pp 1
-    modelpar-ckpt import-hf path/to/llama-hf ckpts/imported       # config.json + model.safetensors -> checkpoint
-    modelpar-ckpt export-hf runs/x/checkpoints/step-00000200 hf/  # -> a directory LlamaForCausalLM loads
+    modelpar-ckpt import-hf path/to/llama-hf ckpts/imported       # a Llama or Mixtral directory -> checkpoint
+    modelpar-ckpt export-hf runs/x/checkpoints/step-00000200 hf/  # -> LlamaForCausalLM (MixtralForCausalLM for MoE)
 
 Any layout can also load any checkpoint directly (``trainer.resume=PATH``); ``reshard`` writes the files of the
 new layout ahead of time. Only safetensors and JSON are read.
@@ -12,7 +12,10 @@ new layout ahead of time. Only safetensors and JSON are read.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from modelpar.checkpoint.signing import (
 from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint
 from modelpar.cli.generate import load_single_device_model
 from modelpar.model.config import ModelConfig
-from modelpar.model.hf import config_from_hf, import_hf, save_hf
+from modelpar.model.hf import config_from_hf, config_to_hf, import_hf, save_hf
 from modelpar.model.transformer import build_model
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
@@ -147,13 +150,28 @@ def cmd_export_hf(args) -> int:
     key = load_key(args.key)
     read_signed_index(src, key)
     model = load_single_device_model(src)
-    save_hf(out, model.config, model.full_state())
-    signed = ""
-    if key is not None:
-        sign_file(out / "model.safetensors", key, out / "model.safetensors.sig")
-        signed = " and model.safetensors.sig"
-    print(f"{out}: exported {src} as a LlamaForCausalLM directory (config.json + model.safetensors{signed})")
+    architecture = config_to_hf(model.config)["architectures"][0]  # refused here, before anything is written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed into place when complete
+    try:
+        save_hf(tmp, model.config, model.full_state())
+        signed = ""
+        if key is not None:
+            sign_file(tmp / "model.safetensors", key, tmp / "model.safetensors.sig")
+            signed = " and model.safetensors.sig"
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's directory is owner-only; the export is an ordinary one
+        tmp.rename(out)  # an empty destination directory is replaced; a non-empty one was refused above
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"{out}: exported {src} as a {architecture} directory (config.json + model.safetensors{signed})")
     return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("tp", "pp", "dp", "vpp", "cp", "ep"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.set_defaults(fn=cmd_reshard)
-    p = sub.add_parser("import-hf", help="a LlamaForCausalLM directory -> checkpoint (loads into any layout)")
+    p = sub.add_parser(
+        "import-hf", help="a LlamaForCausalLM or MixtralForCausalLM directory -> checkpoint (loads into any layout)"
+    )
     p.add_argument("hf_dir")
     p.add_argument("dst")
     p.set_defaults(fn=cmd_import_hf)
-    p = sub.add_parser("export-hf", help="checkpoint -> a LlamaForCausalLM directory")
+    p = sub.add_parser(
+        "export-hf", help="checkpoint -> a LlamaForCausalLM directory (MixtralForCausalLM for a mixture of experts)"
+    )
     p.add_argument("src")
     p.add_argument("hf_dir")
     p.add_argument("--key", default=None, help=key_help + "; signs model.safetensors too")

@@ -22,6 +22,7 @@ from modelpar.data.prepare import PreparedInfo, prepare, tokenizer_for
 from modelpar.data.prepare_shards import DEFAULT_SHARD_TOKENS, prepare_shards
 from modelpar.data.shards import read_manifest, shard_files
 from modelpar.data.token_file import DataError, TokenFile, max_token_id, open_tokens
+from modelpar.training.config import DataConfig, EvalConfig
 
 _SAMPLE_TOKENS = 64
 
@@ -125,6 +126,19 @@ def _prepare_shards(args: argparse.Namespace) -> None:
     if m["val"]:
         val = read_manifest(args.output / m["val"])
         print(f"wrote {args.output / m['val']}: {val['tokens']:,} held-out tokens of {val['documents']:,} documents")
+        warn_small_held_out(val["tokens"], args.val_fraction)
+
+
+def warn_small_held_out(tokens: int, val_fraction: float) -> None:
+    """A held-out split too small for modelpar-eval's default windows (and the trainer's closing sample) is
+    said now, naming the option, rather than when training ends."""
+    windows, seq_len = EvalConfig().windows, DataConfig().seq_len
+    if tokens < windows * seq_len + 1:
+        print(
+            f"modelpar-data: warning: the held-out split has {tokens:,} tokens, fewer than modelpar-eval's default "
+            f"{windows} windows of {seq_len + 1}; raise --val-fraction (now {val_fraction:g}) or add documents",
+            file=sys.stderr,
+        )
 
 
 def _inspect_shards(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from modelpar.backends import rank_setup
 from modelpar.checkpoint.reshard import load_model_from_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
+from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError, default_corpus, eval_split, open_dataset
-from modelpar.model.config import IDENTITY, ModelConfig
+from modelpar.model.config import IDENTITY, ModelConfig, MoEConfig
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
@@ -41,6 +43,7 @@ from modelpar.pipeline import PipelineRuntime, forward_only
 from modelpar.training.build import build_rank_model, resolve_device, resolve_eos_id
 from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register_schema, validate
 from modelpar.training.preflight import USER_ERRORS, runs_on_cpu
+from modelpar.training.torch_version import check_torch_version
 
 
 def eval_config(cfg: TrainConfig, microbatches_set: bool = True) -> TrainConfig:
@@ -67,23 +70,45 @@ def eval_config(cfg: TrainConfig, microbatches_set: bool = True) -> TrainConfig:
     return replace(cfg, data=replace(cfg.data, global_batch=cfg.eval.windows))
 
 
-def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: frozenset[str], ckpt: Path) -> ModelConfig:
-    """The model to evaluate: the checkpoint's shape (its ``IDENTITY`` fields, and ``max_seq_len`` if the run's
-    sequence fits), except fields the user set on the command line, which must then agree with it. How the
-    model runs (``kernels``, ``compile``) and ``init_std`` come from the recipe; they never block loading."""
-    mine = cfg.model
-    chosen = {name for name in IDENTITY if f"model.{name}" in overridden or "model" in overridden}
-    for name in sorted(chosen):
-        if name in saved and saved[name] != getattr(mine, name):
-            raise RecipeError(
-                f"{ckpt} holds a model with {name}={saved[name]!r}, but this run sets model.{name}="
-                f"{getattr(mine, name)!r}; drop that override (the checkpoint's model is used by default)"
-            )
-    taken = {name: saved[name] for name in IDENTITY if name in saved and name not in chosen}
-    if "max_seq_len" in saved and "model.max_seq_len" not in overridden and "model" not in overridden:
+def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, str], ckpt: Path) -> ModelConfig:
+    """The model to evaluate: the checkpoint's shape (its ``IDENTITY`` fields, those of its ``moe`` section,
+    and ``max_seq_len`` if the run's sequence fits), except fields the user set on the command line
+    (``overridden``: key -> value, e.g. ``model.hidden`` or the group choice ``model``), which must then agree
+    with it; every field that differs is named, with the override that set it. How the model runs
+    (``kernels``, ``compile``), ``init_std`` and the MoE training settings come from the recipe."""
+    mine, group = cfg.model, overridden.get("model")
+    saved_moe = saved.get("moe") or {}
+    fields = [(name, saved.get(name), getattr(mine, name), f"model.{name}") for name in IDENTITY if name in saved]
+    fields += [
+        (f"moe.{name}", saved_moe.get(name), getattr(mine.moe, name), f"model.moe.{name}")
+        for name in MoEConfig.IDENTITY
+        if name in saved_moe
+    ]
+    differ, taken, moe_taken = [], {}, {}
+    for name, theirs, ours, key in fields:
+        chosen = key in overridden or (name.startswith("moe.") and "model.moe" in overridden) or group is not None
+        if not chosen:
+            (moe_taken if name.startswith("moe.") else taken)[name.removeprefix("moe.")] = theirs
+        elif theirs != ours:
+            differ.append((name, theirs, ours, key if key in overridden else f"model={group}"))
+    if differ:
+        held = ", ".join(f"{name}={theirs!r}" for name, theirs, _, _ in differ)
+        by_group = [f"{name}={ours!r}" for name, _, ours, by in differ if by.startswith("model=")]
+        by_field = [f"{by}={ours!r}" for _, _, ours, by in differ if not by.startswith("model=")]
+        given = " and ".join(
+            ([f"model={group} gives {', '.join(by_group)}"] if by_group else [])
+            + ([f"this run sets {', '.join(by_field)}"] if by_field else [])
+        )
+        drop = ", ".join(dict.fromkeys(by for *_, by in differ))
+        raise RecipeError(
+            f"{ckpt} holds a model with {held}, but {given}; drop {drop} (the checkpoint's model is used by default)"
+        )
+    if "max_seq_len" in saved and "model.max_seq_len" not in overridden and group is None:
         taken["max_seq_len"] = max(saved["max_seq_len"], cfg.data.seq_len)
     if "name" in saved:
         taken["name"] = saved["name"]
+    if moe_taken:
+        taken["moe"] = replace(mine.moe, **moe_taken)
     return replace(mine, **taken)
 
 
@@ -122,10 +147,12 @@ def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -
         Path(result_path).write_text(json.dumps({"eval_loss": loss.item() / replicas}))
 
 
-def run(cfg: TrainConfig, overridden: frozenset[str] = frozenset()) -> dict:
-    """``overridden``: the keys the user set on the command line (``model.hidden``, or ``model`` for a whole
-    model recipe); everything else about the model's shape comes from the checkpoint."""
+def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> dict:
+    """``overridden``: what the user set on the command line, key -> value (``model.hidden``, or ``model`` for
+    a whole model recipe); everything else about the model's shape comes from the checkpoint."""
+    overridden = overridden or {}
     try:
+        check_torch_version()
         if not cfg.eval.checkpoint:
             raise RecipeError("eval.checkpoint is empty; pass eval.checkpoint=<run>/checkpoints or a step-* directory")
         ckpt = resolve_checkpoint(cfg.eval.checkpoint)
@@ -190,10 +217,11 @@ def _evaluate(cfg: TrainConfig, path: str, ckpt: Path) -> dict:
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="eval")
 def _app(dcfg: DictConfig) -> None:
     overrides = HydraConfig.get().overrides.task  # what the user set, e.g. "model.hidden=32" or "model=tiny"
-    run(OmegaConf.to_object(dcfg), frozenset(o.split("=", 1)[0].lstrip("+~") for o in overrides))
+    run(OmegaConf.to_object(dcfg), dict((o.split("=", 1) + [""])[:2] for o in (o.lstrip("+~") for o in overrides)))
 
 
 def main() -> None:
+    refuse_unknown_overrides("modelpar-eval", TrainConfig, RECIPES)
     register_schema()
     _app()
 

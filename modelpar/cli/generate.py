@@ -16,7 +16,7 @@ import torch
 
 from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
 from modelpar.cli.args import non_negative_float, positive_int
-from modelpar.data import load_tokenizer, open_dataset, tokenizer_for
+from modelpar.data import ByteTokenizer, load_tokenizer, open_dataset, tokenizer_for
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import ModelChunk, build_model
 
@@ -71,16 +71,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json written by modelpar-data")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="byte, or a tokenizer.json written by modelpar-data (default: the one the checkpoint's training data "
+        "was prepared with, else byte)",
+    )
     args = parser.parse_args(argv)
     try:
         model = load_single_device_model(args.checkpoint)
-        tok = load_tokenizer(args.tokenizer)
+        index = read_index(resolve_checkpoint(args.checkpoint), verify=False)
+        tok = load_tokenizer(args.tokenizer or index.get("tokenizer") or ByteTokenizer.kind)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"modelpar-generate: error: {exc}", file=sys.stderr)
         return 2
     prompt = torch.as_tensor(tok.encode(args.prompt), dtype=torch.int64)
     out = generate(model, prompt, args.tokens, args.temperature, args.seed)
+    if isinstance(tok, ByteTokenizer) and int(out.max()) >= 256:
+        print(
+            f"modelpar-generate: error: the model produced token id {int(out.max())}, which the byte tokenizer cannot "
+            "decode (the checkpoint records no tokenizer); pass --tokenizer <the data's tokenizer.json>",
+            file=sys.stderr,
+        )
+        return 2
     print(tok.decode(out))
     return 0
 

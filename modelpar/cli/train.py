@@ -26,12 +26,14 @@ from omegaconf import DictConfig, OmegaConf
 from modelpar.backends import rank_setup
 from modelpar.checkpoint.store import latest_checkpoint
 from modelpar.cli.generate import sample_from_checkpoint
+from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
 from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema
 from modelpar.training.faults import FIRED_ENV
 from modelpar.training.flight import flight_hang_report
+from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.restart import RestartPolicy, run_with_restarts
 from modelpar.training.trainer import train_worker
@@ -61,11 +63,13 @@ def run(cfg: TrainConfig) -> None:
     layout = cfg.parallel.layout()
     env = launch_env_from_environ()
     job_rank0 = env is None or env.rank == 0  # under torchrun/SLURM every rank runs this function
+    note = outlier_check_note(cfg.trainer.grad_outlier_action, layout.dp, cfg.optim.zero)
+    if job_rank0 and note:
+        print(f"modelpar-train: note: {note}", flush=True)
     if job_rank0:
         print(
-            f"modelpar-train: {cfg.model.name} on {layout} ({layout.world_size} ranks), schedule "
-            f"{cfg.parallel.schedule}, {cfg.parallel.microbatches} micro-batches, {cfg.trainer.steps} steps -> "
-            f"{out_dir}" + (f", resuming from {resume_from}" if resume_from else ""),
+            f"modelpar-train: {describe_run(cfg)} -> {out_dir}"
+            + (f", resuming from {resume_from}" if resume_from else ""),
             flush=True,
         )
     policy = RestartPolicy(cfg.trainer.max_restarts, cfg.trainer.restart_backoff_s)
@@ -110,6 +114,24 @@ def run(cfg: TrainConfig) -> None:
         summarize(cfg, val_path)
 
 
+def _count(n: int, word: str, plural: str = "") -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def describe_run(cfg: TrainConfig) -> str:
+    """The start-up banner: model (and its experts), layout, ZeRO stage, schedule, masking, steps."""
+    layout, p, moe = cfg.parallel.layout(), cfg.parallel, cfg.model.moe
+    model = cfg.model.name + (f" (MoE {moe.experts} experts, top-{moe.top_k})" if moe.enabled else "")
+    parts = [f"{model} on {layout} ({_count(layout.world_size, 'rank')})"]
+    if cfg.optim.zero:
+        parts.append(f"ZeRO-{cfg.optim.zero}")
+    parts.append(f"schedule {p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')}")
+    if cfg.data.document_mask:
+        parts.append("document masking")
+    parts.append(_count(cfg.trainer.steps, "step"))
+    return ", ".join(parts)
+
+
 def summarize(cfg: TrainConfig, val_path: str) -> None:
     """Loss at the start and end of the run, the checkpoint, and a sample from the final weights."""
     out_dir = Path(cfg.trainer.out_dir)
@@ -138,6 +160,7 @@ def _app(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    refuse_unknown_overrides("modelpar-train", TrainConfig, RECIPES)
     os.umask(FILE_ACCESS["group"])  # before Hydra makes the run directory: nothing the run writes is world-readable
     register_schema()
     _app()

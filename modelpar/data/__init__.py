@@ -20,7 +20,7 @@ Typical use in a training loop::
 
 from modelpar.data.blend import Blend, BlendSampler, open_blend
 from modelpar.data.corpus import default_corpus, stdlib_sources
-from modelpar.data.prepare import PreparedInfo, prepare, tokenizer_for
+from modelpar.data.prepare import PreparedInfo, prepare, tokenizer_for, tokenizer_spec
 from modelpar.data.prepare_shards import prepare_shards
 from modelpar.data.sampler import WindowSampler
 from modelpar.data.shards import WindowSet, eval_split, held_out, open_dataset
@@ -50,5 +50,6 @@ __all__ = [
     "prepare_shards",
     "stdlib_sources",
     "tokenizer_for",
+    "tokenizer_spec",
     "train_bpe",
 ]

@@ -71,6 +71,11 @@ def default_corpus(
         info = PreparedInfo.read(output)
         if info.path.is_file() and info.val_path is not None and PreparedInfo.sidecar_path(info.val_path).is_file():
             return info
+    print(  # the default is relative to where the command runs: say where the text goes
+        f"modelpar: building the default corpus (Python's standard library, {max_bytes:,} bytes) in "
+        f"{Path(cache_dir).resolve()} (data.cache_dir, relative to the current directory unless absolute)",
+        flush=True,
+    )
     # Ranks that race here each write the same bytes and replace atomically, so whichever wins is right.
     return prepare(
         stdlib_sources(),

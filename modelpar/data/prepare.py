@@ -27,7 +27,7 @@ import numpy as np
 
 from modelpar.data.shards import tokenizer_file_of
 from modelpar.data.token_file import DataError
-from modelpar.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer, train_bpe
+from modelpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 
 DEFAULT_BPE_VOCAB_SIZE = 8192
 SIDECAR_FORMAT = 1
@@ -102,6 +102,21 @@ def tokenizer_for(path: str | Path) -> Tokenizer:
         return load_tokenizer(tokenizer_file_of(path) or "byte")
     info = PreparedInfo.read(path)
     return load_tokenizer(info.tokenizer_path or info.tokenizer)
+
+
+def tokenizer_spec(path) -> str | None:
+    """What ``load_tokenizer`` takes to decode data ``path`` (a token file, shard directory or blend: its first
+    dataset's), as a checkpoint records it: ``"byte"``, a tokenizer file's absolute path, or None when a plain
+    token file records no tokenizer."""
+    path = Path(getattr(path, "paths", [path])[0])
+    if path.is_dir():
+        file = tokenizer_file_of(path)
+        return str(file) if file else ByteTokenizer.kind
+    try:
+        info = PreparedInfo.read(path)
+    except DataError:
+        return None
+    return str(Path(info.tokenizer_path).resolve()) if info.tokenizer_path else info.tokenizer
 
 
 def val_path_for(output: str | Path) -> Path:
@@ -294,9 +309,9 @@ def prepare(
         if val_output is not None:
             streams.append(_NpyStream(val_output, dtype))
             _move_tail(streams[0], streams[1], round(streams[0].length * val_fraction))
-        for stream in streams:
+        for stream, fix in zip(streams, ("lower", "raise"), strict=False):
             if stream.length == 0:
-                raise DataError(f"{stream.dest.name} would hold no tokens; add text or lower val_fraction")
+                raise DataError(f"{stream.dest.name} would hold no tokens; add text or {fix} --val-fraction")
         digests = [stream.commit() for stream in streams]
     except BaseException:
         for stream in streams:

@@ -9,11 +9,11 @@ depends only on the inputs and settings (never on ``workers`` or timing)::
 
     doc 0 ids EOS | doc 1 ids EOS | ...     cut every ``shard_tokens`` ids into shard-00000.npy, shard-00001.npy
 
-Every ``1 / val_fraction``-th document goes to the held-out split ``val/`` instead (the same rule, so the same
-documents, every time). Resuming: after each finished shard the manifest records where reading stands (file,
-unit), the counts so far and how much of each unfinished shard is written, after an fsync; a rerun of the same
-command truncates the unfinished shards to that point and reads on from there, so an interrupted prepare ends
-with the same bytes as an uninterrupted one. A finished prepare is not redone.
+Every ``1 / val_fraction``-th document, the first included, goes to the held-out split ``val/`` instead (the
+same rule, so the same documents, every time). Resuming: after each finished shard the manifest records where
+reading stands (file, unit), the counts so far and how much of each unfinished shard is written, after an
+fsync; a rerun of the same command truncates the unfinished shards to that point and reads on from there, so an
+interrupted prepare ends with the same bytes as an uninterrupted one. A finished prepare is not redone.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -153,8 +154,9 @@ class _SplitWriter:
 
 
 def is_held_out(document: int, val_fraction: float) -> bool:
-    """Whether document ``document`` (counted from 0) goes to the held-out split: every ``1/f``-th does."""
-    return int((document + 1) * val_fraction) > int(document * val_fraction)
+    """Whether document ``document`` (counted from 0) goes to the held-out split: every ``1/f``-th does,
+    starting with the first, so any fraction > 0 of a corpus holds out at least one document."""
+    return math.ceil((document + 1) * val_fraction) > math.ceil(document * val_fraction)
 
 
 # -- the workers -----------------------------------------------------------------------------------------------
@@ -557,8 +559,8 @@ class _Progress:
         if on:
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1 << 20, desc="prepare", file=sys.stderr
+            self.bar = tqdm(  # tqdm's scaled units divide by 1024 per prefix: k, M, G of bytes are KiB, MiB, GiB
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", file=sys.stderr
             )
 
     def at(self, nbytes: int) -> None:

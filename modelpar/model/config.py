@@ -170,10 +170,15 @@ class ModelConfig:
         if self.moe.enabled and self.moe.experts % ep:
             raise LayoutError(
                 f"parallel.ep={ep} does not divide model.moe.experts={self.moe.experts}; try ep in "
-                f"{[d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0]}"
+                f"{self.expert_splits(layout.dp * layout.cp)}"
             )
         if ep > 1 and not self.moe.enabled:
             raise LayoutError(f"parallel.ep={ep} needs a mixture of experts (model.moe.experts > 0); set ep=1")
+
+    def expert_splits(self, dp_cp: int) -> list[int]:
+        """The ep values that split this model's experts over ranks carved from ``dp_cp`` = dp x cp ranks: the
+        divisors of both (every value a hint offers passes every check)."""
+        return [d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0 and dp_cp % d == 0]
 
     @property
     def head_dim(self) -> int:

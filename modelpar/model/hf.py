@@ -157,11 +157,14 @@ def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
 def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
     """Write ``config.json`` and ``model.safetensors`` from full logical tensors (all of the model's)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     dtype = next(iter(state.values())).dtype
+    hf_config = config_to_hf(config, dtype)  # a model HF cannot express is refused before anything is written
+    path.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(name): t.detach().cpu().contiguous() for name, t in state.items()}
+    (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(tensors, path / WEIGHTS_NAME, metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+    # safetensors creates its file owner-only; both files of the directory get the mode the umask gives
+    (path / WEIGHTS_NAME).chmod((path / CONFIG_NAME).stat().st_mode & 0o777)
 
 
 def export_hf(chunk: ModelChunk, path: str | os.PathLike) -> None:

@@ -139,7 +139,7 @@ class TrainerConfig:
     check_every: int = 25  # steps between replica-drift and straggler checks (0: never)
     drift_action: str = "warn"  # warn | halt
     straggler_factor: float = 2.0  # a rank whose compute time exceeds this x the median is named
-    # a dp replica whose gradient disagrees with the others' (training/outliers.py; needs dp >= 3)
+    # a dp replica whose gradient disagrees with the others' (training/outliers.py; dp >= 3 names it, dp2 only warns)
     grad_outlier_action: str = "warn"  # off | warn | skip | halt
     grad_outlier_cosine: float = 0.5  # named when its cosine to the others' mean is < 0 and this far below the median
     grad_outlier_norm: float = 10.0  # named above this x the median replica's gradient norm
@@ -223,6 +223,11 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
         raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
     if p.schedule == "interleaved" and p.vpp < 2:
         raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
+    if m.moe.enabled and (m.moe.experts % p.ep or (p.dp * p.cp) % p.ep):  # both rules in one hint
+        raise RecipeError(
+            f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} and dp x cp = {p.dp * p.cp}; try ep "
+            f"in {m.expert_splits(p.dp * p.cp)}"
+        )
     layout = p.layout()
     m.check_layout(layout)  # the layout's shape rules and the experts' split over ep
     if p.etp != 1:

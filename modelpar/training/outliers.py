@@ -10,8 +10,10 @@ or more below the median replica's (a sign-flipped gradient, where honest replic
 ``trainer.grad_outlier_norm`` x the median (a scaled one), is an outlier. Honest replicas on data with no shared
 direction (uniformly random tokens) have cosines near 0 with each other: then a flipped one cannot be told apart
 and none is named, rather than an honest one. The statistics ride the step's one host read-back, so every rank
-decides alike: ``trainer.grad_outlier_action=warn|skip|halt``. Needs dp >= 3 (with two, either could be the odd
-one). The sketch's hashes cost 9 bytes per parameter element on each rank.
+decides alike: ``trainer.grad_outlier_action=warn|skip|halt``. Naming the odd replica needs dp >= 3; with two,
+either could be the odd one, so the check reports that they disagree (cosine below ``-grad_outlier_cosine``,
+or one norm ``grad_outlier_norm`` x the other) without naming either. The sketch's hashes cost 9 bytes per
+parameter element on each rank.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class GradientOutlierCheck:
 
     def verdict(self, values: list[float], step: int) -> str | None:
         """The host's reading of ``stats()`` (flattened): a one-line naming of the outliers, or None."""
+        if self.dp == 2:
+            return self._disagreement(values, step)
         named = []
         cosines = sorted(values[3 * i] for i in range(self.dp))
         median = cosines[self.dp // 2] if self.dp % 2 else (cosines[self.dp // 2 - 1] + cosines[self.dp // 2]) / 2
@@ -73,3 +77,33 @@ class GradientOutlierCheck:
         if not named:
             return None
         return f"gradient outlier at step {step + 1}: " + "; ".join(named)
+
+    def _disagreement(self, values: list[float], step: int) -> str | None:
+        """Two replicas: both see the same cosine (each other's), and the larger norm's ratio is larger / smaller."""
+        cosine, norms = values[0], (values[1], values[4])
+        ratio = max(values[2], values[5])
+        if not (cosine < -self.cosine_gap or ratio > self.norm_max):
+            return None
+        ranks = " and ".join(str(r) for r in self.groups.dp_ranks)
+        return (
+            f"gradient disagreement at step {step + 1} between the two dp replicas (ranks {ranks}): cosine "
+            f"{cosine:.2f}, norms {norms[0]:.3g} and {norms[1]:.3g}; with two replicas the odd one cannot be named "
+            "(dp >= 3 names it)"
+        )
+
+
+def outlier_check_note(action: str, dp: int, zero: int) -> str | None:
+    """One start-up line when ``trainer.grad_outlier_action`` asks for more than this layout can check."""
+    if action == "off" or (action == "warn" and (dp < 2 or zero >= 2)):  # the default stays quiet where moot
+        return None
+    setting = f"trainer.grad_outlier_action={action}"
+    if dp < 2:
+        return f"{setting} is inactive: with dp={dp} there is no other replica to compare gradients with"
+    if zero >= 2:
+        return (
+            f"{setting} is inactive under optim.zero={zero}: gradients are reduce-scattered inside backward, so "
+            "no replica's own gradient is left to compare; use optim.zero<=1 to check replicas"
+        )
+    if dp == 2:
+        return f"{setting} at dp=2 reports replicas that disagree but cannot say which one is odd (dp >= 3 names it)"
+    return None

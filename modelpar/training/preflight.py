@@ -31,9 +31,19 @@ from modelpar.parallel.layout import LayoutError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
 from modelpar.training.build import build_partition, resolve_eos_id
 from modelpar.training.config import RecipeError, TrainConfig, validate
+from modelpar.training.torch_version import UntestedTorchError, check_torch_version
 
 # what a user can fix in the recipe, the data or the checkpoint: reported in one line, never as a traceback
-USER_ERRORS = (RecipeError, LayoutError, DataError, ScheduleError, PartitionError, CheckpointError, ValueError)
+USER_ERRORS = (
+    RecipeError,
+    LayoutError,
+    DataError,
+    ScheduleError,
+    PartitionError,
+    CheckpointError,
+    UntestedTorchError,
+    ValueError,
+)
 
 
 def resolve_data(cfg: TrainConfig) -> tuple[str | Blend, str]:
@@ -126,7 +136,8 @@ def check_device(cfg: TrainConfig) -> None:
 
 
 def preflight(cfg: TrainConfig) -> tuple[str | Blend, str, str | None]:
-    """Every check that needs no rank: recipe, device, layout, schedule, data, checkpoint."""
+    """Every check that needs no rank: torch, recipe, device, layout, schedule, data, checkpoint."""
+    check_torch_version()
     check_recipe(cfg)
     check_device(cfg)
     train_path, val_path = resolve_data(cfg)

@@ -9,6 +9,7 @@ import json
 import netrc
 import os
 import secrets
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
@@ -155,7 +156,9 @@ def open_sinks(cfg: TrainConfig, out_dir: Path, start_step: int) -> list[Metrics
     """The sinks a recipe asks for, on the logging rank."""
     t = cfg.trainer
     sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl")]
-    sinks.append(ProgressSink(t.steps, start_step) if t.progress else ConsoleSink(t.log_every, t.steps))
+    # the bar redraws in place on a terminal; into a file or pipe it would write a line per refresh
+    bar = t.progress and sys.stderr.isatty()
+    sinks.append(ProgressSink(t.steps, start_step) if bar else ConsoleSink(t.log_every, t.steps))
     if t.tensorboard:
         sinks.append(TensorBoardSink(out_dir))
     if t.wandb:

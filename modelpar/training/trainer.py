@@ -28,7 +28,7 @@ from modelpar.checkpoint.reshard import (
 from modelpar.checkpoint.save import CheckpointSaveError, prepare_save, save_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index
-from modelpar.data import DataError
+from modelpar.data import DataError, tokenizer_spec
 from modelpar.data.fingerprint import check_same_data, fingerprint
 from modelpar.model.flops import training_flops_per_token
 from modelpar.optim.fsdp import local
@@ -130,7 +130,7 @@ class Trainer:
         moe = MoEStats(MoEStatistics(self.model.chunks, g), self.device) if cfg.model.moe.enabled else None
         plugins += [moe] if moe is not None else []
         # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
-        if t.grad_outlier_action != "off" and self.layout.dp >= 3 and cfg.optim.zero < 2:
+        if t.grad_outlier_action != "off" and self.layout.dp >= 2 and cfg.optim.zero < 2:
             plugins.append(
                 GradientOutliers(GradientOutlierCheck(params, g, t.grad_outlier_cosine, t.grad_outlier_norm))
             )
@@ -226,6 +226,9 @@ class Trainer:
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
             "data_fingerprint": fingerprint(self.data_path) if self.rank == 0 else None,  # rank 0 writes the index
+            "tokenizer": tokenizer_spec(self.data_path)
+            if self.rank == 0
+            else None,  # what modelpar-generate decodes with
         }
         optim_state = self.optimizer.state_tensors()
         moments, optimizer_step = optimizer_pieces(self.model.chunks, self.optimizer)

@@ -92,3 +92,31 @@ def test_eval_at_cp_gives_transformers_loss(imported, layout):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_an_imported_mixtral_evaluates_with_no_model_overrides(tmp_path):
+    config = transformers.MixtralConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "mixtral")
+    tokens = np.random.default_rng(0).integers(0, 300, size=SEQ * 2 + 1, dtype=np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    assert ckpt_main(["import-hf", str(tmp_path / "mixtral"), str(tmp_path / "ckpt")]) == 0
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    windows = torch.stack([ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(2)])
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 300).double(), windows[:, 1:].reshape(-1)).item()
+    proc = eval_cli(
+        f"eval.checkpoint={tmp_path / 'ckpt'}",
+        f"data.path={tmp_path / 'tokens.npy'}",
+        "eval.windows=2",
+        "parallel=single",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)

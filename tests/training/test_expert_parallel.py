@@ -151,8 +151,14 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(parallel=dict(dp=4, ep=3)), "ep=3 must divide dp x cp = 4"),
-        (dict(parallel=dict(dp=3, ep=3)), "parallel.ep=3 does not divide model.moe.experts=4"),
+        (
+            dict(parallel=dict(dp=4, ep=3)),
+            r"ep=3 must divide model.moe.experts=4 and dp x cp = 4; try ep in \[1, 2, 4\]",
+        ),
+        (
+            dict(parallel=dict(dp=3, ep=3)),
+            r"parallel.ep=3 must divide model.moe.experts=4 and dp x cp = 3; try ep in \[1\]",
+        ),
         (dict(parallel=dict(dp=2, etp=2)), "parallel.etp=2: expert tensor parallelism is not supported"),
         (
             dict(parallel=dict(dp=4, ep=2, microbatches=1), zero=3, zero_group=2),

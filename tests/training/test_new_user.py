@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modelpar.testing import run_on_ranks
-from modelpar.training.config import RecipeError
+from modelpar.training.config import RecipeError, validate
 from modelpar.training.preflight import check_device
 from tests.helpers import SMALL, make_config, train_and_collect
 
@@ -92,3 +92,17 @@ def test_a_resume_hashes_the_checkpoint_once_on_rank_0(token_path, tmp_path):
     ckpt = str(tmp_path / "checkpoints" / "step-00000001")
     files = len(list(Path(ckpt).glob("*.safetensors")))
     assert run_on_ranks(2, _hashes_while_resuming, cfg, token_path, ckpt) == [files, 0]
+
+
+def test_the_expert_parallel_hint_lists_only_values_every_check_accepts(tmp_path):
+    cfg = make_config(tmp_path, dp=2, ep=2, microbatches=1)
+    cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, experts=3)))
+    with pytest.raises(RecipeError, match=r"try ep in \[1\]$"):
+        validate(cfg)
+    for ep in (1, 3):
+        cfg = replace(cfg, parallel=replace(cfg.parallel, ep=ep))
+        if ep == 1:
+            validate(cfg)
+        else:
+            with pytest.raises(RecipeError, match="must divide model.moe.experts=3 and dp x cp = 2"):
+                validate(cfg)
