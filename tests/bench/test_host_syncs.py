@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from modelpar.perf.host_syncs import count_host_syncs
+from modelpar.bench.host_syncs import count_host_syncs
 
 WRAPPED = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "to")
 
