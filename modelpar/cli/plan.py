@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -258,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in format_table(planned, args.top):
         print(line)
     best = trainer_overrides(planned[0].strategy, args.seq_len, model)
-    print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
+    print("run #1: " + shlex.join(["modelpar-train", *model_overrides(args), *best]))  # pasted into a shell as is
     for line in explain(planned[0], model, hardware, seq_len=args.seq_len, costs=costs, space=space):
         print(line)
     if args.json:

@@ -27,7 +27,7 @@ HARDWARE = {
     "h200": Hardware("h200", 989e12, 140 * GIB, 450e9, 50e9, 8, 3e-6, memory_bw=4.8e12, host_bw=50e9),
     # This project's CPU machine, one thread per rank: torch fp32 matmul measured ~90-98 GFLOP/s on one
     # AMD EPYC core; gloo over loopback moves ~1 GB/s with ~0.25 ms per message (2 MB all-reduce ~4 ms,
-    # send+recv round trip ~3.5 ms, see DESIGN.md); element-wise ops on [256, 256] fp32 ~10 GB/s with dispatch;
+    # send+recv round trip ~3.5 ms); element-wise ops on [256, 256] fp32 ~10 GB/s with dispatch;
     # 2 cores. Rough: benchmarks/plan_vs_measured.py calibrates all of these in the run it compares.
     "cpu": Hardware(
         "cpu",

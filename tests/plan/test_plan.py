@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pathlib
+import shlex
 import statistics
 
 import pytest
@@ -427,7 +428,9 @@ def test_cli_names_the_trainer_overrides_that_run_the_best_layout_and_they_valid
     assert main([*argv, "--recompute", recompute, "--layers", "8", "--json", str(out)]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run #1: ")]
     assert line.startswith("run #1: modelpar-train ")
-    overrides = line.removeprefix("run #1: modelpar-train ").split()
+    overrides = shlex.split(line.removeprefix("run #1: modelpar-train "))
+    # the list override is quoted: unquoted, a shell reads [elementwise] as a glob
+    assert ("'parallel.recompute_modules=[" in line) == (recompute == "selective")
     assert overrides[:2] == ["model=tiny", "model.layers=8"] and f"parallel.recompute={recompute}" in overrides
     assert any(o.startswith("parallel.recompute_modules=[") for o in overrides) == (recompute == "selective")
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
