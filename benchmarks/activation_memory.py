@@ -4,7 +4,7 @@
     python benchmarks/activation_memory.py --batch 1 --seq 256
 
 One block of ``modelpar.model.transformer`` (a ``ModelChunk`` holding one layer, nothing else) runs forward on emulated
-ranks (gloo, one thread each) with ``modelpar.perf.memory.SavedTensorMeter`` on: the bytes of every tensor autograd
+ranks (gloo, one thread each) with ``modelpar.bench.meters.SavedTensorMeter`` on: the bytes of every tensor autograd
 keeps for backward, once per storage, parameters excluded, which is exactly what stays alive per layer and
 micro-batch until its backward. Beside it, the paper's per-layer formula for 16-bit activations (table 2)::
 
@@ -12,7 +12,7 @@ micro-batch until its backward. Beside it, the paper's per-layer formula for 16-
     tp=t                s*b*h*(10 + 24/t + 5*a*s/(h*t))
     tp=t + SP           s*b*h*(34 + 5*a*s/h) / t
 
-and ``modelpar-plan``'s own model of our block (``modelpar.perf.plan_memory.block_bytes``: the tensors listed
+and ``modelpar-plan``'s own model of our block (``modelpar.plan.activations.block_bytes``: the tensors listed
 below, derived from the code, fp32), which the measurement should equal.
 
 Why the two differ (the JSON's ``breakdown`` lists every saved shape and dtype, in units of s*b*h elements):
@@ -48,12 +48,12 @@ from pathlib import Path
 import torch
 
 from modelpar import ParallelLayout
+from modelpar.bench.meters import SavedTensorMeter
 from modelpar.cli.args import positive_int
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import build_chunk
-from modelpar.perf.memory import SavedTensorMeter
-from modelpar.perf.plan import HARDWARE, ModelSpec, Strategy
-from modelpar.perf.plan_memory import block_bytes
+from modelpar.plan import HARDWARE, ModelSpec, Strategy
+from modelpar.plan.activations import block_bytes
 from modelpar.testing import current_groups, run_on_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -152,7 +152,7 @@ def main() -> None:
         "micro_batch": b,
         "dtype": "fp32",
         "formula": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes (16-bit); /t with TP+SP; "
-        "s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP alone; planner: modelpar.perf.plan_memory.block_bytes",
+        "s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP alone; planner: modelpar.plan.activations.block_bytes",
         "torch": torch.__version__,
         "platform": platform.platform(),
         "rows": rows,

@@ -15,7 +15,7 @@ section only; whatever it measured before is kept), in this order:
 3. ``mfu``: llama-1b bf16 training MFU on the one GPU (``benchmarks/gpu_llama1b_mfu.py``), eager and with every
    block compiled (``modelpar.model.compile.compile_blocks``), against the matmul peak measured once.
 4. ``host_syncs``: one steady bf16 training step of llama-1b (built by ``build_model``: forward, loss, backward,
-   clipping, fused AdamW), every host sync counted by ``modelpar.perf.host_syncs.count_host_syncs`` with its
+   clipping, fused AdamW), every host sync counted by ``modelpar.bench.host_syncs.count_host_syncs`` with its
    call site, and CUDA's own sync-debug warnings (``torch.cuda.set_sync_debug_mode("warn")``) counted beside;
    more than one sync fails the section (DESIGN.md: at most one per step outside logging).
 
@@ -235,7 +235,7 @@ def run_mfu(s: Section) -> dict:
 
 def run_host_syncs(s: Section) -> dict:
     """Host syncs of one steady bf16 training step of the single-device model, with their call sites."""
-    from modelpar.perf.host_syncs import count_host_syncs
+    from modelpar.bench.host_syncs import count_host_syncs
 
     mfu = _benchmark("gpu_llama1b_mfu")
     args = mfu.parse_args(["--smoke"] if s.smoke else ["--micro-batch", "2", "--seq", "1024", "--accum", "2"])

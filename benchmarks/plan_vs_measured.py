@@ -5,12 +5,12 @@
 
 In one run:
 
-1. calibrate ``modelpar.perf.plan``'s ``cpu`` hardware preset: peak FLOP/s from a one-thread fp32 matmul (the
+1. calibrate ``modelpar.plan``'s ``cpu`` hardware preset: peak FLOP/s from a one-thread fp32 matmul (the
    shapes of bench-tiny's biggest GEMM and a square one; the faster counts), and the gloo links from
    all-reduces of 4 B .. 4 MiB between two ranks, fitted to the planner's own ring model
    ``2(n-1)/n * bytes / bw + 2(n-1) * latency`` by least squares (a send/recv ping-pong is reported beside);
 2. run ``modelpar-bench`` (no peer) for each layout, one thread per rank, median of the timed steps;
-3. predict each layout with ``modelpar.perf.plan.predict`` twice: with ``CostModel()`` as shipped (efficiency
+3. predict each layout with ``modelpar.plan.predict`` twice: with ``CostModel()`` as shipped (efficiency
    0.55) and with the efficiency fitted on the single-rank layout (one global knob, as ``CostModel`` says;
    the measured element-wise and per-layer overhead terms are held fixed in the fit);
    the residual is ``predicted / measured - 1``. Goal: within 20 %.
@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from modelpar.backends.gloo_cpu import priority_restorable
 from modelpar.cli.args import check_layouts, positive_int
-from modelpar.perf.plan import HARDWARE, CostModel, ModelSpec, Strategy, predict, replicated_elementwise_s
+from modelpar.plan import HARDWARE, CostModel, ModelSpec, Strategy, predict
+from modelpar.plan.step_time import replicated_elementwise_s
 from modelpar.testing import run_on_ranks, shutdown_pools
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -71,7 +72,7 @@ def elementwise_bandwidth(shape=(2, 128, 256), reps: int = 30) -> float:
     ``REPLICATED_PASSES`` activation-sized passes."""
     from modelpar_kernels import rms_norm
 
-    from modelpar.perf.plan import REPLICATED_PASSES
+    from modelpar.plan.step_time import REPLICATED_PASSES
 
     torch.set_num_threads(1)
     x = torch.randn(shape, requires_grad=True)
@@ -221,8 +222,8 @@ def bench_rows(layouts: list[str], rounds: int, passes: int, results_dir: Path, 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.perf.bench import run
-    from modelpar.perf.bench_config import register_bench_schema
+    from modelpar.bench.config import register_bench_schema
+    from modelpar.bench.harness import run
     from modelpar.training.config import RECIPES
 
     register_bench_schema()
@@ -250,8 +251,8 @@ def model_spec(report: dict) -> ModelSpec:
 
 
 def strategy_of(row: dict, global_batch: int) -> Strategy:
+    from modelpar.bench.layout_spec import parse_layout
     from modelpar.parallel.layout import ParallelLayout
-    from modelpar.perf.layout_spec import parse_layout
     from modelpar.training.config import ParallelConfig
 
     layout = ParallelLayout(tp=row["tp"], pp=row["pp"], dp=row["dp"], vpp=row["vpp"])

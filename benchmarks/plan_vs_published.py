@@ -2,7 +2,7 @@
 
     python benchmarks/plan_vs_published.py          # a few seconds, no GPU: the planner is a formula
 
-For every run of ``modelpar.perf.published`` (which states the source and what the rows mean):
+For every run of ``modelpar.plan.published`` (which states the source and what the rows mean):
 
 1. **predicted**: the planner's per-GPU TFLOP/s (the paper's Eq. 3 FLOPs over the predicted step) for the
    published layout on its A100 80GB preset, Megatron-LM 2021's features only (full recompute, no ZeRO, no
@@ -23,8 +23,8 @@ import json
 import statistics
 from pathlib import Path
 
-from modelpar.perf.plan import HARDWARE, plan
-from modelpar.perf.published import GPT3_175B, SEQ_LEN, SOURCE, TABLE_1, PublishedRun, predicted_tflops
+from modelpar.plan import HARDWARE, plan
+from modelpar.plan.published import GPT3_175B, SEQ_LEN, SOURCE, TABLE_1, PublishedRun, predicted_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -135,7 +135,7 @@ def rank_ab(cfg, data_path: str, rounds: int, steps: int) -> dict:
 
 def layout_case(base, spec: str, rounds: int, steps: int):
     """The recipe ``base`` under layout ``spec``, validated (raises ``ValueError`` naming the problem)."""
-    from modelpar.perf.layout_spec import parse_layout
+    from modelpar.bench.layout_spec import parse_layout
     from modelpar.training.config import validate
 
     cfg = replace(base, parallel=parse_layout(spec, base.parallel))
@@ -145,7 +145,7 @@ def layout_case(base, spec: str, rounds: int, steps: int):
 
 
 def run_layout(cfg, data_path: str, rounds: int, steps: int) -> dict:
-    from modelpar.perf.layout_spec import layout_name
+    from modelpar.bench.layout_spec import layout_name
     from modelpar.testing import run_on_ranks
 
     world = cfg.parallel.layout().world_size
@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    from modelpar.bench.config import register_bench_schema
     from modelpar.data import TokenFile
-    from modelpar.perf.bench_config import register_bench_schema
     from modelpar.training.preflight import resolve_data
 
     register_bench_schema()

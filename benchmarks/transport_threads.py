@@ -4,7 +4,7 @@
     python benchmarks/transport_threads.py --layouts tp2 --rounds 4
 
 For each layout the ranks build our ``Trainer`` and the layout's peer (DTensor TP, torch.distributed.pipelining
-or DDP, ``modelpar.perf.peers``) once, bound to their cores as ``modelpar-bench`` binds them, and then
+or DDP, ``modelpar.bench.peers``) once, bound to their cores as ``modelpar-bench`` binds them, and then
 alternate inside the same processes: each round times one step of ours and one of the peer under each of
 three settings (``MODES`` below; the order flips every round). Both sides of
 every ratio are therefore seconds apart on the same workers, which is what makes a 5-10% effect visible on a
@@ -52,9 +52,9 @@ def socket_thread_cpu_s() -> float:
 def rank_ab(cfg, data_path: str, rounds: int) -> dict:
     """One rank: ``rounds`` x (ours and the peer under both modes), in alternating order."""
     from modelpar.backends.gloo_cpu import pinned, set_gloo_threads
+    from modelpar.bench.harness import peer_socket_threads
+    from modelpar.bench.peers import Peer, peer_name
     from modelpar.data import WindowSampler
-    from modelpar.perf.bench import peer_socket_threads
-    from modelpar.perf.peers import Peer, peer_name
     from modelpar.training.build import build_partition
     from modelpar.training.trainer import Trainer
 
@@ -102,7 +102,7 @@ def rank_ab(cfg, data_path: str, rounds: int) -> dict:
 
 
 def run_layout(base, layout: str, data_path: str, rounds: int) -> dict:
-    from modelpar.perf.layout_spec import layout_name, parse_layout
+    from modelpar.bench.layout_spec import layout_name, parse_layout
     from modelpar.testing import run_on_ranks
     from modelpar.training.config import validate
 
@@ -195,7 +195,7 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.perf.bench_config import register_bench_schema
+    from modelpar.bench.config import register_bench_schema
     from modelpar.training.preflight import resolve_data
 
     register_bench_schema()

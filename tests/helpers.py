@@ -142,7 +142,7 @@ def tiny_bench_config(tmp, *extra):
         "trainer.out_dir=" + str(tmp / "run"),
         *extra,
     ]
-    from modelpar.perf.bench_config import register_bench_schema
+    from modelpar.bench.config import register_bench_schema
 
     register_bench_schema()
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):

@@ -1,11 +1,12 @@
 """The package layout holds: every module imports on its own, and packages import only those below them.
 
-    parallel <- model <- pipeline <- optim <- checkpoint, data <- training <- perf <- cli
+    parallel <- model <- pipeline <- optim <- checkpoint, data <- training, plan <- bench <- cli
 
-``backends`` sits beside ``parallel`` (it may import it; ``training`` and ``perf`` may import it), ``cli`` and
-``modelpar.testing`` may import anything, the top-level ``modelpar`` only ``parallel``, and the kernels
-(``modelpar_kernels``) nothing of ``modelpar``. Only imports at a module's top level count: an import inside a
-function is where a cycle hides, so the rule is checked on what a reader sees first.
+``plan`` (the analytical planner) sits beside ``training`` and imports nothing of it; ``bench`` (the benchmark
+harness) sits above both. ``backends`` sits beside ``parallel`` (it may import it; ``training`` and ``bench`` may
+import it), ``cli`` and ``modelpar.testing`` may import anything, the top-level ``modelpar`` only ``parallel``, and
+the kernels (``modelpar_kernels``) nothing of ``modelpar``. Only imports at a module's top level count: an
+import inside a function is where a cycle hides, so the rule is checked on what a reader sees first.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-LAYERS = ["parallel", "model", "pipeline", "optim", "checkpoint data", "training", "perf", "cli"]
+LAYERS = ["parallel", "model", "pipeline", "optim", "checkpoint data", "training plan", "bench", "cli"]
 EXTRA = {
     "modelpar.backends": {"modelpar.parallel"},
     "modelpar.training": {"modelpar.backends"},
-    "modelpar.perf": {"modelpar.backends"},
+    "modelpar.bench": {"modelpar.backends"},
     "modelpar": {"modelpar.parallel"},
 }
 ANYTHING = {"modelpar.cli", "modelpar.testing"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from modelpar.perf.layout_spec import parse_layout
+from modelpar.bench.layout_spec import parse_layout
 from modelpar.training.config import ParallelConfig
 
 

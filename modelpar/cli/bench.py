@@ -5,7 +5,7 @@
     modelpar-bench -m parallel=single,tp2,pp2,tp2-pp2  # one layout per Hydra job; the rows merge
     modelpar-bench bench.peak_tflops=989 trainer.device=cuda ...   # MFU against a GPU's peak
 
-What is measured, and where the results go: ``modelpar.perf.bench``. A bad ``bench.*`` value, layout or data
+What is measured, and where the results go: ``modelpar.bench.harness``. A bad ``bench.*`` value, layout or data
 file is one line on stderr and exit status 2, before any rank starts.
 """
 
@@ -18,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from modelpar.perf.bench import run
-from modelpar.perf.bench_config import BenchRecipe, register_bench_schema
+from modelpar.bench.config import BenchRecipe, register_bench_schema
+from modelpar.bench.harness import run
 from modelpar.training.config import RECIPES
 
 

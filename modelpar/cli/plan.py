@@ -1,5 +1,5 @@
 """``modelpar-plan``: rank the ``tp x cp x pp x dp`` layouts of a model on a cluster by predicted throughput, among
-those that fit in memory, and print the ``modelpar-train`` overrides that run the best (``modelpar.perf.plan``).
+those that fit in memory, and print the ``modelpar-train`` overrides that run the best (``modelpar.plan``).
 
     modelpar-plan --model llama-8b --gpus 64 --global-batch 512 --seq-len 4096
     modelpar-plan --model tiny --gpus 4 --global-batch 16 --seq-len 64 --hardware cpu --json plan.json
@@ -14,11 +14,12 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 
 from modelpar.model.activations import RECOMPUTE
-from modelpar.perf.plan import (
+from modelpar.plan import (
     GIB,
     HARDWARE,
     SELECTIVE_CHOICES,
@@ -36,7 +37,7 @@ from modelpar.perf.plan import (
     plan,
 )
 
-# the recompute modes modelpar-train runs, all modelled for our block (modelpar/perf/plan_memory.py): selective
+# the recompute modes modelpar-train runs, all modelled for our block (modelpar/plan/activations.py): selective
 # with each of the planner's parallel.recompute_modules choices
 TRAINER_RECOMPUTE = RECOMPUTE
 SHORT_MODULES = {"attention": "attn", "mlp": "mlp", "elementwise": "elem"}
@@ -258,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in format_table(planned, args.top):
         print(line)
     best = trainer_overrides(planned[0].strategy, args.seq_len, model)
-    print("run #1: modelpar-train " + " ".join(model_overrides(args) + best))
+    print("run #1: " + shlex.join(["modelpar-train", *model_overrides(args), *best]))  # pasted into a shell as is
     for line in explain(planned[0], model, hardware, seq_len=args.seq_len, costs=costs, space=space):
         print(line)
     if args.json:

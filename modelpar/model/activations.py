@@ -22,7 +22,7 @@ hooks; parameters and tensors under 16 KiB stay where they are. On a CPU run the
 to: the tensors are copied into separate host buffers all the same, so the path is exercised and counted
 (``ActivationOffload.bytes_offloaded``), with no saving.
 
-Tensors kept out of sight of an outer saved-tensor hook (a memory meter's, ``modelpar.perf.memory``) are shown
+Tensors kept out of sight of an outer saved-tensor hook (a memory meter's, ``modelpar.bench.meters``) are shown
 to the meters registered with ``watch``: what offload leaves on the device (``keep``) or moves (``offloaded``),
 and the outputs selective checkpointing caches itself (``cached``), which no hook ever sees.
 """
@@ -60,7 +60,7 @@ SAVED_OPS = frozenset(
 )
 
 
-# meters (``modelpar.perf.memory.SavedTensorMeter``) watching what the hooks below keep; empty outside one
+# meters (``modelpar.bench.meters.SavedTensorMeter``) watching what the hooks below keep; empty outside one
 _WATCHERS: list = []
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from modelpar.perf.layout_spec import layout_name, parse_layout
-from modelpar.perf.memory import SavedTensorMeter
-from modelpar.perf.peers import regroup_rows
+from modelpar.bench.layout_spec import layout_name, parse_layout
+from modelpar.bench.meters import SavedTensorMeter
+from modelpar.bench.peers import regroup_rows
 from modelpar.training.config import ParallelConfig
 from tests.helpers import tiny_bench_config
 
@@ -73,7 +73,7 @@ def test_unknown_layout_token_is_one_line_with_the_fix():
 
 
 def test_case_specs_set_the_optimizer_too_and_name_it():
-    from modelpar.perf.layout_spec import case_name, parse_case
+    from modelpar.bench.layout_spec import case_name, parse_case
     from modelpar.training.config import TrainConfig
 
     cfg = parse_case("dp4-zero3-zg2-sel", TrainConfig())
@@ -106,7 +106,7 @@ def test_regrouped_fused_weight_shards_like_our_tensor_parallel_layer():
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
-    from modelpar.perf.bench import run
+    from modelpar.bench.harness import run
 
     tmp = tmp_path_factory.mktemp("bench")
     run(tiny_bench_config(tmp))
@@ -124,7 +124,7 @@ def tiny_sweep(tmp_path_factory):
 def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
     tmp_path, layout, counts, peer_partition, peer_name
 ):
-    from modelpar.perf.bench import run
+    from modelpar.bench.harness import run
 
     cfg = tiny_bench_config(
         tmp_path,
@@ -154,7 +154,7 @@ def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
     ],
 )
 def test_bad_bench_options_are_refused_before_any_rank_starts(tmp_path, override, message):
-    from modelpar.perf.bench import run
+    from modelpar.bench.harness import run
 
     cfg = tiny_bench_config(tmp_path, override)
     cfg.bench.results_dir = str(tmp_path / "results")
@@ -264,7 +264,7 @@ def test_zero_bubble_frees_each_micro_batch_at_its_weight_backward(tmp_path):
 
 
 def test_round_ratios_pair_each_round_of_ours_with_the_peers():
-    from modelpar.perf.summary import paired_round_ratios
+    from modelpar.bench.summary import paired_round_ratios
 
     ours = [1.0, 1.2, 2.0, 2.2]  # round 2 ran on a slower machine for both
     peer = [1.5, 1.7, 2.2, 2.4]
@@ -274,7 +274,7 @@ def test_round_ratios_pair_each_round_of_ours_with_the_peers():
 
 
 def test_ratio_cell_shows_the_spread_over_rounds(tiny_sweep):
-    from modelpar.perf.report import _ratio_cell
+    from modelpar.bench.report import _ratio_cell
 
     assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.4, 1.62, 1.5]}) == "1.50x (1.40-1.62)"
     assert _ratio_cell({"ratio": 1.5, "ratio_per_round": [1.5]}) == "1.50x"
@@ -361,7 +361,7 @@ def test_tp_breakdown_refuses_bad_input_in_one_line_before_any_rank(tmp_path, ca
 
 
 def test_recompute_row_holds_less_activation_memory_and_has_no_peer(tmp_path):
-    from modelpar.perf.bench import run
+    from modelpar.bench.harness import run
 
     rows = run(tiny_bench_config(tmp_path, "bench.sweep=[pp2-1f1b,pp2-1f1b-rc]"))
     plain, rc = rows["pp2-1f1b-m4"], rows["pp2-1f1b-m4-rc"]

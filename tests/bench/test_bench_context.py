@@ -2,7 +2,7 @@
 activation memory a cp rank holds, the K/V exchange's bytes by kind, the cp ideal, and why PyTorch's own
 context parallelism is not raced."""
 
-from modelpar.perf.layout_spec import layout_name, parse_layout
+from modelpar.bench.layout_spec import layout_name, parse_layout
 from modelpar.training.config import ParallelConfig
 from tests.helpers import tiny_bench_config
 
@@ -18,7 +18,7 @@ def test_cp_specs_set_cp_and_the_exchange_and_read_back():
 
 
 def test_cp_rows_hold_half_the_activations_and_count_the_kv_exchange(tmp_path):
-    from modelpar.perf.bench import run
+    from modelpar.bench.harness import run
 
     rows = run(tiny_bench_config(tmp_path, "bench.sweep=[single,cp2,cp2-allgather]", "data.seq_len=32"))
     single, ring, gather = rows["single-m4"], rows["cp2-m4"], rows["cp2-allgather-m4"]

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from modelpar.perf.host_syncs import count_host_syncs
+from modelpar.bench.host_syncs import count_host_syncs
 
 WRAPPED = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "to")
 
@@ -16,7 +16,7 @@ WRAPPED = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "c
 def here() -> str:
     """``file:line`` of the caller, as a sync made on that line is named."""
     frame = sys._getframe(1)
-    return f"tests/test_host_syncs.py:{frame.f_lineno}"
+    return f"tests/bench/test_host_syncs.py:{frame.f_lineno}"
 
 
 def test_each_host_read_of_a_tensor_is_one_sync():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelpar.bench.meters import SavedTensorMeter
 from modelpar.model.activations import ActivationOffload
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import build_model
-from modelpar.perf.memory import SavedTensorMeter
 
 CONFIG = ModelConfig(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=32)
 BATCH, SEQ = 2, 16

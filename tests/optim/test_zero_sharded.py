@@ -16,7 +16,7 @@ from tests.helpers import make_config
 
 def _state_bytes(cfg, data_path: str) -> dict[str, int]:
     """Model-state bytes on this rank at the optimizer step (gradients reduced, not yet dropped)."""
-    from modelpar.perf.memory import model_state_bytes
+    from modelpar.bench.meters import model_state_bytes
     from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, None)

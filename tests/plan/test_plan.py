@@ -3,34 +3,34 @@
 import dataclasses
 import json
 import pathlib
+import shlex
 import statistics
 
 import pytest
 
 from modelpar.cli.plan import main
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.perf.plan import (
+from modelpar.plan import (
     HARDWARE,
     CostModel,
     SearchSpace,
     Strategy,
-    activation_bytes_per_layer,
-    chunks_in_flight,
     load_model,
     model_presets,
     plan,
     predict,
-    replicated_elementwise_s,
     stage_memory,
 )
-from modelpar.perf.published import GPT3_175B, SEQ_LEN, TABLE_1, VOCAB, predicted_tflops
+from modelpar.plan.memory import activation_bytes_per_layer, chunks_in_flight
+from modelpar.plan.published import GPT3_175B, SEQ_LEN, TABLE_1, VOCAB, predicted_tflops
+from modelpar.plan.step_time import replicated_elementwise_s
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 A100 = HARDWARE["a100-80gb"]
 LLAMA_8B = load_model("llama-8b")
 # the same shape costed as Megatron-LM's GPT block and engine (Korthikanti et al. 2022; bf16 weights + fp32
-# masters), as the published runs are; LLAMA_8B is modelpar's own block (modelpar/perf/plan_memory.py)
+# masters), as the published runs are; LLAMA_8B is modelpar's own block (modelpar/plan/activations.py)
 GPT_8B = dataclasses.replace(LLAMA_8B, block="gpt")
 
 
@@ -40,7 +40,7 @@ def strategy(tp=1, pp=1, dp=1, vpp=1, b=1, m=8, recompute="none", zero1=False, s
 
 # -- validation against Narayanan et al. 2021 ----------------------------------------------------------------
 
-# Published runs (modelpar.perf.published, which names the source): Table 1 of Narayanan et al. 2021 and the paper's
+# Published runs (modelpar.plan.published, which names the source): Table 1 of Narayanan et al. 2021 and the paper's
 # GPT-3 175B estimate. The planner's efficiency is its default for every row; it was not fitted to them.
 TOLERANCE = 0.15
 
@@ -379,12 +379,11 @@ def test_no_layout_names_the_constraint_that_failed(capsys):
 def test_cli_refuses_a_preset_with_a_mistyped_field_as_the_trainer_does(tmp_path, monkeypatch, capsys):
     import shutil
 
-    import modelpar.perf.plan as planner
+    import modelpar.plan.presets as planner
 
     recipes = tmp_path / "recipes"
     shutil.copytree(ROOT / "recipes", recipes)
     (recipes / "model" / "typo.yaml").write_text("name: typo\nvocab_size: 256\nhiden: 64\n")
-    monkeypatch.setattr(planner, "RECIPES", str(recipes))
     monkeypatch.setattr(planner, "MODEL_PRESET_DIR", recipes / "model")
     assert main(["--model", "typo", "--gpus", "2", "--global-batch", "8", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err
@@ -429,7 +428,9 @@ def test_cli_names_the_trainer_overrides_that_run_the_best_layout_and_they_valid
     assert main([*argv, "--recompute", recompute, "--layers", "8", "--json", str(out)]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run #1: ")]
     assert line.startswith("run #1: modelpar-train ")
-    overrides = line.removeprefix("run #1: modelpar-train ").split()
+    overrides = shlex.split(line.removeprefix("run #1: modelpar-train "))
+    # the list override is quoted: unquoted, a shell reads [elementwise] as a glob
+    assert ("'parallel.recompute_modules=[" in line) == (recompute == "selective")
     assert overrides[:2] == ["model=tiny", "model.layers=8"] and f"parallel.recompute={recompute}" in overrides
     assert any(o.startswith("parallel.recompute_modules=[") for o in overrides) == (recompute == "selective")
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):

@@ -7,7 +7,7 @@ import pytest
 
 from modelpar.cli.plan import main
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.perf.plan import HARDWARE, ModelSpec, SearchSpace, Strategy, load_model, plan, predict, stage_memory
+from modelpar.plan import HARDWARE, ModelSpec, SearchSpace, Strategy, load_model, plan, predict, stage_memory
 
 H100 = HARDWARE["h100-80gb"]
 LLAMA_8B = ModelSpec(load_model("llama-8b").shape, flash_attention=True)

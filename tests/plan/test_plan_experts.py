@@ -7,16 +7,7 @@ from dataclasses import replace
 import pytest
 
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.perf.plan import (
-    SearchSpace,
-    Strategy,
-    load_hardware,
-    load_model,
-    plan,
-    predict,
-    stage_params,
-    valid_layouts,
-)
+from modelpar.plan import SearchSpace, Strategy, load_hardware, load_model, plan, predict, stage_params, valid_layouts
 
 H100 = load_hardware("h100-80gb")
 

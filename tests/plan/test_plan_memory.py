@@ -1,5 +1,5 @@
 """The planner's memory model against what the trainer holds: model states and saved activations measured the
-way ``modelpar-bench`` measures them (``perf.bench._measure_memory_and_comm``) on the tiny model, beside
+way ``modelpar-bench`` measures them (``bench.harness._measure_memory_and_comm``) on the tiny model, beside
 ``recipe_memory``'s prediction for the same recipe, within 10% for every layout and stage; and the planner's
 search and explanation of ZeRO, recompute and offload. No timing is asserted."""
 
@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
+from modelpar.bench.layout_spec import case_name, parse_case
+from modelpar.bench.summary import memory_vs_prediction
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.perf.layout_spec import case_name, parse_case
-from modelpar.perf.plan import HARDWARE, SearchSpace, Strategy, explain, load_model, plan, predict
-from modelpar.perf.summary import memory_vs_prediction
+from modelpar.plan import HARDWARE, SearchSpace, Strategy, explain, load_model, plan, predict
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import validate
 from tests.helpers import tiny_bench_config
@@ -36,7 +36,7 @@ MULTI = ["tp2-sp", "pp2-1f1b", "dp2-zero1", "dp2-zero3"]
 def _measure(cases: list, data_path: str) -> list[dict]:
     """On every rank, per case: a warm-up step (AdamW's moments exist from it), then one step under the bench's
     memory meters."""
-    from modelpar.perf.bench import OurSteps, _measure_memory_and_comm
+    from modelpar.bench.harness import OurSteps, _measure_memory_and_comm
     from modelpar.training.trainer import Trainer
 
     out = []
@@ -102,7 +102,7 @@ def test_the_meters_see_what_recompute_and_offload_keep(measured):
 
 
 def test_memory_table_shows_measured_and_predicted(measured):
-    from modelpar.perf.report import memory_markdown_table
+    from modelpar.bench.report import memory_markdown_table
 
     name, (cfg, per_rank) = "pp2-1f1b-m4", measured["pp2-1f1b-m4"]
     table = memory_markdown_table({name: {"layout": name, "memory_per_stage": memory_vs_prediction(cfg, per_rank)}})

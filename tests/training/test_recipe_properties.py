@@ -130,7 +130,7 @@ def test_every_shipped_recipe_composes_and_validates(name):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from modelpar.perf.bench_config import register_bench_schema
+    from modelpar.bench.config import register_bench_schema
     from modelpar.training.config import register_schema, validate
 
     register_schema()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelpar.perf.host_syncs import count_host_syncs
+from modelpar.bench.host_syncs import count_host_syncs
 from modelpar.testing import run_on_ranks
 from tests.helpers import make_config
 

@@ -1,7 +1,7 @@
 """From what the ranks measured to one row per layout: medians over the timed steps, the bubble measured and
 simulated, memory and communication per step, and our speed over the peer's.
 
-    per_rank = run_on_ranks(world, bench_rank, case, data_path)        # modelpar.perf.bench
+    per_rank = run_on_ranks(world, bench_rank, case, data_path)        # modelpar.bench.harness
     row = summarize(case, per_rank, peak_tflops, peer_name)            # the row of bench.json
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import statistics
 
+from modelpar.bench.config import BenchRecipe
+from modelpar.bench.layout_spec import case_name
+from modelpar.bench.recipe_memory import recipe_memory
 from modelpar.model.flops import training_flops_per_token
-from modelpar.perf.bench_config import BenchRecipe
-from modelpar.perf.layout_spec import case_name
-from modelpar.perf.plan import recipe_memory
 from modelpar.pipeline import Costs, Timeline, build_schedule, simulate
 
 STATE_KINDS = ("weights", "gradients", "optimizer", "buffers", "gathered")

@@ -4,8 +4,8 @@
         step(batch)
     assert syncs.count <= 1, syncs.report()
 
-A GPU step should not wait for the device more than once (DESIGN.md: "at most one host sync per step outside
-logging"). Reading a tensor's value on the host waits for every kernel queued before it: ``item``, ``tolist``,
+A GPU step should wait for the device at most once outside logging. Reading a tensor's value on the host waits
+for every kernel queued before it: ``item``, ``tolist``,
 ``float(t)``, ``int(t)``, ``bool(t)`` (an ``if`` on a tensor), ``t.__index__`` (a tensor used as an index or a
 ``range`` bound), and copying a device tensor to the CPU with ``cpu()``, ``to("cpu")`` or ``numpy(force=True)``
 (``to("cpu", non_blocking=True)`` does not wait, and is not counted).

@@ -5,7 +5,7 @@
 For each layout (a ``bench.sweep`` entry such as ``tp2-pp2-1f1b-m8``; or the recipe's ``parallel`` group when
 the sweep is empty, in a multirun, or when ``parallel=`` is given without ``bench.sweep=``) the ranks
 (``modelpar.parallel.pool.run_on_ranks``: local processes, gloo over loopback, one thread each) build our
-``Trainer`` and the peer of the layout (``modelpar.perf.peers``) from the same weights and data, then
+``Trainer`` and the peer of the layout (``modelpar.bench.peers``) from the same weights and data, then
 alternate: a warm-up step of each, one step of each with memory and communication meters on, then ``rounds`` x
 (``steps_per_round`` of ours, ``steps_per_round`` of the peer), each step timed between barriers (the slowest
 rank's time counts). With ``passes > 1`` the whole sweep repeats round-robin and the timed steps of all passes
@@ -25,7 +25,7 @@ pool (load from other jobs drifts over minutes). From the timed steps it reports
   most bytes held at once by tensors autograd saved for backward (``SavedTensorMeter``; offload's host copies
   apart), and the model states of each rank (``trainer_state_bytes`` at the optimizer step: weights, gradients,
   optimizer state, gradient buckets; FSDP2's gathered weights and unsharded gradients at their peak), each
-  beside ``modelpar-plan``'s prediction for the same recipe (``modelpar.perf.plan.recipe_memory``) on the
+  beside ``modelpar-plan``'s prediction for the same recipe (``modelpar.bench.recipe_memory.recipe_memory``) on the
   stage's fullest rank;
 - communication bytes per step by kind (``modelpar.parallel.collectives.record_comm``, summed over ranks) plus the
   pipeline's p2p sends (activation bytes x SEND actions, which the runtime posts outside ``comm``); under
@@ -60,15 +60,15 @@ import torch
 import torch.distributed as dist
 
 from modelpar.backends.gloo_cpu import RankSetup, gloo_socket_threads, pinned, set_gloo_threads, socket_threads
+from modelpar.bench.config import BenchRecipe, check_options
+from modelpar.bench.layout_spec import case_name, parse_case
+from modelpar.bench.meters import GatheredMeter, SavedTensorMeter, StateProbe
+from modelpar.bench.peers import Peer, peer_name, torch_context_parallel_problem
+from modelpar.bench.report import text_table, write_results
+from modelpar.bench.summary import pool_passes, summarize
 from modelpar.data import DataError, WindowSampler
 from modelpar.parallel.collectives import record_comm
 from modelpar.parallel.pool import run_on_ranks, shutdown_pools
-from modelpar.perf.bench_config import BenchRecipe, check_options
-from modelpar.perf.layout_spec import case_name, parse_case
-from modelpar.perf.memory import GatheredMeter, SavedTensorMeter, StateProbe
-from modelpar.perf.peers import Peer, peer_name, torch_context_parallel_problem
-from modelpar.perf.report import text_table, write_results
-from modelpar.perf.summary import pool_passes, summarize
 from modelpar.pipeline import StepResult, partition_uniform
 from modelpar.pipeline.actions import SEND_B, SEND_F
 from modelpar.training.build import build_partition

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.model.config import ModelConfig
-from modelpar.perf.plan import HARDWARE, CostModel, ModelSpec, SearchSpace, Strategy, plan
+from modelpar.plan import HARDWARE, CostModel, ModelSpec, SearchSpace, Strategy, plan
 
 SEQ_LEN = 2048
 VOCAB = 51_200

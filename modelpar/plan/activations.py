@@ -1,7 +1,7 @@
-"""The planner's memory model of modelpar-train: saved activations of our block and the model states of a rank.
+"""The planner's model of what our block keeps for backward: saved activations of one rank, tensor by tensor.
 
 Derived from the code, tensor by tensor, not fitted: ``modelpar-bench`` measures the same quantities
-(``modelpar.perf.memory``) and ``tests/test_plan_memory.py`` holds them within 10% of each other.
+(``modelpar.bench.meters``) and ``tests/plan/test_plan_memory.py`` holds them within 10% of each other.
 
 **Saved activations** of one micro-batch on one rank, per block half (what autograd keeps for backward).
 Symbols: ``T = b*s/cp`` tokens of the micro-batch on this rank, ``Ts`` the residual stream's (``T/t`` with
@@ -61,43 +61,23 @@ experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backw
 A stage holds the sum over the (micro-batch, chunk) pairs in flight, walked along the schedule's own action
 list (``modelpar.pipeline.schedule``): a forward adds its chunk's bytes, its backward (a zero-bubble weight
 pass, where the schedule has one) frees them. With one chunk per rank this is 1F1B's ``min(m, p - r)``.
-
-**Model states** per rank, exact from the parameter shapes of this rank's chunks (``P`` elements; the split
-is the trainer's, ``parallel.partition=flops`` unless given). modelpar keeps fp32 parameters whatever
-``trainer.dtype`` (bf16 runs autocast over them), fp32 gradients and AdamW's two fp32 moments::
-
-    zero  weights      gradients            optimizer              buffers / gathered (peak)
-    0     4P           4P                   8P                     buckets 4(P + tensors), where dp x cp > 1
-    1     4P           4P + 4S (its shard)  8S + 4S (fp32 master)  -                      S = ceil(P / d)
-    2     4*Q          4*Q                  8*Q                    every weight + a block's gather buffer
-    3     4*Q          4*Q                  8*Q                    roots + the block + the next one's buffer
-    2, 3  gathered also: the unsharded gradients while micro-batches accumulate (m > 1), 4P at the last one
-
-    Q = sum(ceil(rows/G) * cols) over the tensors (FSDP2's dim-0 shard on rank 0)
-
-with ``d = dp x cp`` and ``G`` the shard group (``optim.zero_group``, else ``d``): FSDP2 shards each tensor along
-dim 0, so rank 0 holds ``ceil(rows/G)`` rows. ZeRO-3 gathers a block just before its forward and prefetches
-the next into a flat buffer; the chunk's root (embedding, final norm, head) stays gathered from its forward to
-its backward (``gathered_bytes``). Gathered weights are fp32 here; bf16 runs gather them in bf16 (not
-measured on this machine).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from modelpar.model.flops import half_block_training_flops, head_training_flops
 from modelpar.model.layers.embedding import padded_vocab_size
-from modelpar.pipeline.actions import B, F, W
-from modelpar.pipeline.partition import Partition, partition_by_cost, partition_explicit
-from modelpar.pipeline.schedule import build_schedule
-
-if TYPE_CHECKING:
-    from modelpar.perf.plan import Hardware, ModelSpec, Strategy
+from modelpar.pipeline.partition import Partition
+from modelpar.plan.chunks import (
+    a_layer,
+    chunk_piece_counts,
+    in_flight_estimate,
+    in_flight_mixes,
+    strategy_partition,
+)
+from modelpar.plan.spec import Hardware, ModelSpec, Strategy
 
 OFFLOAD_MIN_BYTES = 16 * 1024  # modelpar.model.activations.ActivationOffload's default
 
@@ -342,63 +322,7 @@ def full_saved(model: ModelSpec, strategy: Strategy, x: _Dims, kern: str, half: 
     return mlp_saved(x, kern)
 
 
-def strategy_partition(model: ModelSpec, strategy: Strategy, seq_len: int) -> Partition:
-    """The chunks' layer counts: the strategy's own (``stage_layers``), else the trainer's default split."""
-    layout = strategy.layout
-    if strategy.stage_layers:
-        return partition_explicit(list(strategy.stage_layers), model.shape.layers, layout.pp, layout.vpp)
-    return trainer_flops_partition(model.shape, seq_len, layout.pp, layout.vpp)
-
-
-def trainer_flops_partition(shape, seq_len: int, pp: int, vpp: int) -> Partition:
-    """``parallel.partition=flops`` exactly as ``modelpar.training.build.build_partition`` cuts it."""
-    if pp * vpp == 1:
-        return Partition(1, 1, (float(shape.layers),))
-    moe = shape.moe.enabled
-    mlp = tuple(shape.mlp_params(i) for i in range(shape.layers)) if moe else shape.mlp_params(0)
-    key = (shape.layers, shape.attention_params(), shape.hidden, mlp, shape.vocab_size, seq_len, pp, vpp)
-    return _flops_partition(key, shape)
-
-
-def _flops_partition(key: tuple, shape) -> Partition:
-    if key not in _PARTITIONS:
-        seq_len, pp, vpp = key[-3:]
-        halves = [c for i in range(shape.layers) for c in half_block_training_flops(shape, seq_len, i)]
-        _PARTITIONS[key] = partition_by_cost(halves, pp, vpp, head_cost=head_training_flops(shape), halves=True)
-    return _PARTITIONS[key]
-
-
-_PARTITIONS: dict[tuple, Partition] = {}
-
-
-def chunk_pieces(partition: Partition, chunk: int) -> list[tuple[int, tuple[str, ...]]]:
-    """The blocks of model chunk ``chunk`` as (layer, halves held)."""
-    start, stop = partition.half_range(chunk)
-    blocks: dict[int, list[str]] = {}
-    for half in range(start, stop):
-        blocks.setdefault(half // 2, []).append("attention" if half % 2 == 0 else "mlp")
-    return [(layer, tuple(halves)) for layer, halves in blocks.items()]
-
-
-def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
-    """The pieces of model chunk ``chunk`` counted by kind: (((halves held), is a MoE layer), how many)."""
-    key = (partition, chunk, moe.experts, moe.every, tuple(moe.layers or ()))
-    if key not in _PIECES:
-        counts: dict = {}
-        for layer, halves in chunk_pieces(partition, chunk):
-            kind = (halves, moe.is_moe_layer(layer))
-            counts[kind] = counts.get(kind, 0) + 1
-        _PIECES[key] = tuple(counts.items())
-    return _PIECES[key]
-
-
-_PIECES: dict[tuple, tuple] = {}
 _PIECE_BYTES: dict[tuple, tuple[float, float, float]] = {}  # piece_bytes by everything it reads
-
-
-def _a_layer(moe_layer: bool, moe, layers: int) -> int:
-    """A layer index of that kind (MoE or dense), for the functions that take one."""
-    return next((i for i in range(layers) if moe.is_moe_layer(i) == moe_layer), 0)
 
 
 def piece_bytes(
@@ -441,7 +365,7 @@ def chunk_bytes(
         key = (x, kern, rc, kind, (moe.experts, moe.top_k, moe.shared_experts, model.shape.expert_ffn_hidden) * kind[1])
         if key not in memo:
             if key not in _PIECE_BYTES:
-                _PIECE_BYTES[key] = piece_bytes(model, strategy, x, kern, _a_layer(kind[1], moe, layers), kind[0])
+                _PIECE_BYTES[key] = piece_bytes(model, strategy, x, kern, a_layer(kind[1], moe, layers), kind[0])
             memo[key] = _PIECE_BYTES[key]
         d, h, w = memo[key]
         device, host, working = device + count * d, host + count * h, max(working, w)
@@ -513,192 +437,3 @@ def offloaded_per_micro_batch(
     on = dataclasses.replace(strategy, offload=True)
     memo: dict = {}
     return sum(chunk_bytes(model, on, seq_len, hardware, partition, c, memo)[1] for c in partition.chunks_of(stage))
-
-
-def in_flight_estimate(pp: int, m: int, vpp: int, stage: int) -> tuple[int, ...]:
-    """Interleaved 1F1B without walking it: the ``min(m*v, 2(p-r-1) + (v-1)p + 1)`` warm-up forwards of stage
-    ``r``, which visit the local chunks in turns of ``p`` micro-batches (``modelpar.pipeline.schedule``)."""
-    held = min(m * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1)
-    mix = [0] * vpp
-    for k in range(held):
-        mix[(k // pp) % vpp] += 1
-    return tuple(mix)
-
-
-@functools.lru_cache(maxsize=4096)
-def in_flight_mixes(schedule: str, pp: int, m: int, vpp: int, stage: int) -> tuple[tuple[int, ...], ...]:
-    """The distinct numbers of micro-batches each local chunk holds right after a forward of ``stage``'s
-    action list (the candidates for its peak); one chunk per rank: ``((min(m, p - stage),),)`` for 1F1B."""
-    if schedule == "1f1b" and vpp == 1:
-        return ((min(m, pp - stage),),)
-    if schedule == "gpipe" and vpp == 1:
-        return ((m,),)
-    actions = build_schedule(schedule, pp, m, vpp)[stage]
-    frees_at = W if any(a.kind is W for a in actions) else B
-    held = [0] * vpp
-    mixes = set()
-    for a in actions:
-        if a.kind is F:
-            held[a.chunk] += 1
-            mixes.add(tuple(held))
-        elif a.kind is frees_at:
-            held[a.chunk] -= 1
-    return tuple(sorted(mixes))
-
-
-# -- model states ----------------------------------------------------------------------------------------------
-
-
-def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) -> list[tuple[int, int]]:
-    """(rows, cols) of each parameter tensor of one block half on one rank (its tp shard; experts whole)."""
-    shape, layout = model.shape, strategy.layout
-    t, h, d = layout.tp, shape.hidden, shape.head_dim
-    if half == "attention":
-        hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
-        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d)]  # norm, qkv_proj, o_proj
-    if not shape.moe.is_moe_layer(layer):
-        f = shape.ffn_hidden // t
-        return [(h, 1), (2 * f, h), (h, f)]  # norm, gate_up_proj, down_proj
-    moe, fe = shape.moe, shape.expert_ffn_hidden
-    local = moe.experts // layout.ep
-    out = [(h, 1), (moe.experts, h), (local, fe * h), (local, fe * h), (local, h * fe)]  # norm, router, w1, w3, w2
-    if moe.shared_experts:
-        fs = moe.shared_experts * fe // t
-        out += [(2 * fs, h), (h, fs)]
-    return out
-
-
-def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> list[tuple[str, list, int]]:
-    """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
-    ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
-    chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
-    a copy of the embedding)."""
-    shape, t = model.shape, strategy.layout.tp
-    partition = strategy_partition(model, strategy, seq_len)
-    vt = padded_vocab_size(shape.vocab_size, t) // t
-    units: list[tuple[str, list, int]] = []
-    for c in partition.chunks_of(stage):
-        for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
-            layer = _a_layer(moe_layer, shape.moe, shape.layers)
-            units.append(("block", [p for half in halves for p in piece_params(model, strategy, layer, half)], count))
-        root = [(vt, shape.hidden)] if partition.has_embedding(c) else []
-        if partition.has_head(c):
-            root.append((shape.hidden, 1))  # final norm
-            if not (shape.tie_embeddings and partition.has_embedding(c)):
-                root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
-        units.append(("root", root, 1))
-    return units
-
-
-def stage_param_tensors(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> list[tuple[int, int]]:
-    """(rows, cols) of every parameter tensor a rank of pipeline stage ``stage`` holds."""
-    units = stage_units(model, strategy, seq_len, stage)
-    return [p for _, tensors, count in units for _ in range(count) for p in tensors]
-
-
-def shard_group_size(strategy: Strategy) -> int:
-    """The ranks FSDP2 shards over: ``optim.zero_group`` (hybrid), else all of dp x cp."""
-    d = strategy.layout.dp * strategy.layout.cp
-    return strategy.zero_group if strategy.zero >= 2 and strategy.zero_group else d
-
-
-def state_bytes(
-    model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, gather_bytes: int = 4
-) -> dict[str, float]:
-    """Model-state bytes of rank 0 of dp x cp on pipeline stage ``stage`` (the module docstring's table):
-    ``weights``, ``gradients``, ``optimizer``, ``buffers`` at the optimizer step, and ``gathered``, FSDP2's
-    unsharded weights (``gather_bytes`` per element: the compute dtype's) and gradients at their peak during
-    the step (ZeRO-2/3)."""
-    units = stage_units(model, strategy, seq_len, stage)
-    params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
-    d = strategy.layout.dp * strategy.layout.cp
-    zero = strategy.zero if d > 1 else 0
-    if zero >= 2:
-        g = shard_group_size(strategy)
-        shard = sum(count * math.ceil(r / g) * c for _, tensors, count in units for r, c in tensors)
-        return {
-            "weights": 4.0 * shard,
-            "gradients": 4.0 * shard,
-            "optimizer": 8.0 * shard,
-            "buffers": 0.0,
-            "gathered": gathered_bytes(units, strategy, gather_bytes, stage),
-        }
-    out = {"weights": 4.0 * params, "gradients": 4.0 * params, "optimizer": 8.0 * params, "buffers": 0.0}
-    if zero == 1:
-        shard = math.ceil(params / d)
-        out["gradients"] += 4.0 * shard  # the reduced shard
-        out["optimizer"] = 12.0 * shard  # two moments and the fp32 master
-    elif d > 1:
-        tensors = sum(count * len(t) for _, t, count in units)
-        if strategy.layout.ep == d:  # each rank's experts are its own: their gradients are not bucketed
-            experts, expert_tensors = _expert_elements(model, strategy, seq_len, stage)
-            params, tensors = params - experts, tensors - expert_tensors
-        out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
-    out["gathered"] = 0.0
-    return out
-
-
-def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
-    """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
-    ``E/ep`` experts in each MoE layer)."""
-    shape, layout = model.shape, strategy.layout
-    if not shape.moe.enabled:
-        return 0, 0
-    local = shape.moe.experts // layout.ep
-    per_layer = 3 * local * shape.expert_ffn_hidden * shape.hidden
-    partition = strategy_partition(model, strategy, seq_len)
-    layers = sum(
-        count
-        for c in partition.chunks_of(stage)
-        for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe)
-        if moe_layer and "mlp" in halves
-    )
-    return layers * per_layer, 3 * layers
-
-
-def gathered_bytes(
-    units: list[tuple[str, list, int]], strategy: Strategy, weight_bytes: int = 4, stage: int = 0
-) -> float:
-    """FSDP2's unsharded weights and gradients (fp32) at their joint peak on one rank (ZeRO-2/3; ``stage_units``,
-    whose chunks each end with their root).
-
-    Besides the parameters it has unsharded, a unit's flat all-gather buffer lives from its (prefetched) gather
-    until the copy into them. Weights: stage 2 keeps every weight from the first forward to the reducing backward,
-    plus a block's buffer as it is gathered again where each micro-batch frees them; stage 3 in forward the chunk
-    roots plus a root's buffer as each forward gathers them again, or the block computing plus the next block's
-    buffer (of the same chunk), in backward the roots and the block in backward (full recompute reruns each block
-    module: as in forward). Gradients: while micro-batches accumulate (m > 1, not ``reduce_every_micro_batch``),
-    every one is held unsharded from the first backward on, so the peak is the forward's gathers where the stage
-    runs a forward after its first backward (``forward_after_backward``), else the backward's; with one reduce per
-    micro-batch the gradients are the roots' (reduced last) and one block's. Measured on CPU
-    (``modelpar.perf.memory.GatheredMeter``);
-    GPU streams may hold one more prefetched buffer."""
-    params = sum(count * sum(r * c for r, c in tensors) for _, tensors, count in units)
-    roots, largest_root, block, pair, chunk = 0, 0, 0, 0, []
-    for kind, tensors, count in units:
-        size = sum(r * c for r, c in tensors)
-        if kind == "block":
-            chunk += [size] * min(count, 2)
-            continue
-        roots, largest_root = roots + size, max(largest_root, size)
-        chunk.sort(reverse=True)
-        block, pair, chunk = max([block, *chunk[:1]]), max(pair, sum(chunk[:2])), []
-    if strategy.zero == 2:
-        # every weight from the first forward to the reducing backward; regathered (one block's buffer on top)
-        # only where each micro-batch reduces and frees them
-        forward = backward = params + (block if strategy.reduce_every_micro_batch or strategy.micro_batches == 1 else 0)
-    else:
-        forward = roots + max(largest_root, pair)
-        backward = forward if strategy.recompute == "full" else roots + block
-    if strategy.micro_batches > 1 and not strategy.reduce_every_micro_batch:
-        return 4.0 * params + (forward if forward_after_backward(strategy, stage) else backward) * weight_bytes
-    return 4.0 * (roots + block) + forward * weight_bytes
-
-
-def forward_after_backward(strategy: Strategy, stage: int) -> bool:
-    """Whether pipeline stage ``stage`` runs a forward after its first backward: 1F1B after its ``p - r``
-    warm-up forwards (interleaved: ``in_flight_estimate``'s), never under GPipe."""
-    p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
-    if strategy.schedule_name == "gpipe":
-        return False
-    return m * v > sum(in_flight_estimate(p, m, v, stage)) if v > 1 else m > p - stage

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from modelpar.perf.bench_config import BenchRecipe
-from modelpar.perf.summary import add_ideal
+from modelpar.bench.config import BenchRecipe
+from modelpar.bench.summary import add_ideal
 from modelpar.pipeline.gantt import render_png
 
 COLUMNS = (
@@ -164,13 +164,13 @@ def plot_throughput(rows: dict[str, dict], path: Path) -> None:
 
 MEMORY_NOTE = (
     "states: weights, gradients, optimizer state (AdamW moments; ZeRO-1's fp32 master shard) and gradient buffers "
-    "(zero-0's all-reduce buckets) measured at the optimizer step (`modelpar.perf.memory.trainer_state_bytes`), "
+    "(zero-0's all-reduce buckets) measured at the optimizer step (`modelpar.bench.meters.trainer_state_bytes`), "
     "plus FSDP2's gathered weights and unsharded gradients at their peak during the step (ZeRO-2/3, sampled at "
     "every saved-tensor pack and unpack); act.: peak bytes of tensors kept for backward on the device (on CPU the "
     "saved-tensor meter, with what offload leaves behind and what selective checkpointing caches; the tensors a "
     "recomputed block rebuilds in its backward are not in it); host: what offload holds in host memory at its "
-    "peak; pred.: `modelpar-plan`'s memory model (`modelpar/perf/plan_memory.py`) for the same recipe, "
-    "`modelpar.perf.plan.recipe_memory`; pred/meas: their ratio."
+    "peak; pred.: `modelpar-plan`'s memory model (`modelpar/plan/activations.py`) for the same recipe, "
+    "`modelpar.bench.recipe_memory.recipe_memory`; pred/meas: their ratio."
 )
 
 

@@ -1,0 +1,1 @@
+"""The benchmark harness: modelpar-bench, its plain-PyTorch peers, memory meters and reports."""

@@ -1,0 +1,114 @@
+"""A stage's model chunks as the planner sees them: which layers (and block halves) each chunk holds, split as
+the trainer splits them, and how many micro-batches of each chunk a stage holds at once under its schedule
+(walked along ``modelpar.pipeline.schedule``'s action list, or in closed form for the search)."""
+
+from __future__ import annotations
+
+import functools
+
+from modelpar.model.flops import half_block_training_flops, head_training_flops
+from modelpar.pipeline.actions import B, F, W
+from modelpar.pipeline.partition import Partition, partition_by_cost, partition_explicit
+from modelpar.pipeline.schedule import build_schedule
+from modelpar.plan.spec import ModelSpec, Strategy
+
+
+def strategy_partition(model: ModelSpec, strategy: Strategy, seq_len: int) -> Partition:
+    """The chunks' layer counts: the strategy's own (``stage_layers``), else the trainer's default split."""
+    layout = strategy.layout
+    if strategy.stage_layers:
+        return partition_explicit(list(strategy.stage_layers), model.shape.layers, layout.pp, layout.vpp)
+    return trainer_flops_partition(model.shape, seq_len, layout.pp, layout.vpp)
+
+
+def trainer_flops_partition(shape, seq_len: int, pp: int, vpp: int) -> Partition:
+    """``parallel.partition=flops`` exactly as ``modelpar.training.build.build_partition`` cuts it."""
+    if pp * vpp == 1:
+        return Partition(1, 1, (float(shape.layers),))
+    moe = shape.moe.enabled
+    mlp = tuple(shape.mlp_params(i) for i in range(shape.layers)) if moe else shape.mlp_params(0)
+    key = (shape.layers, shape.attention_params(), shape.hidden, mlp, shape.vocab_size, seq_len, pp, vpp)
+    return _flops_partition(key, shape)
+
+
+def _flops_partition(key: tuple, shape) -> Partition:
+    if key not in _PARTITIONS:
+        seq_len, pp, vpp = key[-3:]
+        halves = [c for i in range(shape.layers) for c in half_block_training_flops(shape, seq_len, i)]
+        _PARTITIONS[key] = partition_by_cost(halves, pp, vpp, head_cost=head_training_flops(shape), halves=True)
+    return _PARTITIONS[key]
+
+
+_PARTITIONS: dict[tuple, Partition] = {}
+
+
+def chunk_pieces(partition: Partition, chunk: int) -> list[tuple[int, tuple[str, ...]]]:
+    """The blocks of model chunk ``chunk`` as (layer, halves held)."""
+    start, stop = partition.half_range(chunk)
+    blocks: dict[int, list[str]] = {}
+    for half in range(start, stop):
+        blocks.setdefault(half // 2, []).append("attention" if half % 2 == 0 else "mlp")
+    return [(layer, tuple(halves)) for layer, halves in blocks.items()]
+
+
+def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
+    """The pieces of model chunk ``chunk`` counted by kind: (((halves held), is a MoE layer), how many)."""
+    key = (partition, chunk, moe.experts, moe.every, tuple(moe.layers or ()))
+    if key not in _PIECES:
+        counts: dict = {}
+        for layer, halves in chunk_pieces(partition, chunk):
+            kind = (halves, moe.is_moe_layer(layer))
+            counts[kind] = counts.get(kind, 0) + 1
+        _PIECES[key] = tuple(counts.items())
+    return _PIECES[key]
+
+
+_PIECES: dict[tuple, tuple] = {}
+
+
+def a_layer(moe_layer: bool, moe, layers: int) -> int:
+    """A layer index of that kind (MoE or dense), for the functions that take one."""
+    return next((i for i in range(layers) if moe.is_moe_layer(i) == moe_layer), 0)
+
+
+def in_flight_estimate(pp: int, m: int, vpp: int, stage: int) -> tuple[int, ...]:
+    """Interleaved 1F1B without walking it: the ``min(m*v, 2(p-r-1) + (v-1)p + 1)`` warm-up forwards of stage
+    ``r``, which visit the local chunks in turns of ``p`` micro-batches (``modelpar.pipeline.schedule``)."""
+    held = min(m * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1)
+    mix = [0] * vpp
+    for k in range(held):
+        mix[(k // pp) % vpp] += 1
+    return tuple(mix)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight_mixes(schedule: str, pp: int, m: int, vpp: int, stage: int) -> tuple[tuple[int, ...], ...]:
+    """The distinct numbers of micro-batches each local chunk holds right after a forward of ``stage``'s
+    action list (the candidates for its peak); one chunk per rank: ``((min(m, p - stage),),)`` for 1F1B."""
+    if schedule == "1f1b" and vpp == 1:
+        return ((min(m, pp - stage),),)
+    if schedule == "gpipe" and vpp == 1:
+        return ((m,),)
+    actions = build_schedule(schedule, pp, m, vpp)[stage]
+    frees_at = W if any(a.kind is W for a in actions) else B
+    held = [0] * vpp
+    mixes = set()
+    for a in actions:
+        if a.kind is F:
+            held[a.chunk] += 1
+            mixes.add(tuple(held))
+        elif a.kind is frees_at:
+            held[a.chunk] -= 1
+    return tuple(sorted(mixes))
+
+
+# -- model states ----------------------------------------------------------------------------------------------
+
+
+def forward_after_backward(strategy: Strategy, stage: int) -> bool:
+    """Whether pipeline stage ``stage`` runs a forward after its first backward: 1F1B after its ``p - r``
+    warm-up forwards (interleaved: ``in_flight_estimate``'s), never under GPipe."""
+    p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
+    if strategy.schedule_name == "gpipe":
+        return False
+    return m * v > sum(in_flight_estimate(p, m, v, stage)) if v > 1 else m > p - stage

@@ -1,0 +1,169 @@
+"""Bytes on one rank of a pipeline stage: our block's exact tables (``modelpar.plan.activations`` for what it
+keeps for backward, ``modelpar.plan.states`` for the model states of ZeRO 0-3), or Megatron-LM's GPT block and
+engine (``block="gpt"``, the published runs).
+
+The GPT block, mixed precision ``bf16``: 18 bytes per parameter = 2 (bf16 weights) + 4 (fp32 gradients) + 12
+(fp32 master weights and the two Adam moments); ZeRO-1 divides the 12 by dp. ``fp32`` (CPU): 16 = 4 + 4 + 8 (no
+master copy). Activations per layer per micro-batch (Korthikanti et al. 2022, 16-bit, GPT block; doubled for
+fp32)::
+
+    none        s*b*h * (10 + 24/t + 5*a*s/(h*t))        with SP:  s*b*h * (34 + 5*a*s/h) / t
+    selective   s*b*h * (10 + 24/t)                      with SP:  s*b*h * 34 / t
+    full        2*s*b*h (the layer input only)           with SP:  2*s*b*h / t
+
+times the layers of one model chunk times the chunks in flight on that rank, read off the schedules in
+``modelpar.pipeline.schedule``: 1F1B holds ``min(m, p - r)`` micro-batches on stage ``r``; interleaved
+warms up with ``2*(p - r - 1) + (v - 1)*p`` chunk forwards and holds one more, which on the first stage is
+``L * (1 + (p-1)/(p*v))`` layers' worth (Korthikanti et al. 2022, section 4.2.3). Recompute adds one layer's
+transient working set; the last stage adds fp32 logits ``4*s*b*V/t``; the first the embedding's dropout mask.
+The busiest chunk's layers are assumed on every stage (an uneven split's memory is not modelled for this block).
+``ModelSpec.flash_attention`` drops the stored ``s x s`` scores (what a fused attention kernel does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from modelpar.model.config import ModelConfig
+from modelpar.parallel.layout import ParallelLayout
+from modelpar.plan.activations import activation_bytes, stage_activations
+from modelpar.plan.spec import GRAD_BYTES, Hardware, MemoryBreakdown, ModelSpec, Strategy
+from modelpar.plan.states import state_bytes
+
+
+def layers_per_chunk(layers: int, layout: ParallelLayout) -> int:
+    """Layers in the busiest model chunk (uneven splits give some chunk one more)."""
+    return math.ceil(layers / (layout.pp * layout.vpp))
+
+
+def chunks_in_flight(strategy: Strategy, stage: int) -> int:
+    """Model chunks whose activations stage ``stage`` holds at its peak under the strategy's schedule."""
+    p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
+    if v == 1:
+        return min(m, p - stage)
+    return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+
+
+def activation_bytes_per_layer(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """Stored activations of one layer for one micro-batch (Korthikanti et al. 2022, table 2), on one cp rank."""
+    s, b, h, a, t = seq_len, strategy.micro_batch_size, model.shape.hidden, model.shape.heads, strategy.layout.tp
+    attention_scores = 0 if model.flash_attention else 5 * a * s / h  # local queries x every key: full s
+    if strategy.recompute == "full":
+        per_token = 2.0 / (t if strategy.sp else 1)
+    elif strategy.sp:
+        per_token = (34 + (attention_scores if strategy.recompute == "none" else 0)) / t
+    else:
+        per_token = 10 + 24 / t + (attention_scores / t if strategy.recompute == "none" else 0)
+    return s / strategy.layout.cp * b * h * per_token * (hardware.weight_bytes / 2)
+
+
+def recompute_working_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """Transient activations rebuilt while one layer's backward runs (nothing without recompute)."""
+    if strategy.recompute == "none":
+        return 0.0
+    full = dataclasses.replace(strategy, recompute="none")
+    kept = activation_bytes_per_layer(model, strategy, seq_len, hardware)
+    return activation_bytes_per_layer(model, full, seq_len, hardware) - kept
+
+
+def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
+    """Parameters stored on a rank of pipeline stage ``stage`` (its tp shard)."""
+    shape, t = model.shape, layout.tp
+    layer = stored_block_params(shape, layout) + 2 * shape.hidden  # norms are replicated over tp
+    params = layers_per_chunk(shape.layers, layout) * layout.vpp * layer
+    embedding = shape.vocab_size * shape.hidden / t
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        params += embedding
+    if last:
+        params += shape.hidden + (0 if first and model.tie_embeddings else embedding)
+    return params
+
+
+def stored_block_params(shape: ModelConfig, layout: ParallelLayout) -> float:
+    """Parameters of one block a rank stores, the mean over the blocks: its tp shard of attention and of a
+    dense MLP; in a MoE block the router, the shared experts' tp shard and ``E/ep`` whole experts."""
+    moe, t = shape.moe, layout.tp
+    if not moe.enabled:  # every block alike
+        return shape.attention_params() / t + shape.mlp_params(0) / t
+    total = 0.0
+    for i in range(shape.layers):
+        if moe.is_moe_layer(i):
+            expert = 3 * shape.hidden * shape.expert_ffn_hidden
+            total += shape.hidden * moe.experts + moe.shared_experts * expert / t + moe.experts / layout.ep * expert
+        else:
+            total += shape.mlp_params(i) / t
+    return shape.attention_params() / t + total / shape.layers
+
+
+def stage_memory(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, *, exact: bool = True
+) -> MemoryBreakdown:
+    """Bytes on a rank of pipeline stage ``stage``: our block's exact tables (``activations``, ``states``), or the GPT
+    block's Korthikanti et al. terms with Megatron's model states (``model.block == "gpt"``). ``exact=False``:
+    interleaved schedules' in-flight chunks in closed form (the search's shortcut)."""
+    layout = strategy.layout
+    label = "first" if stage == 0 else "last" if stage == layout.pp - 1 else f"stage {stage}"
+    if model.block == "gpt":
+        return _gpt_stage_memory(model, strategy, seq_len, hardware, stage, label)
+    states = state_bytes(model, strategy, seq_len, stage, activation_bytes(hardware))
+    act = stage_activations(model, strategy, seq_len, hardware, stage, exact=exact)
+    host_on_device = act.host if not hardware.host_bw else 0.0  # a CPU: the host copies share its memory
+    return MemoryBreakdown(
+        stage=label,
+        weights=states["weights"],
+        grads=states["gradients"],
+        optimizer=states["optimizer"],
+        activations=act.device + act.working + host_on_device,
+        reserved=hardware.reserved_bytes,
+        gathered=states["gathered"],
+        buffers=states["buffers"],
+        saved=act.device,
+        working=act.working,
+        host=act.host,
+    )
+
+
+def _gpt_stage_memory(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, label: str
+) -> MemoryBreakdown:
+    """Megatron-LM's GPT block (the module docstring's Korthikanti et al. terms, 18 or 16 bytes of states)."""
+    layout = strategy.layout
+    params = stage_params(model, layout, stage)
+    s, b, h, t = seq_len / layout.cp, strategy.micro_batch_size, model.shape.hidden, layout.tp
+    in_flight = chunks_in_flight(strategy, stage)
+    per_layer = activation_bytes_per_layer(model, strategy, seq_len, hardware)
+    activations = per_layer * layers_per_chunk(model.shape.layers, layout) * in_flight
+    working = recompute_working_bytes(model, strategy, seq_len, hardware)
+    if stage == 0:
+        activations += s * b * h * in_flight / (t if strategy.sp else 1)  # embedding dropout mask, 1 byte
+    if stage == layout.pp - 1:
+        activations += 4 * s * b * model.shape.vocab_size / t  # fp32 logits for the cross-entropy
+    d = layout.dp * layout.cp
+    optimizer = params * hardware.optimizer_bytes / (d if strategy.zero >= 1 else 1)
+    grads = params * GRAD_BYTES / (d if strategy.zero >= 2 else 1)
+    weights = params * hardware.weight_bytes / (d if strategy.zero >= 3 else 1)
+    gathered = 0.0
+    if strategy.zero >= 3:  # FSDP2 holds the gathered weights of the block computing and of the one prefetched
+        gathered = 2 * (stored_block_params(model.shape, layout) + 2 * h) * hardware.weight_bytes
+    return MemoryBreakdown(
+        stage=label,
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations + working,
+        reserved=hardware.reserved_bytes,
+        gathered=gathered,
+        saved=activations,
+        working=working,
+    )
+
+
+def peak_memory(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, *, exact: bool = True
+) -> MemoryBreakdown:
+    """The fuller of the first stage (most micro-batches in flight) and the last (head and logits)."""
+    stages = {0, strategy.layout.pp - 1}
+    memories = (stage_memory(model, strategy, seq_len, hardware, st, exact=exact) for st in stages)
+    return max(memories, key=lambda m: m.total)

@@ -1,0 +1,169 @@
+"""The planner's model of a rank's model states under ZeRO 0-3, exact from the parameter shapes.
+
+**Model states** per rank, exact from the parameter shapes of this rank's chunks (``P`` elements; the split
+is the trainer's, ``parallel.partition=flops`` unless given). modelpar keeps fp32 parameters whatever
+``trainer.dtype`` (bf16 runs autocast over them), fp32 gradients and AdamW's two fp32 moments::
+
+    zero  weights      gradients            optimizer              buffers / gathered (peak)
+    0     4P           4P                   8P                     buckets 4(P + tensors), where dp x cp > 1
+    1     4P           4P + 4S (its shard)  8S + 4S (fp32 master)  -                      S = ceil(P / d)
+    2     4*Q          4*Q                  8*Q                    every weight + a block's gather buffer
+    3     4*Q          4*Q                  8*Q                    roots + the block + the next one's buffer
+    2, 3  gathered also: the unsharded gradients while micro-batches accumulate (m > 1), 4P at the last one
+
+    Q = sum(ceil(rows/G) * cols) over the tensors (FSDP2's dim-0 shard on rank 0)
+
+with ``d = dp x cp`` and ``G`` the shard group (``optim.zero_group``, else ``d``): FSDP2 shards each tensor along
+dim 0, so rank 0 holds ``ceil(rows/G)`` rows. ZeRO-3 gathers a block just before its forward and prefetches
+the next into a flat buffer; the chunk's root (embedding, final norm, head) stays gathered from its forward to
+its backward (``gathered_bytes``). Gathered weights are fp32 here; bf16 runs gather them in bf16 (not
+measured on this machine).
+"""
+
+from __future__ import annotations
+
+import math
+
+from modelpar.model.layers.embedding import padded_vocab_size
+from modelpar.plan.chunks import a_layer, chunk_piece_counts, forward_after_backward, strategy_partition
+from modelpar.plan.spec import ModelSpec, Strategy
+
+
+def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) -> list[tuple[int, int]]:
+    """(rows, cols) of each parameter tensor of one block half on one rank (its tp shard; experts whole)."""
+    shape, layout = model.shape, strategy.layout
+    t, h, d = layout.tp, shape.hidden, shape.head_dim
+    if half == "attention":
+        hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
+        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d)]  # norm, qkv_proj, o_proj
+    if not shape.moe.is_moe_layer(layer):
+        f = shape.ffn_hidden // t
+        return [(h, 1), (2 * f, h), (h, f)]  # norm, gate_up_proj, down_proj
+    moe, fe = shape.moe, shape.expert_ffn_hidden
+    local = moe.experts // layout.ep
+    out = [(h, 1), (moe.experts, h), (local, fe * h), (local, fe * h), (local, h * fe)]  # norm, router, w1, w3, w2
+    if moe.shared_experts:
+        fs = moe.shared_experts * fe // t
+        out += [(2 * fs, h), (h, fs)]
+    return out
+
+
+def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> list[tuple[str, list, int]]:
+    """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
+    ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
+    chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
+    a copy of the embedding)."""
+    shape, t = model.shape, strategy.layout.tp
+    partition = strategy_partition(model, strategy, seq_len)
+    vt = padded_vocab_size(shape.vocab_size, t) // t
+    units: list[tuple[str, list, int]] = []
+    for c in partition.chunks_of(stage):
+        for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
+            layer = a_layer(moe_layer, shape.moe, shape.layers)
+            units.append(("block", [p for half in halves for p in piece_params(model, strategy, layer, half)], count))
+        root = [(vt, shape.hidden)] if partition.has_embedding(c) else []
+        if partition.has_head(c):
+            root.append((shape.hidden, 1))  # final norm
+            if not (shape.tie_embeddings and partition.has_embedding(c)):
+                root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
+        units.append(("root", root, 1))
+    return units
+
+
+def shard_group_size(strategy: Strategy) -> int:
+    """The ranks FSDP2 shards over: ``optim.zero_group`` (hybrid), else all of dp x cp."""
+    d = strategy.layout.dp * strategy.layout.cp
+    return strategy.zero_group if strategy.zero >= 2 and strategy.zero_group else d
+
+
+def state_bytes(
+    model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, gather_bytes: int = 4
+) -> dict[str, float]:
+    """Model-state bytes of rank 0 of dp x cp on pipeline stage ``stage`` (the module docstring's table):
+    ``weights``, ``gradients``, ``optimizer``, ``buffers`` at the optimizer step, and ``gathered``, FSDP2's
+    unsharded weights (``gather_bytes`` per element: the compute dtype's) and gradients at their peak during
+    the step (ZeRO-2/3)."""
+    units = stage_units(model, strategy, seq_len, stage)
+    params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
+    d = strategy.layout.dp * strategy.layout.cp
+    zero = strategy.zero if d > 1 else 0
+    if zero >= 2:
+        g = shard_group_size(strategy)
+        shard = sum(count * math.ceil(r / g) * c for _, tensors, count in units for r, c in tensors)
+        return {
+            "weights": 4.0 * shard,
+            "gradients": 4.0 * shard,
+            "optimizer": 8.0 * shard,
+            "buffers": 0.0,
+            "gathered": gathered_bytes(units, strategy, gather_bytes, stage),
+        }
+    out = {"weights": 4.0 * params, "gradients": 4.0 * params, "optimizer": 8.0 * params, "buffers": 0.0}
+    if zero == 1:
+        shard = math.ceil(params / d)
+        out["gradients"] += 4.0 * shard  # the reduced shard
+        out["optimizer"] = 12.0 * shard  # two moments and the fp32 master
+    elif d > 1:
+        tensors = sum(count * len(t) for _, t, count in units)
+        if strategy.layout.ep == d:  # each rank's experts are its own: their gradients are not bucketed
+            experts, expert_tensors = _expert_elements(model, strategy, seq_len, stage)
+            params, tensors = params - experts, tensors - expert_tensors
+        out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
+    out["gathered"] = 0.0
+    return out
+
+
+def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
+    """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
+    ``E/ep`` experts in each MoE layer)."""
+    shape, layout = model.shape, strategy.layout
+    if not shape.moe.enabled:
+        return 0, 0
+    local = shape.moe.experts // layout.ep
+    per_layer = 3 * local * shape.expert_ffn_hidden * shape.hidden
+    partition = strategy_partition(model, strategy, seq_len)
+    layers = sum(
+        count
+        for c in partition.chunks_of(stage)
+        for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe)
+        if moe_layer and "mlp" in halves
+    )
+    return layers * per_layer, 3 * layers
+
+
+def gathered_bytes(
+    units: list[tuple[str, list, int]], strategy: Strategy, weight_bytes: int = 4, stage: int = 0
+) -> float:
+    """FSDP2's unsharded weights and gradients (fp32) at their joint peak on one rank (ZeRO-2/3; ``stage_units``,
+    whose chunks each end with their root).
+
+    Besides the parameters it has unsharded, a unit's flat all-gather buffer lives from its (prefetched) gather
+    until the copy into them. Weights: stage 2 keeps every weight from the first forward to the reducing backward,
+    plus a block's buffer as it is gathered again where each micro-batch frees them; stage 3 in forward the chunk
+    roots plus a root's buffer as each forward gathers them again, or the block computing plus the next block's
+    buffer (of the same chunk), in backward the roots and the block in backward (full recompute reruns each block
+    module: as in forward). Gradients: while micro-batches accumulate (m > 1, not ``reduce_every_micro_batch``),
+    every one is held unsharded from the first backward on, so the peak is the forward's gathers where the stage
+    runs a forward after its first backward (``forward_after_backward``), else the backward's; with one reduce per
+    micro-batch the gradients are the roots' (reduced last) and one block's. Measured on CPU
+    (``modelpar.bench.meters.GatheredMeter``);
+    GPU streams may hold one more prefetched buffer."""
+    params = sum(count * sum(r * c for r, c in tensors) for _, tensors, count in units)
+    roots, largest_root, block, pair, chunk = 0, 0, 0, 0, []
+    for kind, tensors, count in units:
+        size = sum(r * c for r, c in tensors)
+        if kind == "block":
+            chunk += [size] * min(count, 2)
+            continue
+        roots, largest_root = roots + size, max(largest_root, size)
+        chunk.sort(reverse=True)
+        block, pair, chunk = max([block, *chunk[:1]]), max(pair, sum(chunk[:2])), []
+    if strategy.zero == 2:
+        # every weight from the first forward to the reducing backward; regathered (one block's buffer on top)
+        # only where each micro-batch reduces and frees them
+        forward = backward = params + (block if strategy.reduce_every_micro_batch or strategy.micro_batches == 1 else 0)
+    else:
+        forward = roots + max(largest_root, pair)
+        backward = forward if strategy.recompute == "full" else roots + block
+    if strategy.micro_batches > 1 and not strategy.reduce_every_micro_batch:
+        return 4.0 * params + (forward if forward_after_backward(strategy, stage) else backward) * weight_bytes
+    return 4.0 * (roots + block) + forward * weight_bytes

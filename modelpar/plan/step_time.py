@@ -1,0 +1,349 @@
+"""Step time of one strategy on the busiest rank: compute, the exposed communication of each parallel
+dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpar.model.flops``
+(plus recomputed forwards)::
+
+    compute_s  = FLOPs on the busiest rank / (peak * efficiency)
+                 + element-wise work tp repeats on every rank (``REPLICATED_PASSES`` [b, s, h] passes per
+                 layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
+                 dispatch, which no parallelism shrinks)
+    tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
+                 ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node
+    pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
+    dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap);
+                 ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
+    cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
+                 as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
+                 (4*b*(s/cp)*(s/2cp)*h FLOPs forward, 2.5x that backward) where it is shorter; all-gather: an
+                 all-gather of K/V forward, another and a reduce-scatter of dK/dV backward, exposed
+    ep_comm_s  = mixture of experts, per MoE layer per micro-batch: 4 all-to-alls (6 with full recompute), each
+                 rank sending its k*b*(s/cp)/t routed rows of h, all but the 1/ep staying home, not overlapped
+    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
+    total_s    = the sum of the above
+
+Expert parallelism (ep, from dp x cp; mixture-of-experts models only): each rank stores ``E/ep`` experts of
+every MoE layer, whole (replicated over tp), besides its tp shard of the rest; FLOPs count active experts.
+Layouts with ep > 1 are planned at zero-0 only (the trainer runs ZeRO 1-3 with ep, sharding experts over the
+expert data-parallel group, which this model does not describe yet); expert gradients are costed like the
+dense ones.
+
+Context parallelism (cp) divides every per-token quantity by cp: FLOPs (the balanced causal split gives each
+rank equal attention work), activations and their [b, s, h] communication; the attention-score term keeps the
+full s (local queries see every earlier key). The all-gather's gathered K/V live only while a layer runs
+(backward gathers them again), so they are working memory, not stored activations.
+Gradients are reduced (ZeRO-1: sharded) over dp x cp.
+
+Ranks sharing one machine's cores (``compute_units`` > 0, a CPU): with more than one rank, compute_s times
+``busy_slowdown`` (cores busy at once share caches and memory bandwidth; measured, not assumed). More ranks
+than ``compute_units``: compute_s, tp_comm_s and pp_comm_s also times ranks / units, and the bubble only where
+the critical path (compute_s + bubble_s) is longer than that.
+
+The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) and ``CostModel``
+(achievable efficiency, DP overlap); ``tests/plan/test_plan.py`` checks the model against Narayanan et al. 2021.
+
+Left out, so read predictions as +-15%: matmul efficiency falling for small or thin GEMMs (one global factor
+instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, ZB-H1 and
+GPipe schedules' time, and, for the GPT block, the memory of an uneven split (the busiest chunk's layers are
+assumed on every stage). ``ModelSpec.flash_attention`` drops the GPT block's stored ``s x s`` scores (what a
+fused attention kernel does). Recompute adds the rerun FLOPs (full: the block's forward; selective: the
+attention or MLP halves named, ``elementwise`` ``RECOMPUTED_PASSES`` element-wise passes) and one tp
+collective per rerun half; offload adds its copies over ``Hardware.host_bw`` (``offload_per_micro_batch_s``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from modelpar.model.config import ModelConfig
+from modelpar.model.flops import training_flops_per_token
+from modelpar.pipeline.partition import partition_by_cost
+from modelpar.plan.activations import offloaded_per_micro_batch
+from modelpar.plan.memory import layers_per_chunk, peak_memory, stage_params
+from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Prediction, Strategy
+
+
+def _kv_width(model: ModelSpec, tp: int) -> float:
+    """K (or V) elements per token on one tp rank: its kv heads (one, replicated, when kv_heads < tp) x d."""
+    shape = model.shape
+    return max(1.0, shape.kv_heads / tp) * shape.head_dim
+
+
+def rerun_halves(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    """The block halves whose forward backward reruns: both under full recompute; under our selective those
+    named in ``recompute_modules``, and with ``elementwise`` the others too (their cheap ops)."""
+    if strategy.recompute == "full":
+        return ("attention", "mlp")
+    if strategy.recompute != "selective" or model.block == "gpt":
+        return ()
+    modules = set(strategy.recompute_modules)
+    return tuple(h for h in ("attention", "mlp") if h in modules or "elementwise" in modules)
+
+
+def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> int:
+    """Tensor-parallel collectives of one layer and micro-batch: 2 forward, 2 backward, and each rerun
+    half's forward one again."""
+    return 4 + len(rerun_halves(model, strategy))
+
+
+def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, seq_len: int) -> float:
+    """Forward FLOPs one layer runs again in backward: the whole block (full), Megatron's attention core (the GPT
+    block's selective), or the attention / MLP halves named in our ``recompute_modules`` (``elementwise``
+    reruns no matmul: ``recomputed_elementwise_s``)."""
+    shape = model.shape
+    if strategy.recompute == "full":
+        return layer_forward_flops(shape, tokens, seq_len)
+    if strategy.recompute != "selective":
+        return 0.0
+    if model.block == "gpt":
+        return 4.0 * tokens * shape.hidden * seq_len
+    modules, extra = set(strategy.recompute_modules), 0.0
+    if "attention" in modules:
+        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len
+    if "mlp" in modules:
+        extra += 2.0 * tokens * shape.mlp_params()
+    return extra
+
+
+def ep_comm_per_layer_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int) -> float:
+    """The all-to-alls of one MoE layer and micro-batch (module docstring); 0 without expert parallelism."""
+    layout, shape = strategy.layout, model.shape
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    rows = shape.moe.top_k * strategy.micro_batch_size * seq_len / layout.cp / layout.tp
+    sent = rows * shape.hidden * hardware.weight_bytes * (ep - 1) / ep
+    bw = group_bandwidth(hardware, layout.tp * layout.cp * layout.pp * ep)  # ep ranks are dp x cp neighbours
+    count = 6 if "mlp" in rerun_halves(model, strategy) else 4
+    return count * (sent / bw + (ep - 1) * hardware.latency_s)
+
+
+def ring_all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency_s: float) -> float:
+    """Ring all-reduce: reduce-scatter then all-gather, 2(n-1) steps each moving nbytes/n."""
+    if ranks == 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency_s
+
+
+def ring_all_gather_s(nbytes: float, ranks: int, bandwidth: float, latency_s: float) -> float:
+    """Ring all-gather (or reduce-scatter) of a tensor of ``nbytes`` in total: n-1 steps of nbytes/n."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency_s
+
+
+def group_bandwidth(hardware: Hardware, span: int) -> float:
+    """Bandwidth of a group whose ranks lie within ``span`` consecutive ranks: NVLink if one node holds it."""
+    return hardware.intra_node_bw if span <= hardware.gpus_per_node else hardware.inter_node_bw
+
+
+def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
+    """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
+    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
+
+
+# Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
+# split (sequence parallelism does): two RMSNorms (forward ~3 passes, backward ~6) and two residual adds
+# (forward 3, backward ~2), counted in activation-sized reads plus writes.
+REPLICATED_PASSES = 24
+# What ``elementwise`` selective recompute reruns per layer, in the same [b, s, h] passes: the two RMSNorms
+# (~3 each), RoPE on q and k (~4) and SwiGLU's silu and product (~4, over f ~ 2.7h wide, tp-split like it).
+RECOMPUTED_PASSES = 14
+
+
+def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """One micro-batch's work that every tp rank repeats, on the busiest rank: element-wise passes (0 without
+    ``memory_bw``) and the per-layer host overhead (``layer_overhead_s``)."""
+    layout = strategy.layout
+    layers = layers_per_chunk(model.shape.layers, layout) * layout.vpp
+    overhead = layers * hardware.layer_overhead_s
+    if not hardware.memory_bw:
+        return overhead
+    nbytes = strategy.micro_batch_size * seq_len / layout.cp * model.shape.hidden * hardware.weight_bytes
+    rerun = RECOMPUTED_PASSES if "elementwise" in _selective_modules(model, strategy) else 0
+    return (
+        overhead
+        + layers * nbytes * (REPLICATED_PASSES / (layout.tp if strategy.sp else 1) + rerun) / hardware.memory_bw
+    )
+
+
+def _selective_modules(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    return strategy.recompute_modules if strategy.recompute == "selective" and model.block == "llama" else ()
+
+
+def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
+    """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included.
+
+    The blocks are split as the trainer's default ``parallel.partition=flops`` splits them: the last chunk's
+    head counts against half blocks (``partition_by_cost``), so the busiest rank is the costliest chunk set.
+    """
+    shape, layout = model.shape, strategy.layout
+    tokens = strategy.micro_batch_size * seq_len
+    forward = layer_forward_flops(shape, tokens, seq_len)
+    block = 3 * forward + recompute_extra_flops(model, strategy, tokens, seq_len)
+    head = 6.0 * tokens * shape.vocab_size * shape.hidden
+    if layout.pp == 1:
+        return shape.layers * block + head
+    attention_share = (2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len) / forward
+    return block * _busiest_rank_blocks(
+        shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float, attention_share: float) -> float:
+    """Cost of the busiest rank, in blocks, under the trainer's FLOP-balanced split in half blocks (attention
+    costs ``attention_share`` of a block, the MLP the rest, the head ``head_in_blocks``)."""
+    halves = [attention_share, 1.0 - attention_share] * layers
+    split = partition_by_cost(halves, pp, vpp, head_cost=head_in_blocks, halves=True)
+
+    def cost(chunk: int) -> float:
+        start, stop = split.half_range(chunk)
+        return sum(halves[start:stop]) + head_in_blocks * split.has_head(chunk)
+
+    return max(sum(cost(c) for c in split.chunks_of(rank)) for rank in range(pp))
+
+
+def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
+    """Model FLOPs of the whole step plus the forwards that recompute runs again."""
+    shape, tokens = model.shape, strategy.global_batch * seq_len
+    extra = recompute_extra_flops(model, strategy, tokens, seq_len)
+    return training_flops_per_token(shape, seq_len) * tokens + shape.layers * extra
+
+
+# -- prediction ----------------------------------------------------------------------------------------------
+
+
+def predict(
+    strategy: Strategy, model: ModelSpec, hardware: Hardware, *, seq_len: int, costs: CostModel | None = None
+) -> Prediction:
+    """Predicted step time and peak memory of ``strategy`` (see the module docstring for every formula)."""
+    costs = costs or CostModel()
+    layout = strategy.layout
+    t, p, v, m = layout.tp, layout.pp, layout.vpp, strategy.micro_batches
+    shape, b = model.shape, strategy.micro_batch_size
+    rate = hardware.peak_flops * costs.efficiency
+    cp = layout.cp
+    compute_s = m * stage_step_flops(model, strategy, seq_len) / t / cp / rate
+    compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
+
+    act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
+    layers_on_rank = layers_per_chunk(shape.layers, layout) * v
+    tp_bw = group_bandwidth(hardware, t)
+    tp_comm_s = m * layers_on_rank * collectives_per_layer(model, strategy)
+    tp_comm_s *= ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
+
+    pp_comm_s = 0.0
+    if p > 1:
+        # Scatter/gather (Narayanan et al. 2021, 4.1): each tp rank sends 1/t of the activation, the receiver
+        # all-gathers it over NVLink; with SP the activation is already sharded.
+        link = group_bandwidth(hardware, t * p)
+        p2p_s = act_bytes / t / link + hardware.latency_s
+        if not strategy.sp:
+            p2p_s += ring_all_gather_s(act_bytes, t, hardware.intra_node_bw, hardware.latency_s)
+        pp_comm_s = 2 * (v * m + p - 1) * p2p_s
+
+    dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
+    cp_comm_s = m * layers_on_rank * cp_exposed_per_layer_s(model, strategy, hardware, seq_len, rate)
+    moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
+    ep_comm_s = m * layers_on_rank * moe_share * ep_comm_per_layer_s(model, strategy, hardware, seq_len)
+    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
+    units = hardware.compute_units
+    if units and layout.world_size > 1:
+        compute_s *= hardware.busy_slowdown
+    if units and layout.world_size > units:
+        # more ranks than cores: they time-share, and a rank idle in the bubble hands its core to the others,
+        # so the step is the larger of all ranks' compute spread over the cores and the critical path; a
+        # message needs both of its ranks running, so communication stretches by the same factor
+        share = layout.world_size / units
+        shared = compute_s * share
+        bubble_s = max(0.0, compute_s + bubble_s - shared)
+        compute_s = shared
+        tp_comm_s *= share
+        pp_comm_s *= share
+        cp_comm_s *= share
+        ep_comm_s *= share
+    memory = peak_memory(model, strategy, seq_len, hardware, exact=False)
+    offload_s = m * offload_per_micro_batch_s(model, strategy, seq_len, hardware)
+    total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s + offload_s
+    tokens = strategy.global_batch * seq_len
+    model_flops = training_flops_per_token(shape, seq_len) * tokens
+    hw_flops = hardware_flops_per_step(model, strategy, seq_len)
+    world_peak = layout.world_size * hardware.peak_flops
+    return Prediction(
+        compute_s=compute_s,
+        tp_comm_s=tp_comm_s,
+        pp_comm_s=pp_comm_s,
+        dp_comm_s=dp_comm_s,
+        bubble_s=bubble_s,
+        memory=memory,
+        fits=memory.total <= hardware.memory_bytes,
+        tokens_per_s=tokens / total_s,
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hw_flops,
+        mfu=model_flops / total_s / world_peak,
+        hfu=hw_flops / total_s / world_peak,
+        cp_comm_s=cp_comm_s,
+        ep_comm_s=ep_comm_s,
+        offload_s=offload_s,
+    )
+
+
+def offload_per_micro_batch_s(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> float:
+    """Activation offload of one micro-batch on the first stage: every moved byte out to host memory in
+    forward and back in backward over ``host_bw``, not overlapped (the copies are queued on the compute
+    stream); on a CPU (``host_bw`` 0) one copy at ``memory_bw``."""
+    if not strategy.offload or model.block == "gpt":
+        return 0.0
+    moved = offloaded_per_micro_batch(model, strategy, seq_len, hardware, stage=0)
+    if hardware.host_bw:
+        return 2 * moved / hardware.host_bw
+    return moved / hardware.memory_bw if hardware.memory_bw else 0.0
+
+
+def cp_exposed_per_layer_s(
+    model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int, rate: float
+) -> float:
+    """Context-parallel K/V exchange of one layer and micro-batch left on the critical path (module docstring)."""
+    layout = strategy.layout
+    cp, t, b = layout.cp, layout.tp, strategy.micro_batch_size
+    if cp == 1:
+        return 0.0
+    bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
+    kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
+    forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
+    if strategy.cp_comm == "allgather":  # gathered each forward, again in backward, then dK/dV reduce-scattered
+        gather = ring_all_gather_s(kv_elements * cp * hardware.weight_bytes, cp, bw, hardware.latency_s)
+        return (forwards + 2) * gather
+    send = kv_elements * hardware.weight_bytes / bw + hardware.latency_s
+    send_grad = kv_elements * GRAD_BYTES / bw + hardware.latency_s
+    block_forward = 4 * b * (seq_len / cp) * (seq_len / (2 * cp)) * model.shape.hidden / t / rate
+    forward = (cp - 1) * max(0.0, send - block_forward)
+    backward = (cp - 1) * max(0.0, send + send_grad - 2.5 * block_forward) + send_grad  # the last dK/dV: home
+    return forwards * forward + backward
+
+
+def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel) -> float:
+    """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages."""
+    layout = strategy.layout
+    t, p = layout.tp, layout.pp
+    d = layout.dp * layout.cp  # weights are replicated over dp x cp, gradients reduced over both
+    params = max(stage_params(model, layout, st) for st in {0, p - 1})
+    bw = group_bandwidth(hardware, layout.world_size)
+    exposed = 0.0
+    if d > 1 and strategy.zero >= 2:
+        # FSDP2 reduce-scatters every block's gradients once, after its last micro-batch's backward, and at
+        # stage 3 all-gathers its weights before each forward and backward; prefetching hides the dp_overlap share
+        m = strategy.micro_batches
+        scatters = m if strategy.reduce_every_micro_batch else 1  # optim.reduce_every_micro_batch: m x the traffic
+        moved = scatters * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+        if strategy.zero >= 3:
+            moved += 2 * m * ring_all_gather_s(params * hardware.weight_bytes, d, bw, hardware.latency_s)
+        exposed = (1 - costs.dp_overlap) * moved
+    elif d > 1 and strategy.zero1:
+        # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
+        exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+    elif d > 1:
+        exposed = (1 - costs.dp_overlap) * ring_all_reduce_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+    if p > 1 and model.tie_embeddings:
+        embedding = model.shape.vocab_size * model.shape.hidden / t * GRAD_BYTES
+        exposed += ring_all_reduce_s(embedding, 2, group_bandwidth(hardware, t * p), hardware.latency_s)
+    return exposed
