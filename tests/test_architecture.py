@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -168,3 +169,38 @@ def test_every_module_imports_on_its_own():
         [sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True, cwd=ROOT, timeout=600
     )
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+
+
+# -- CONTRIBUTING.md's import table is this rule --------------------------------------------------------------------
+
+
+def _contributing_rows() -> list[tuple[list[str], str]]:
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    table = text.split("<!-- import-table -->")[1].split("<!-- /import-table -->")[0]
+    rows = []
+    for line in table.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append((re.findall(r"`(\w+)`", cells[0]), cells[2]))
+    return rows
+
+
+def test_the_layers_are_the_tables_rows_in_order():
+    layered = {name for layer in LAYERS for name in layer.split()}
+    rows = [" ".join(n for n in names if n in layered) for names, _ in _contributing_rows() if set(names) & layered]
+    assert rows == LAYERS
+
+
+def test_the_packages_that_may_import_the_backends_are_the_ones_the_table_says():
+    said = set()
+    for names, may_import in _contributing_rows():
+        if "`backends`" in may_import and "backends" not in names:
+            named = re.search(r"`backends` \(([\w, ]+)\)", may_import)
+            said |= set(named.group(1).replace(",", " ").split()) if named else set(names)
+    assert {f"modelpar.{n}" for n in said} == {p for p, allowed in EXTRA.items() if "modelpar.backends" in allowed}
+
+
+def test_every_package_is_in_the_table():
+    named = {n for names, _ in _contributing_rows() for n in names}
+    packages = {p.parent.name for p in (ROOT / "modelpar").glob("*/__init__.py")}
+    assert packages <= named
+    assert {f"modelpar.{n}" for n in ("cli", "testing")} == ANYTHING
