@@ -11,13 +11,16 @@ section only; whatever it measured before is kept), in this order:
 2. ``kernels``: each Triton kernel of ``modelpar_kernels`` (RMSNorm, RoPE, SwiGLU, attention, vocab-parallel
    cross-entropy) beside its torch reference, eager and under ``torch.compile``, in bf16: GB/s for the
    memory-bound ops, TFLOP/s for attention (``benchmarks/kernels.py`` measures; peers such as Liger are left to
-   it). Triton and eager first for every op, then the compile baselines while the box has time.
+   it). Triton and eager first for every op, then the compile baselines while the box has time. Each time is
+   set beside its floor on this GPU (``modelpar_kernels.roofline``: bytes / HBM bandwidth or FLOPs / bf16 peak,
+   H100 and H200 figures), and every loaded Triton kernel's ``n_regs`` / ``n_spills`` is recorded, to compare
+   with the ahead-of-time prediction (``python -m modelpar_kernels.aot``, ``benchmarks/results/kernels_aot.md``).
 3. ``mfu``: llama-1b bf16 training MFU on the one GPU (``benchmarks/gpu_llama1b_mfu.py``), eager and with every
    block compiled (``modelpar.model.compile.compile_blocks``), against the matmul peak measured once.
 4. ``host_syncs``: one steady bf16 training step of llama-1b (built by ``build_model``: forward, loss, backward,
    clipping, fused AdamW), every host sync counted by ``modelpar.bench.host_syncs.count_host_syncs`` with its
    call site, and CUDA's own sync-debug warnings (``torch.cuda.set_sync_debug_mode("warn")``) counted beside;
-   more than one sync fails the section (DESIGN.md: at most one per step outside logging).
+   more than one sync fails the section (the engine's rule: at most one per step outside logging).
 
 Writes ``gpu_suite.json`` and ``gpu_suite.md`` under ``--out`` (``benchmarks/results``; ``gpu_suite_smoke.*``
 with ``--smoke``). A failing or timed-out section is recorded there (status, error, the end of its log) and the
@@ -190,6 +193,8 @@ def run_kernels(s: Section) -> dict:
                 if each is compiled:
                     op.impls = {impl: op.impls[impl] for impl in ("eager", "compile")}
                 rows = kb.measure(op, copy_gb_s, device, s.smoke)
+                for r in rows:
+                    r.extra |= _floor(op, r, out["environment"]["device"])
                 out["rows"] += [kb._json_row(r) for r in rows if each is setting or r.impl == "compile"]
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
@@ -199,8 +204,50 @@ def run_kernels(s: Section) -> dict:
     for r in out["rows"]:
         first_seen.setdefault((r["op"], r["shape"]), len(first_seen))
     out["rows"].sort(key=lambda r: (first_seen[r["op"], r["shape"]], r["pass"], order.get(r["impl"], 9)))
+    out["loaded_kernels"] = loaded_kernels()
     out["ok"] = not out["skipped"] and not [r for r in out["rows"] if r["error"]]
     return out
+
+
+def _floor(op, row, device_name: str) -> dict:
+    """The row's floor on this GPU (roofline of the op's least bytes and FLOPs) and measured / floor."""
+    from modelpar_kernels.roofline import floor_s, hardware_for
+
+    hardware = hardware_for(device_name)
+    nbytes, flops = (op.bytes_fwd, op.flops_fwd) if row.pass_ == "fwd" else (op.bytes_fwd_bwd, op.flops_fwd_bwd)
+    if hardware is None or not (nbytes or flops):
+        return {"floor_ms": None, "measured_over_floor": None}
+    floor_ms = floor_s(nbytes, flops, hardware) * 1e3
+    return {"floor_ms": floor_ms, "measured_over_floor": row.ms / floor_ms if row.ms else None}
+
+
+def loaded_kernels() -> list[dict]:
+    """Every compiled Triton kernel of ``modelpar_kernels`` this process loaded, with the registers and spills
+    Triton reports for it (``n_spills``: local memory bytes / 4); none when the kernels ran in the interpreter."""
+    from triton.runtime.jit import JITFunction
+
+    found = []
+    for module_name, module in sorted(sys.modules.items()):
+        if not module_name.startswith("modelpar_kernels.") or module is None:
+            continue
+        for name, fn in sorted(vars(module).items()):
+            if not isinstance(fn, JITFunction):
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    constants = getattr(kernel.src, "constants", {})
+                    found.append(
+                        {
+                            "kernel": name,
+                            "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constants.items() if len(k) == 1},
+                            "num_warps": kernel.metadata.num_warps,
+                            "num_stages": kernel.metadata.num_stages,
+                            "shared": kernel.metadata.shared,
+                            "n_regs": getattr(kernel, "n_regs", None),
+                            "n_spills": getattr(kernel, "n_spills", None),
+                        }
+                    )
+    return found
 
 
 def run_mfu(s: Section) -> dict:
@@ -267,7 +314,7 @@ def run_host_syncs(s: Section) -> dict:
         "report": syncs.report(),
         "cuda_sync_debug_warnings": len(cuda_warnings) if cuda else None,
         "cuda_sync_debug_first": cuda_warnings[:5],
-        "limit": "DESIGN.md: at most one host sync per step outside logging (checked on CUDA only)",
+        "limit": "at most one host sync per step outside logging (checked on CUDA only)",
         "ok": syncs.count <= 1 if cuda else True,
     }
 
@@ -414,6 +461,27 @@ def _kernels_md(result: dict) -> list[str]:
         "",
         kb.markdown_table(rows),
     ]
+    floors = [r for r in result["rows"] if (r.get("extra") or {}).get("measured_over_floor")]
+    if floors:
+        lines += [
+            "",
+            "| op | shape | pass | impl | ms | floor ms | measured / floor |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['op']} | {r['shape']} | {r['pass']} | {r['impl']} | {r['ms']:.3g} | {r['extra']['floor_ms']:.3g} "
+            f"| {r['extra']['measured_over_floor']:.2f} |"
+            for r in floors
+        ]
+    loaded = result.get("loaded_kernels", [])
+    lines += ["", f"Loaded Triton kernels: {len(loaded)}" + ("" if loaded else " (interpreter: nothing compiled)")]
+    if loaded:
+        lines += ["", "| kernel | warps | stages | shared B | n_regs | n_spills |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"| {k['kernel']} | {k['num_warps']} | {k['num_stages']} | {k['shared']} | {k['n_regs']} "
+            f"| {k['n_spills']} |"
+            for k in loaded
+        ]
     return lines + [f"- skipped: {s}" for s in result.get("skipped", [])]
 
 

@@ -2,7 +2,8 @@
 
 Each op takes ``backend``: "torch" (plain PyTorch, the CPU default and the ground truth), "triton", or "auto"
 (resolved from the input's device). ``resolve_backend("auto", device)`` picks Triton on CUDA and torch elsewhere.
-"triton" on CPU tensors runs the same kernels in Triton's interpreter (slow; for tests).
+"triton" on CPU tensors runs the same kernels in Triton's interpreter (slow; for tests). One block of attention
+with its log-sum-exp (what context parallelism merges) has three backends: ``block_attention.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from modelpar_kernels.attention import (
     attention_block_forward,
     attention_reference,
     attention_triton,
+)
+from modelpar_kernels.block_attention import (
+    BlockMask,
+    accumulation_dtype,
+    block_attention_backward,
+    block_attention_forward,
 )
 from modelpar_kernels.cross_entropy import vocab_parallel_cross_entropy_reference, vocab_parallel_cross_entropy_triton
 from modelpar_kernels.rmsnorm import rms_norm_reference, rms_norm_triton
@@ -79,10 +86,14 @@ def vocab_parallel_cross_entropy(logits, targets, *, backend: str = "torch", **k
 
 __all__ = [
     "BACKENDS",
+    "BlockMask",
+    "accumulation_dtype",
     "apply_rope",
     "attention",
     "attention_block_backward",
     "attention_block_forward",
+    "block_attention_backward",
+    "block_attention_forward",
     "resolve_backend",
     "rms_norm",
     "rope_tables",

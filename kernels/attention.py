@@ -91,6 +91,48 @@ def _attention_forward_tiles(
 
 
 @triton.jit
+def _q_tile(
+    Q,
+    K,
+    V,
+    QDOC,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    seq_q,
+    n_q_heads,
+    group,
+    HAS_DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """What a program owning one q tile of one q head starts from (forward and dq backward): its batch and head,
+    row offsets and mask, the q tile, the bases of its kv head's k and v, and the rows' document ids."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_q_heads).to(tl.int64)
+    h = bh % n_q_heads
+    kv_h = (h // group).to(tl.int64)
+    h = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    k_base = K + b * stride_kb + kv_h * stride_kh
+    v_base = V + b * stride_vb + kv_h * stride_vh
+    q_doc = offs_m  # unused without documents
+    if HAS_DOCS:
+        q_doc = tl.load(QDOC + b * seq_q + offs_m, mask=offs_m < seq_q, other=-2)
+    return start_m, bh, b, h, offs_m, offs_d, q_mask, rows, q, k_base, v_base, q_doc
+
+
+@triton.jit
 def _attention_forward_kernel(
     OUT,
     LSE,
@@ -124,23 +166,12 @@ def _attention_forward_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // n_q_heads).to(tl.int64)
-    h = bh % n_q_heads
-    kv_h = (h // group).to(tl.int64)
-    h = h.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    rows = offs_m[:, None].to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
-    k_base = K + b * stride_kb + kv_h * stride_kh
-    v_base = V + b * stride_vb + kv_h * stride_vh
-    q_doc = offs_m  # unused without documents
+    start_m, bh, b, h, offs_m, offs_d, row_mask, rows, q, k_base, v_base, q_doc = _q_tile(
+        Q, K, V, QDOC, stride_qb, stride_qs, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, seq_q,
+        n_q_heads, group, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_D,
+    )  # fmt: skip
     kdoc_base = KDOC
     if HAS_DOCS:
-        q_doc = tl.load(QDOC + b * seq_q + offs_m, mask=offs_m < seq_q, other=-2)
         kdoc_base = KDOC + b * seq_k
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -343,25 +374,13 @@ def _attention_backward_q_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """One q tile of one q head: dq summed over the kv tiles it sees."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // n_q_heads).to(tl.int64)
-    h = bh % n_q_heads
-    kv_h = (h // group).to(tl.int64)
-    h = h.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    rows_m = offs_m[:, None].to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    start_m, bh, b, h, offs_m, offs_d, q_mask, rows_m, q, k_base, v_base, q_doc = _q_tile(
+        Q, K, V, QDOC, stride_qb, stride_qs, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, seq_q,
+        n_q_heads, group, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_D,
+    )  # fmt: skip
     do = tl.load(DOUT + b * stride_dob + h * stride_doh + rows_m * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
-    q_doc = offs_m  # unused without documents
-    if HAS_DOCS:
-        q_doc = tl.load(QDOC + b * seq_q + offs_m, mask=offs_m < seq_q, other=-2)
-    k_base = K + b * stride_kb + kv_h * stride_kh
-    v_base = V + b * stride_vb + kv_h * stride_vh
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     end = tl.minimum(start_m + BLOCK_M, seq_k) if CAUSAL else seq_k
     for start_n in range(0, end, BLOCK_N):
@@ -412,7 +431,7 @@ def attention_forward(q, k, v, causal, q_docs=None, k_docs=None):
     qdoc, kdoc, has_docs = _documents(q, q_docs, k_docs)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    tiles = attention_blocks(d, q.device)["forward"]
+    tiles = attention_blocks(d, q.device, q.dtype)["forward"]
     grid = (triton.cdiv(sq, tiles["BLOCK_M"]), b * hq)
     _attention_forward_kernel[grid](
         out, lse, q, k, v, qdoc, kdoc,
@@ -434,7 +453,7 @@ def attention_backward(dout, q, k, v, out, lse, causal, q_docs=None, k_docs=None
     dout = _unit_last(dout)
     lse = lse.contiguous()
     constants = _launch_constants(q)
-    tiles = attention_blocks(d, q.device)
+    tiles = attention_blocks(d, q.device, q.dtype)
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     _attention_backward_delta_kernel[(triton.cdiv(sq, 64), b * hq)](
         delta, out, dout,

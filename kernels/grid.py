@@ -10,7 +10,9 @@ package imports before anything imports triton, turns the interpreter on for suc
 
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -96,30 +98,95 @@ def row_block(n_cols: int, max_block: int = MAX_FUSED_SIZE) -> tuple[int, int]:
     return block, num_warps
 
 
+@dataclass(frozen=True)
+class GpuTarget:
+    """What the launch helpers need to know of the GPU a kernel is compiled for."""
+
+    arch: int  # compute capability as 10 * major + minor: 80 (A100), 90 (H100, H200)
+    sm_count: int
+
+
+_compiling_for: GpuTarget | None = None
+
+
+@contextlib.contextmanager
+def compiling_for(target: GpuTarget):
+    """Launch helpers pick the block sizes of ``target`` whatever device the tensors are on: how the ahead-of-time
+    compiler (``modelpar_kernels.aot``) asks the real launch code what it would launch on a GPU it does not have."""
+    global _compiling_for
+    previous, _compiling_for = _compiling_for, target
+    try:
+        yield target
+    finally:
+        _compiling_for = previous
+
+
+def gpu_target(device: torch.device) -> GpuTarget | None:
+    """The GPU kernels for ``device`` are compiled for; None where they run in the interpreter."""
+    if _compiling_for is not None:
+        return _compiling_for
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return GpuTarget(10 * major + minor, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def program_count(device: torch.device, n_rows: int) -> int:
     """Programs for kernels that loop over rows and emit one partial sum each: one per SM on a GPU."""
-    if device.type == "cuda":
-        return min(n_rows, torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(n_rows, 4)
+    target = gpu_target(device)
+    return min(n_rows, 4 if target is None else target.sm_count)
 
 
-def attention_blocks(head_dim: int, device: torch.device) -> dict[str, dict[str, int]]:
-    """Tiles for flash attention: q rows (BLOCK_M) x kv rows (BLOCK_N), warps and pipeline stages, per kernel.
+# Flash-attention tiles: q rows (BLOCK_M) x kv rows (BLOCK_N), warps and software-pipeline stages. Each kernel's
+# candidates are what the ahead-of-time check compiles for every target; the defaults below pick one of them per
+# (arch, head dim, dtype). "forward" needs BLOCK_M a multiple of BLOCK_N (its causal loop splits at a q-block
+# boundary).
+def _tile(m: int, n: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
 
-    "forward" needs BLOCK_M a multiple of BLOCK_N (its causal loop splits at a q-block boundary). Small tiles
-    under the interpreter, so CPU tests cross several blocks and the masked tails.
-    """
-    if device.type != "cuda":
-        tile = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-        return {"forward": tile, "backward_kv": tile, "backward_q": tile}
+
+ATTENTION_CANDIDATES: dict[str, list[dict[str, int]]] = {
+    "forward": [
+        _tile(128, 64, 8, 2),
+        _tile(128, 64, 4, 3),
+        _tile(128, 32, 4, 2),
+        _tile(64, 64, 4, 2),
+        _tile(64, 32, 4, 2),
+        _tile(32, 32, 4, 2),
+    ],
+    "backward_kv": [
+        _tile(32, 128, 4, 2),
+        _tile(32, 64, 8, 2),
+        _tile(32, 64, 4, 2),
+        _tile(16, 64, 4, 2),
+        _tile(16, 32, 4, 2),
+    ],
+    "backward_q": [
+        _tile(128, 32, 4, 2),
+        _tile(64, 32, 8, 2),
+        _tile(64, 32, 4, 2),
+        _tile(32, 32, 4, 2),
+        _tile(32, 16, 4, 2),
+    ],
+}
+INTERPRETER_TILE = _tile(16, 16, 1, 1)  # small, so CPU tests cross several blocks and the masked tails
+
+
+def attention_blocks(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Tiles for flash attention per kernel ("forward", "backward_kv", "backward_q"), for the GPU ``device`` is
+    (or the one being compiled for); see ``ATTENTION_CANDIDATES``."""
+    target = gpu_target(device)
+    if target is None:
+        return {"forward": INTERPRETER_TILE, "backward_kv": INTERPRETER_TILE, "backward_q": INTERPRETER_TILE}
+    return attention_defaults(head_dim, dtype, target.arch)
+
+
+def attention_defaults(head_dim: int, dtype: torch.dtype, arch: int) -> dict[str, dict[str, int]]:
+    """The default tiles of each attention kernel on ``arch``, one of ``ATTENTION_CANDIDATES`` each."""
+    # Chosen from the ahead-of-time table (benchmarks/results/kernels_aot.md) on sm_90a, bf16: at head dim 64 the
+    # earlier forward (128 x 64, 4 warps, 3 stages) and dk/dv (32 x 128, 4 warps) tiles reached 255 registers and
+    # spilled 40 and up to 128 bytes per thread; 8 warps on 128 x 64 and 32 x 64 keep them at 128 and 123.
+    c = ATTENTION_CANDIDATES
     if head_dim <= 64:
-        return {
-            "forward": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-            "backward_kv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-            "backward_q": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-        }
-    return {
-        "forward": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        "backward_kv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        "backward_q": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-    }
+        return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][0]}
+    return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][1]}

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
-from modelpar_kernels import attention, attention_block_backward, attention_block_forward
+from modelpar_kernels import BlockMask, accumulation_dtype, attention, block_attention_backward, block_attention_forward
 
 from modelpar.parallel.collectives import all_gather, blocking, comm_tag, current_tag, reduce_scatter, send_recv
 
@@ -101,7 +101,7 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum((tokens == eos_id).to(torch.int32), dim=1)
 
 
-# -- one block of attention with its log-sum-exp ---------------------------------------------------------------
+# -- masks and merging of blocks (each block is computed by modelpar_kernels.block_attention) ----------------
 
 
 def _visible(q_pos, k_pos, q_doc, k_doc) -> torch.Tensor:
@@ -110,103 +110,6 @@ def _visible(q_pos, k_pos, q_doc, k_doc) -> torch.Tensor:
     if q_doc is not None:
         keep = keep & (k_doc[:, None, None, :] == q_doc[:, None, :, None])
     return keep
-
-
-def _additive(keep: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
-
-
-@dataclass(frozen=True)
-class _Mask:
-    """How one block is masked: ``keep`` (boolean, broadcast to [b, h, sq, sk]) for the torch paths, or the
-    rows' and columns' document ids for the Triton kernel; ``causal``: the block on the diagonal (sq == sk)."""
-
-    causal: bool
-    keep: torch.Tensor | None = None
-    q_docs: torch.Tensor | None = None
-    k_docs: torch.Tensor | None = None
-
-
-def block_forward(q, k, v, mask: _Mask, backend: str = "torch"):
-    """Attention of q [b, hq, sq, d] on k, v [b, hkv, sk, d] -> (out [b, hq, sq, d], lse [b, hq, sq], natural
-    log, fp32 or wider). Rows with no visible key get lse = -inf and a zero output."""
-    if backend == "triton":
-        out, lse = attention_block_forward(
-            *(t.transpose(1, 2) for t in (q, k, v)), mask.causal, mask.q_docs, mask.k_docs
-        )
-        return out.transpose(1, 2), lse.to(_accumulation_dtype(q.dtype))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    keep, causal = mask.keep, mask.causal and mask.keep is None
-    scale = q.shape[-1] ** -0.5
-    if q.device.type == "cpu":  # the aten flash op returns the lse on CPU
-        additive = None if keep is None else _additive(keep, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=additive, scale=scale
-        )
-    else:
-        out, lse = _block_forward_math(q, k, v, keep, causal)
-    lse = lse.to(_accumulation_dtype(q.dtype))
-    if keep is not None:
-        lse = torch.where(keep.any(-1), lse, float("-inf"))
-    return out, lse
-
-
-def block_backward(dout, q, k, v, out, lse, mask: _Mask, backend: str = "torch"):
-    """Gradients (dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) of one block, given the rows' *merged* output and
-    lse (FlashAttention-2's backward, one block of it)."""
-    if backend == "triton":
-        dq, dk, dv = attention_block_backward(
-            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.float(), mask.causal, mask.q_docs, mask.k_docs
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    group = q.shape[1] // k.shape[1]
-    dq, dk, dv = _block_backward_torch(
-        dout, q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), out, lse, mask
-    )
-    return dq, *(rearrange(t, "b (h g) n d -> b h g n d", g=group).sum(2) for t in (dk, dv))
-
-
-def _block_backward_torch(dout, q, k, v, out, lse, mask: _Mask):
-    keep, causal = mask.keep, mask.causal and mask.keep is None
-    scale = q.shape[-1] ** -0.5
-    if q.device.type == "cpu":
-        additive = None if keep is None else _additive(keep, q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=additive, scale=scale
-        )
-    return _block_backward_math(dout, q, k, v, out, lse, keep, causal)
-
-
-def _block_forward_math(q, k, v, keep, causal):
-    """``block_forward`` in plain matmuls (equal heads), for devices without an lse-returning attention op."""
-    acc = _accumulation_dtype(q.dtype)
-    scores = _mask_scores(torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5, keep, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
-
-
-def _block_backward_math(dout, q, k, v, out, lse, keep, causal):
-    """``block_backward`` in plain matmuls (equal heads): FlashAttention-2's backward of one block."""
-    acc = _accumulation_dtype(q.dtype)
-    scale = q.shape[-1] ** -0.5
-    q32, k32, v32, dout32 = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    scores = _mask_scores(torch.matmul(q32, k32.transpose(-1, -2)) * scale, keep, causal)
-    probs = torch.exp(scores - lse[..., None])
-    dv = torch.matmul(probs.transpose(-1, -2), dout32)
-    dp = torch.matmul(dout32, v32.transpose(-1, -2))
-    ds = probs * (dp - (dout32 * out.to(acc)).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, k32) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _mask_scores(scores, keep, causal):
-    if causal:
-        sq, sk = scores.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
-    return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
 
 
 def merge_partial(out, lse, part_out, part_lse):
@@ -248,7 +151,7 @@ class _Blocks:
         self.q, self.cp, self.documents, self.backend = q, cp, documents, backend
         b, hq, self.local, _ = q.shape
         self.positions = [local_positions(self.local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
-        self.acc = _accumulation_dtype(q.dtype)
+        self.acc = accumulation_dtype(q.dtype)
         self.out = torch.zeros(q.shape, dtype=self.acc, device=q.device)
         self.lse = torch.full((b, hq, self.local), float("-inf"), dtype=self.acc, device=q.device)
 
@@ -258,7 +161,7 @@ class _Blocks:
         if mask is None:  # a block no query sees is skipped
             return
         rows = blk.rows
-        part_out, part_lse = block_forward(
+        part_out, part_lse = block_attention_forward(
             self.q[:, :, rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], mask, self.backend
         )
         self.out[:, :, rows], self.lse[:, :, rows] = merge_partial(
@@ -272,7 +175,7 @@ class _Blocks:
         if mask is None:
             return
         rows = blk.rows
-        dq_blk, dk_blk, dv_blk = block_backward(
+        dq_blk, dk_blk, dv_blk = block_attention_backward(
             dout[:, :, rows].contiguous(),
             self.q[:, :, rows].contiguous(),
             kv[0][:, :, blk.cols].contiguous(),
@@ -367,11 +270,6 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Partial outputs, lse and dK/dV sums are kept (and travel) in fp32, or wider for wider inputs."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _block_and_mask(rank, source, local, positions, documents, backend):
     """The block of (this rank's queries) x (``source``'s K/V) and its mask; None for the mask when no query
     of the block sees any of its keys (documents that do not meet), so the block is skipped. Deciding that
@@ -379,15 +277,15 @@ def _block_and_mask(rank, source, local, positions, documents, backend):
     kernel's mask gives such a block's rows lse -inf, which merges as nothing."""
     blk = _ring_block(rank, source, local)
     if documents is None:
-        return blk, _Mask(blk.causal)
+        return blk, BlockMask(blk.causal)
     q_pos, k_pos = positions[rank][blk.rows], positions[source][blk.cols]
     q_docs, k_docs = documents[:, q_pos], documents[:, k_pos]
     decide = documents.device.type == "cpu" and not blk.causal  # the diagonal block always has its own tokens
     if backend == "triton":
         meet = not decide or any(bool(torch.isin(qd, kd).any()) for qd, kd in zip(q_docs, k_docs, strict=True))
-        return blk, _Mask(blk.causal, q_docs=q_docs, k_docs=k_docs) if meet else None
+        return blk, BlockMask(blk.causal, q_docs=q_docs, k_docs=k_docs) if meet else None
     keep = _visible(q_pos, k_pos, q_docs, k_docs)
-    return blk, _Mask(blk.causal, keep=keep) if not decide or bool(keep.any()) else None
+    return blk, BlockMask(blk.causal, keep=keep) if not decide or bool(keep.any()) else None
 
 
 class _Transfer:

@@ -61,3 +61,25 @@ def test_a_section_past_its_box_is_killed_and_recorded_as_timed_out(tmp_path, mo
     assert record["status"] == "timeout"
     assert record["error"] == "timed out after 0 s; the result holds what it had measured"
     assert "log_tail" in record and record["result"] == {}
+
+
+def test_each_kernel_time_is_set_beside_its_floor_on_the_gpu_it_ran_on(monkeypatch):
+    suite = load_suite(monkeypatch)
+    kb = suite._benchmark("kernels")
+    op = kb.Op("swiglu", "[n, f]", lambda: (), {}, bytes_fwd=3_350_000_000, bytes_fwd_bwd=6_700_000_000)
+    row = kb.Row("swiglu", "[n, f]", "fwd", "triton", ms=2.0)
+    assert suite._floor(op, row, "NVIDIA H100 80GB HBM3") == {"floor_ms": 1.0, "measured_over_floor": 2.0}
+    h200 = suite._floor(op, row, "NVIDIA H200")
+    assert h200["floor_ms"] == pytest.approx(3.35e9 / 4.8e12 * 1e3)
+    assert suite._floor(op, row, "cpu") == {"floor_ms": None, "measured_over_floor": None}
+
+
+def test_loaded_kernels_are_listed_with_their_registers_and_spills(monkeypatch):
+    suite = load_suite(monkeypatch)
+    from modelpar_kernels import grid
+
+    loaded = suite.loaded_kernels()
+    if grid.interpreting():  # nothing is compiled under the interpreter
+        assert loaded == []
+    else:
+        assert all({"kernel", "n_regs", "n_spills"} <= set(k) for k in loaded)

@@ -106,7 +106,7 @@ def ring_block_sizes():
     import modelpar.parallel.context as context
 
     seen = []
-    forward, backward = context.block_forward, context.block_backward
+    forward, backward = context.block_attention_forward, context.block_attention_backward
 
     def counting_forward(q, k, *args):
         seen.append(("F", q.shape[2], k.shape[2]))
@@ -116,11 +116,11 @@ def ring_block_sizes():
         seen.append(("B", q.shape[2], k.shape[2]))
         return backward(dout, q, k, *args)
 
-    context.block_forward, context.block_backward = counting_forward, counting_backward
+    context.block_attention_forward, context.block_attention_backward = counting_forward, counting_backward
     try:
         cp_matches_full_attention("ring", 16, 2, 2, False)
     finally:
-        context.block_forward, context.block_backward = forward, backward
+        context.block_attention_forward, context.block_attention_backward = forward, backward
     return seen
 
 
@@ -130,39 +130,6 @@ def test_ring_skips_the_masked_half_of_every_off_diagonal_block():
         # one causal diagonal block, then three half blocks (rows x cols = L*L/2), forward and backward
         assert seen[0] == ("F", local, local) and seen[4] == ("B", local, local), rank
         assert all(r * c == local * local // 2 for _, r, c in seen[1:4] + seen[5:]), (rank, seen)
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "masked"])
-def test_plain_matmul_block_equals_the_aten_flash_block(causal):
-    """The block functions' device-independent path (used where no lse-returning op exists) against the CPU op,
-    including rows that see no key of the block (lse -inf, zero output)."""
-    from modelpar.parallel.context import (
-        _block_backward_math,
-        _block_forward_math,
-        _Mask,
-        block_backward,
-        block_forward,
-    )
-
-    gen = torch.Generator().manual_seed(5)
-    q, k, v, dout = (torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    keep = None
-    if not causal:
-        q_docs = torch.tensor([[0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1]])
-        keep = (q_docs == 0)[:, None, :, None].expand(2, 1, 6, 6)  # keys all of document 0: only its queries see
-    mask = _Mask(causal, keep=keep)
-    out, lse = block_forward(q, k, v, mask)
-    out_m, lse_m = _block_forward_math(q, k, v, keep, causal and keep is None)
-    if keep is not None:
-        lse_m = torch.where(keep.any(-1), lse_m, float("-inf"))
-        assert bool(torch.isinf(lse).any())  # some rows see nothing here
-    torch.testing.assert_close(out, out_m)
-    torch.testing.assert_close(lse, lse_m)
-    merged_lse = torch.where(torch.isinf(lse), 0.0, lse)  # as if another block had given those rows their keys
-    got = block_backward(dout, q, k, v, out, merged_lse, mask)
-    want = _block_backward_math(dout, q, k, v, out, merged_lse, keep, causal and keep is None)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
 
 
 def _loss_and_grads(comm, with_documents):

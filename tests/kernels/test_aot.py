@@ -1,0 +1,86 @@
+"""Kernels compiled ahead of time for a GPU this machine does not have: sm_90a (H100, H200), bf16.
+
+The compile check really compiles (Triton's compiler and the bundled ptxas; its cache, keyed by the kernel
+source, target and options, spares a rerun the unchanged kernels); it covers the default configs of every op at
+llama-8b's tp8 shard widths (head dim 128, the shipped presets' widest). The full table, both arches and dtypes,
+every config, is ``benchmarks/results/kernels_aot.md``.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from modelpar_kernels import aot
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {
+    "_rms_norm_forward_kernel",
+    "_rms_norm_backward_kernel",
+    "_rope_kernel",
+    "_swiglu_forward_kernel",
+    "_swiglu_backward_kernel",
+    "_cross_entropy_stats_kernel",
+    "_cross_entropy_grad_kernel",
+    "_attention_forward_kernel",
+    "_attention_backward_delta_kernel",
+    "_attention_backward_kv_kernel",
+    "_attention_backward_q_kernel",
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_defaults(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot")
+    cmd = [sys.executable, "-m", "modelpar_kernels.aot", "--arch", "sm_90a", "--dtype", "bf16", "--defaults-only"]
+    cmd += ["--preset", "llama-8b", "--tp", "8", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return done, json.loads((out / "aot.json").read_text()) if (out / "aot.json").exists() else None
+
+
+def test_every_kernel_compiles_for_sm90a_without_spills_or_shared_memory_overflow(sm90_defaults):
+    done, report = sm90_defaults
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert report["problems"] == []
+    rows = report["rows"]
+    assert {r["kernel"] for r in rows} == KERNELS
+    assert all(r["status"] == "compiled" and r["default"] for r in rows)
+    assert all(r["spill_bytes"] == 0 and r["regs"] <= 255 and r["blocks_per_sm"] >= 1 for r in rows)
+    attention = {r["variant"] for r in rows if r["op"] == "attention"}
+    assert attention == {"causal", "causal, documents", "cp block", "cp block, documents"}
+
+
+def test_a_default_config_that_spills_fails_the_check():
+    row = {"kernel": "k", "arch": "sm_90a", "dtype": "bf16", "variant": "", "config": {}, "status": "compiled"}
+    spilling = {**row, "default": True, "regs": 255, "spill_bytes": 80, "shared": 1024}
+    assert aot.problems([spilling]) == ["k sm_90a bf16 {}: default config spills 80 bytes per thread (255 registers)"]
+    assert aot.problems([{**spilling, "default": False}]) == []  # a candidate may spill; the default may not
+    overflow = {**row, "default": False, "regs": 64, "spill_bytes": 0, "shared": 240_000}
+    assert aot.problems([overflow]) == [
+        "k sm_90a bf16 {}: 240000 bytes of shared memory, above the 232448 of one block"
+    ]
+    broken = {**row, "status": "error", "error": "CompilationError: at 3:4\nmore", "default": False}
+    assert aot.problems([broken]) == ["k sm_90a bf16 {}: does not compile: CompilationError: at 3:4"]
+
+
+def test_occupancy_follows_registers_shared_memory_and_warps():
+    h100 = aot.ARCHS["sm_90a"]
+    assert aot.occupancy(255, 8, 99584, h100) == {"blocks_per_sm": 1, "warps_per_sm": 8, "limited_by": "registers"}
+    assert aot.occupancy(128, 4, 50432, h100)["blocks_per_sm"] == 4  # 65536 / (4 warps * 32 * 128)
+    assert aot.occupancy(24, 8, 0, h100) == {"blocks_per_sm": 8, "warps_per_sm": 64, "limited_by": "warps"}
+    assert aot.occupancy(32, 4, 100_000, aot.ARCHS["sm_80"])["limited_by"] == "shared"
+
+
+@pytest.mark.parametrize("name", sorted(aot.PRESETS))
+def test_widths_are_those_of_the_shipped_presets(name):
+    recipe = yaml.safe_load((ROOT / "recipes" / "model" / f"{name}.yaml").read_text())
+    preset = aot.PRESETS[name]
+    assert (preset.hidden, preset.heads, preset.kv_heads, preset.vocab_size) == (
+        recipe["hidden"],
+        recipe["heads"],
+        recipe["kv_heads"],
+        recipe["vocab_size"],
+    )
+    assert preset.ffn_hidden == recipe.get("moe", {}).get("ffn_hidden", recipe["ffn_hidden"])
