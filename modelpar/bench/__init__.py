@@ -1,0 +1,1 @@
+"""Benchmarks above training: the dry run of one rank of a real-size job."""
