@@ -58,6 +58,7 @@ class RankReport:
     traffic: dict[str, int]  # "group kind" -> bytes
     planned_traffic: dict[str, float]
     blind_reads: int = 0
+    planned_activations_bf16: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -84,8 +85,10 @@ class RankReport:
         )
 
     @property
-    def total(self) -> float:
-        return sum(self.states.values()) + self.activations
+    def total_bf16(self) -> float:
+        """Bytes of the recipe's bf16 step: the measured model states (fp32 whatever the compute dtype; FSDP2's
+        gathered weights aside) and the planner's bf16 activations, which this run checks in fp32."""
+        return sum(self.states.values()) + self.planned_activations_bf16
 
 
 def _rel(measured: float, planned: float) -> float:
@@ -236,6 +239,8 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
     report.planned_states = {k: float(states.get("gradients" if k == "gradients" else k, 0.0)) for k in STATE_KINDS}
     report.planned_states["gathered"] = float(states.get("gathered", 0.0))
     report.planned_activations = act.device
+    bf16 = dataclasses.replace(hardware, dtype="bf16")  # what the recipe's bf16 step keeps, for ``fits``
+    report.planned_activations_bf16 = plan_memory.stage_activations(model, strategy, seq, bf16, report.stage).device
     report.planned_traffic = planned_traffic(model, strategy, seq, hardware, report.stage)
     return report
 
@@ -243,8 +248,13 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
 # -- the whole run -----------------------------------------------------------------------------------------------
 
 
-def dry_run(cfg: TrainConfig, *, every: bool = False, print_fn=print) -> dict:
+def dry_run(cfg: TrainConfig, *, preset: str = "", every: bool = False, print_fn=print) -> dict:
     """Step each rank role of ``cfg`` (``rank_roles``); print a table per rank and return the summary."""
+    if cfg.optim.zero >= 2:
+        raise ValueError(
+            f"a dry run of optim.zero={cfg.optim.zero} is not supported: FSDP2 asks its mesh's device (meta) for a "
+            "device handle and meta has none; dry-run it with optim.zero=1 or 0"
+        )
     layout = cfg.parallel.layout()
     reports = []
     for rank, role in rank_roles(layout, every):
@@ -255,14 +265,18 @@ def dry_run(cfg: TrainConfig, *, every: bool = False, print_fn=print) -> dict:
     hardware_bytes = HARDWARE["h100-80gb"].memory_bytes
     reserved = HARDWARE["h100-80gb"].reserved_bytes
     summary = {
-        "preset": cfg.model.name if not getattr(cfg, "preset", "") else cfg.preset,
+        "preset": preset or cfg.model.name,
         "world": layout.world_size,
         "ranks_checked": len(reports),
         "worst_memory_rel_err": round(max(r.memory_rel_err for r in reports), 5),
         "worst_comm_rel_err": round(max(r.comm_rel_err for r in reports), 5),
-        "fits": all(r.total + reserved <= hardware_bytes for r in reports),
+        "fits": all(r.total_bf16 + reserved <= hardware_bytes for r in reports),
     }
-    return {"summary": summary, "ranks": [dataclasses.asdict(r) for r in reports]}
+    ranks = [
+        dataclasses.asdict(r) | {"judged": r.judged, "memory_rel_err": r.memory_rel_err, "comm_rel_err": r.comm_rel_err}
+        for r in reports
+    ]
+    return {"summary": summary, "ranks": ranks}
 
 
 def format_report(r: RankReport) -> list[str]:

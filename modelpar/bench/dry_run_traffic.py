@@ -8,7 +8,9 @@ reduce-scatter: the input, all-to-all and send: what this rank sends). ``a = b*s
 micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
 
     tp    each block half 2 collective pairs (forward, backward), each rerun half one more: all-gather +
-          reduce-scatter of a (sequence parallel), else all-reduce of a         (``collectives_per_layer``)
+          reduce-scatter of a (sequence parallel), else all-reduce of a; a MoE MLP under SP none, and its
+          tp-replicated experts' fp32 gradients all-reduced once; the embedding's output and the head's input
+          one pair each                                                   (``tp_collectives_per_layer``)
     pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
     dp    zero-0: the gradient buckets all-reduced once (4 bytes a value and a flag a tensor; a rank's own
           experts, ep = dp x cp, not at all); zero-1: reduce-scatter of the fp32 gradients and all-gather of
@@ -51,7 +53,13 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
                 halves[half] += count
             moe_layers += count * (moe_layer and "mlp" in held)
     if t > 1:
-        pairs = sum(n * (2 + (h in rerun)) for h, n in halves.items())
+        tp_halves = dict(halves, mlp=halves["mlp"] - moe_layers * strategy.sp)  # tp_collectives_per_layer
+        pairs = sum(n * (2 + (h in rerun)) for h, n in tp_halves.items())
+        chunks = partition.chunks_of(stage)
+        pairs += sum(partition.has_embedding(c) + partition.has_head(c) for c in chunks)  # embedding out, head in
+        if moe_layers:  # the tp-replicated experts' fp32 gradients, summed over tp once
+            local = shape.moe.experts // layout.ep
+            out["tp all_reduce"] += GRAD_BYTES * moe_layers * local * 3 * shape.hidden * shape.expert_ffn_hidden
         if strategy.sp:
             out["tp all_gather"] += m * pairs * act
             out["tp reduce_scatter"] += m * pairs * act

@@ -123,7 +123,10 @@ def dry_run(cfg: TrainConfig, preset: str) -> None:
         fail(f"trainer.dry_run_ranks={cfg.trainer.dry_run_ranks!r} must be roles or all")
     layout = cfg.parallel.layout()
     print(f"modelpar-train: dry run of {preset} ({layout}, {layout.world_size} ranks) on the meta device", flush=True)
-    result = step_roles(cfg, preset=preset, every=cfg.trainer.dry_run_ranks == "all")
+    try:
+        result = step_roles(cfg, preset=preset, every=cfg.trainer.dry_run_ranks == "all")
+    except ValueError as exc:
+        fail(str(exc))
     print(summary_line(result), flush=True)
 
 
