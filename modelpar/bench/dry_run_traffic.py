@@ -24,7 +24,7 @@ micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
 
 Left out, as the time model leaves them out: the embedding's and head's own tp exchanges, the loss's and
 routing statistics' small all-reduces, the has-gradient flags of ZeRO-1, FSDP2's gathers at zero-3 of each
-chunk's root, the tied embedding's sync.
+chunk's root. The tied embedding's sync (first and last stage) is the time model's: its fp32 gradient.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.perf import plan_memory
 from modelpar.perf.plan import GRAD_BYTES, Hardware, ModelSpec, Strategy, _kv_width, rerun_halves
 
@@ -81,6 +82,9 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         rows = shape.moe.top_k * b * seq_len / cp / t
         count = 6 if "mlp" in rerun else 4
         out["ep all_to_all"] += m * moe_layers * count * rows * shape.hidden * e
+    if model.tie_embeddings and layout.pp > 1 and stage in (0, layout.pp - 1):  # ``dp_exposed_s``'s tied sync
+        vt = padded_vocab_size(shape.vocab_size, t) // t
+        out["embedding all_reduce"] += GRAD_BYTES * vt * shape.hidden
     _data_parallel(model, strategy, seq_len, stage, e, out)
     return dict(out)
 

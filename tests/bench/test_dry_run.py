@@ -1,12 +1,15 @@
 """The dry run: one rank of a 64-rank job built and stepped on the meta device under the fake process group."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from modelpar.bench.dry_run import rank_roles, step_rank
+from modelpar.bench.dry_run import dry_run, rank_roles, step_rank
 from modelpar.bench.meta_world import CpuAttention, MetaStep, fake_world
 from modelpar.parallel import collectives
 from modelpar.parallel.layout import ParallelLayout
@@ -69,3 +72,22 @@ def test_read_backs_see_a_symmetric_world_and_balanced_routing():
             assert gathered.tolist() == [8, 8] * 8
             assert mode.blind_reads == 0
         assert mode.bytes[("group of 8", "all_gather")] == 16 * 8
+
+
+def test_the_train_command_ends_with_the_summary_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.cli.train", "parallel=tp2-pp2", "parallel.dp=16", "data.global_batch=64",
+         "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["world"] == 64 and summary["ranks_checked"] == 4
+    assert summary["worst_memory_rel_err"] == 0.0 and summary["worst_comm_rel_err"] < 0.05
+
+
+def test_sharded_stages_are_refused_in_one_line(tmp_path):
+    cfg = make_config(tmp_path, dp=4)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, zero=2))
+    with pytest.raises(ValueError, match="optim.zero=2 is not supported"):
+        dry_run(cfg)
