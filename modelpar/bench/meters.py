@@ -142,7 +142,9 @@ class _HostSaved:
 def _storage_key(t: torch.Tensor) -> tuple:
     t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2's sharded parameter): its local shard
     storage = t.untyped_storage()
-    return (t.device.type, storage.data_ptr(), storage.nbytes())
+    # a meta storage has no address (data_ptr 0 for all): its StorageImpl's identity tells them apart
+    address = storage._cdata if t.device.type == "meta" else storage.data_ptr()
+    return (t.device.type, address, storage.nbytes())
 
 
 def _nbytes(t) -> int:

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from modelpar.backends import rank_setup
@@ -30,7 +31,7 @@ from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
-from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema
+from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema, validate
 from modelpar.training.faults import FIRED_ENV
 from modelpar.training.flight import flight_hang_report
 from modelpar.training.outliers import outlier_check_note
@@ -153,9 +154,35 @@ def summarize(cfg: TrainConfig, val_path: str) -> None:
         print("modelpar-train: sample (prompt | continuation):\n" + text, flush=True)
 
 
+def dry_run(cfg: TrainConfig, preset: str) -> None:
+    """``trainer.dry_run=true``: step the layout's rank roles on the meta device (``modelpar.bench.dry_run``);
+    the last line is the summary as JSON."""
+    from modelpar.bench.dry_run import dry_run as step_roles
+    from modelpar.bench.dry_run import summary_line
+
+    try:
+        validate(cfg)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    if cfg.trainer.dry_run_ranks not in ("roles", "all"):
+        fail(f"trainer.dry_run_ranks={cfg.trainer.dry_run_ranks!r} must be roles or all")
+    layout = cfg.parallel.layout()
+    print(f"modelpar-train: dry run of {preset} ({layout}, {layout.world_size} ranks) on the meta device", flush=True)
+    try:
+        result = step_roles(cfg, preset=preset, every=cfg.trainer.dry_run_ranks == "all")
+    except ValueError as exc:
+        fail(str(exc))
+    print(summary_line(result), flush=True)
+
+
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="train")
 def _app(dcfg: DictConfig) -> None:
+    if dcfg.trainer.dry_run and OmegaConf.is_missing(dcfg.data, "path"):
+        dcfg.data.path = ""  # a dry run reads no data
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
+    if cfg.trainer.dry_run:
+        dry_run(cfg, HydraConfig.get().job.config_name)
+        return
     run(replace(cfg))
 
 

@@ -7,7 +7,10 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
                  layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
                  dispatch, which no parallelism shrinks)
     tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
-                 ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node
+                 ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node;
+                 a MoE layer under SP 2 (its MLP has none), plus one all-reduce a step of the fp32 gradients
+                 of the experts, which are replicated over tp; and per micro-batch one more for the embedding's
+                 output and one for the head's input (one of them on a rank of a pipeline)
     pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
     dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap);
                  ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
@@ -82,6 +85,16 @@ def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> int:
     """Tensor-parallel collectives of one layer and micro-batch: 2 forward, 2 backward, and each rerun
     half's forward one again."""
     return 4 + len(rerun_halves(model, strategy))
+
+
+def tp_collectives_per_layer(model: ModelSpec, strategy: Strategy, moe_share: float) -> float:
+    """``collectives_per_layer``, the mean over the layers: under sequence parallelism a mixture-of-experts MLP
+    routes this rank's own tokens to experts replicated over tp, so its half has no tp collective (the experts'
+    gradients are summed over tp once a step instead)."""
+    count = collectives_per_layer(model, strategy)
+    if strategy.sp and moe_share:
+        count -= moe_share * (2 + ("mlp" in rerun_halves(model, strategy)))
+    return count
 
 
 def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, seq_len: int) -> float:
@@ -228,8 +241,12 @@ def predict(
     act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
     layers_on_rank = layers_per_chunk(shape.layers, layout) * v
     tp_bw = group_bandwidth(hardware, t)
-    tp_comm_s = m * layers_on_rank * collectives_per_layer(model, strategy)
+    moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
+    tp_comm_s = m * layers_on_rank * tp_collectives_per_layer(model, strategy, moe_share)
+    tp_comm_s += m * (2 if p == 1 else 1)  # the vocab-parallel embedding's output and the head's input, once each
     tp_comm_s *= ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
+    experts = layers_on_rank * moe_share * shape.moe.experts / layout.ep * 3 * shape.hidden * shape.expert_ffn_hidden
+    tp_comm_s += ring_all_reduce_s(experts * GRAD_BYTES, t, tp_bw, hardware.latency_s) if shape.moe.enabled else 0.0
 
     pp_comm_s = 0.0
     if p > 1:
@@ -243,7 +260,6 @@ def predict(
 
     dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
     cp_comm_s = m * layers_on_rank * cp_exposed_per_layer_s(model, strategy, hardware, seq_len, rate)
-    moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
     ep_comm_s = m * layers_on_rank * moe_share * ep_comm_per_layer_s(model, strategy, hardware, seq_len)
     bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
     units = hardware.compute_units

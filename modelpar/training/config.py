@@ -153,6 +153,9 @@ class TrainerConfig:
     wandb_project: str = "modelpar"
     profile_steps: list[int] = field(default_factory=list)  # [a, b]: a torch.profiler trace per rank of steps a..b
     memory_snapshot: bool = False  # with profile_steps on CUDA: also a CUDA memory snapshot per rank
+    # build and step this layout's rank roles on the meta device at the real world size, beside the planner
+    dry_run: bool = False
+    dry_run_ranks: str = "roles"  # roles (first, middle, last stage; a tp, cp, ep rank of each) | all
 
 
 @dataclass

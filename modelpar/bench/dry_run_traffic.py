@@ -1,0 +1,118 @@
+"""The planner's collective bytes of one rank and step, per process group and kind, for the dry run to check.
+
+The planner's time model (``modelpar.plan.step_time.predict``) prices each exchange from a byte count; this module
+states those counts per rank of one pipeline stage, with the planner's own split of the layers
+(``strategy_partition``) and parameter shapes (``stage_units``, ``state_bytes``).
+Bytes are the tensor's, as ``modelpar.bench.meta_world`` counts them (all-gather: the gathered output,
+reduce-scatter: the input, all-to-all and send: what this rank sends). ``a = b*s/cp*h*e`` is one
+micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
+
+    tp    each block half 2 collective pairs (forward, backward), each rerun half one more: all-gather +
+          reduce-scatter of a (sequence parallel), else all-reduce of a; a MoE MLP under SP none, and its
+          tp-replicated experts' fp32 gradients all-reduced once; the embedding's output and the head's input
+          one pair each                                                   (``tp_collectives_per_layer``)
+    pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
+    dp    zero-0: the gradient buckets all-reduced once (4 bytes a value and a flag a tensor; a rank's own
+          experts, ep = dp x cp, not at all); zero-1: reduce-scatter of the fp32 gradients and all-gather of
+          the fp32 master shards (padded to d shards); zero-2/3: FSDP2's reduce-scatter of each unit's padded
+          gradient (``optim.reduce_dtype``) once a step (m times with reduce_every_micro_batch), all-gather of
+          its weights in the compute dtype once a step at zero-2, before each forward and backward at zero-3
+    cp    ring: per layer and micro-batch, each forward's K/V block to the next rank cp-1 times, backward the
+          K/V again cp-1 times and dK/dV (fp32) cp times (``cp_exposed_per_layer_s``)
+    ep    per MoE layer and micro-batch 4 all-to-alls (6 rerunning the MLP) of k*b*(s/cp)/t rows of h
+          (``ep_comm_per_layer_s``)
+
+Left out, as the time model leaves them out: the embedding's and head's own tp exchanges, the loss's and
+routing statistics' small all-reduces, the has-gradient flags of ZeRO-1, FSDP2's gathers at zero-3 of each
+chunk's root. The tied embedding's sync (first and last stage) is the time model's: its fp32 gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from modelpar.model.layers.embedding import padded_vocab_size
+from modelpar.plan.activations import activation_bytes
+from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
+from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
+from modelpar.plan.states import shard_group_size, stage_units, state_bytes
+from modelpar.plan.step_time import _kv_width, rerun_halves
+
+
+def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> dict:
+    """ "group kind" -> bytes this rank of pipeline stage ``stage`` sends in one step (module docstring)."""
+    layout, shape = strategy.layout, model.shape
+    t, cp, m, b = layout.tp, layout.cp, strategy.micro_batches, strategy.micro_batch_size
+    e = activation_bytes(hardware)
+    act = b * seq_len / cp * shape.hidden * e
+    partition = strategy_partition(model, strategy, seq_len)
+    rerun = set(rerun_halves(model, strategy))
+    out: dict[str, float] = defaultdict(float)
+    halves = {"attention": 0, "mlp": 0}
+    moe_layers = 0
+    for c in partition.chunks_of(stage):
+        for (held, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
+            for half in held:
+                halves[half] += count
+            moe_layers += count * (moe_layer and "mlp" in held)
+    if t > 1:
+        tp_halves = dict(halves, mlp=halves["mlp"] - moe_layers * strategy.sp)  # tp_collectives_per_layer
+        pairs = sum(n * (2 + (h in rerun)) for h, n in tp_halves.items())
+        chunks = partition.chunks_of(stage)
+        pairs += sum(partition.has_embedding(c) + partition.has_head(c) for c in chunks)  # embedding out, head in
+        if moe_layers:  # the tp-replicated experts' fp32 gradients, summed over tp once
+            local = shape.moe.experts // layout.ep
+            out["tp all_reduce"] += GRAD_BYTES * moe_layers * local * 3 * shape.hidden * shape.expert_ffn_hidden
+        if strategy.sp:
+            out["tp all_gather"] += m * pairs * act
+            out["tp reduce_scatter"] += m * pairs * act
+        else:
+            out["tp all_reduce"] += m * pairs * act
+    if layout.pp > 1:
+        p2p = act / t if strategy.sp else act
+        last, first = layout.pp * layout.vpp - 1, 0
+        for c in partition.chunks_of(stage):
+            out["pp send"] += m * p2p * ((c != last) + (c != first))
+            out["pp recv"] += m * p2p * ((c != last) + (c != first))
+    if cp > 1 and halves["attention"]:
+        kv = 2 * b * seq_len / cp * _kv_width(model, t)
+        forwards = 2 if "attention" in rerun else 1
+        per_layer = (forwards + 1) * (cp - 1) * kv * e + cp * kv * GRAD_BYTES
+        out["cp send"] += m * halves["attention"] * per_layer
+        out["cp recv"] += m * halves["attention"] * per_layer
+    if layout.ep > 1 and moe_layers:
+        rows = shape.moe.top_k * b * seq_len / cp / t
+        count = 6 if "mlp" in rerun else 4
+        out["ep all_to_all"] += m * moe_layers * count * rows * shape.hidden * e
+    if model.tie_embeddings and layout.pp > 1 and stage in (0, layout.pp - 1):  # ``dp_exposed_s``'s tied sync
+        vt = padded_vocab_size(shape.vocab_size, t) // t
+        out["embedding all_reduce"] += GRAD_BYTES * vt * shape.hidden
+    _data_parallel(model, strategy, seq_len, stage, e, out)
+    return dict(out)
+
+
+def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, e: int, out: dict) -> None:
+    layout = strategy.layout
+    d = layout.dp * layout.cp
+    if d == 1:
+        return
+    group = "dp" if layout.cp == 1 else "dp_cp"
+    units = stage_units(model, strategy, seq_len, stage)
+    if strategy.zero == 0:
+        states = state_bytes(model, strategy, seq_len, stage)
+        out[f"{group} all_reduce"] += states["buffers"]
+        return
+    params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
+    if strategy.zero == 1:
+        shard = math.ceil(params / d)
+        out[f"{group} reduce_scatter"] += GRAD_BYTES * shard * d
+        out[f"{group} all_gather"] += GRAD_BYTES * shard * d
+        return
+    g = shard_group_size(strategy)
+    padded = sum(count * math.ceil(r / g) * g * c for _, tensors, count in units for r, c in tensors)
+    m = strategy.micro_batches
+    scatters = m if strategy.reduce_every_micro_batch else 1
+    out[f"{group} reduce_scatter"] += scatters * padded * GRAD_BYTES
+    gathers = 1 if strategy.zero == 2 else 2 * m
+    out[f"{group} all_gather"] += gathers * padded * e

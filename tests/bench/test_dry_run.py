@@ -1,0 +1,93 @@
+"""The dry run: one rank of a 64-rank job built and stepped on the meta device under the fake process group."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modelpar.bench.dry_run import dry_run, rank_roles, step_rank
+from modelpar.bench.meta_world import CpuAttention, MetaStep, fake_world
+from modelpar.parallel import collectives
+from modelpar.parallel.layout import ParallelLayout
+from tests.helpers import make_config
+
+
+@pytest.fixture(scope="module")
+def first_stage(tmp_path_factory):
+    """Rank 0 of tp2 x pp2 x dp16 (64 ranks), the tiny model untied with 64 tokens, 2 layers a stage."""
+    cfg = make_config(tmp_path_factory.mktemp("dry"), tp=2, pp=2, dp=16, sp=True, partition="uniform")
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False)
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=32))
+    return step_rank(cfg, 0, "first stage")
+
+
+def test_model_states_equal_a_hand_count(first_stage):
+    h, f, d = 32, 48 // 2, 8  # tp2: 2 of 4 q heads, 1 of 2 kv heads, half of the MLP
+    layer = h + (2 + 2) * d * h + h * 2 * d + h + 2 * f * h + h * f  # norm, qkv, o_proj, norm, gate|up, down
+    params = 2 * layer + 64 // 2 * h  # two layers and half the embedding
+    tensors = 2 * 6 + 1
+    assert first_stage.states == {
+        "weights": 4 * params,
+        "gradients": 4 * params,
+        "optimizer": 8 * params,  # AdamW's two moments
+        "buffers": 4 * (params + tensors),  # zero-0's buckets: every gradient and a flag a tensor
+        "gathered": 0,
+    }
+    assert first_stage.states_exact  # the planner's too
+
+
+def test_gradients_are_all_reduced_over_dp_once(first_stage):
+    assert first_stage.traffic["dp all_reduce"] == first_stage.states["buffers"]
+
+
+def test_activations_equal_the_planner(first_stage):
+    assert first_stage.activations == first_stage.planned_activations > 0
+
+
+def test_rank_roles_name_each_stage_and_the_last_tp_cp_ep_rank():
+    roles = dict(rank_roles(ParallelLayout(tp=8, pp=16, dp=8, cp=16)))
+    assert roles[0] == "first stage" and roles[7] == "first stage, tp 7" and roles[15 * 8] == "first stage, cp 15"
+    assert sum("middle" in r for r in roles.values()) == 3 and sum("last" in r for r in roles.values()) == 3
+
+
+def test_meta_attention_keeps_no_scores():
+    q, k, v = (torch.empty(1, 4, 256, 8, device="meta", requires_grad=True) for _ in range(3))
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t, lambda t: t), CpuAttention():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert shapes and all(s[-2:] != (256, 256) for s in shapes)
+
+
+def test_read_backs_see_a_symmetric_world_and_balanced_routing():
+    with fake_world(5, 8):
+        mode = MetaStep()
+        with mode:
+            counts = torch.bincount(torch.empty(30, dtype=torch.int64, device="meta"), minlength=4)
+            assert counts.tolist() == [8, 8, 7, 7]
+            gathered = collectives.all_gather(counts[:2].contiguous(), None)
+            assert gathered.tolist() == [8, 8] * 8
+            assert mode.blind_reads == 0
+        assert mode.bytes[("group of 8", "all_gather")] == 16 * 8
+
+
+def test_the_train_command_ends_with_the_summary_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.cli.train", "parallel=tp2-pp2", "parallel.dp=16", "data.global_batch=64",
+         "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["world"] == 64 and summary["ranks_checked"] == 4
+    assert summary["worst_memory_rel_err"] == 0.0 and summary["worst_comm_rel_err"] < 0.05
+
+
+def test_sharded_stages_are_refused_in_one_line(tmp_path):
+    cfg = make_config(tmp_path, dp=4)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, zero=2))
+    with pytest.raises(ValueError, match="optim.zero=2 is not supported"):
+        dry_run(cfg)
