@@ -120,7 +120,7 @@ def _error(exc: BaseException) -> str:
 def run_tests(s: Section) -> dict:
     """The CUDA-only tests and the kernel tests on CUDA, each a pytest run; counts from its JUnit XML."""
     if s.smoke:
-        runs = [("cuda-only (one file)", ["-m", "gpu", "tests/test_host_syncs.py"])]
+        runs = [("cuda-only (one file)", ["-m", "gpu", "tests/bench/test_host_syncs.py"])]
     else:
         runs = [("cuda-only", ["-m", "gpu", "tests"]), ("kernels on cuda", ["-m", "not gpu", "tests/kernels"])]
     out = {"runs": []}
