@@ -25,7 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.model.config import ModelConfig
+from modelpar.parallel.layout import ParallelLayout
 from modelpar.plan import HARDWARE, CostModel, ModelSpec, SearchSpace, Strategy, plan
+from modelpar.plan.spec import Prediction
+from modelpar.plan.step_time import predict
 
 SEQ_LEN = 2048
 VOCAB = 51_200
@@ -105,3 +108,146 @@ def predicted_tflops(run: PublishedRun) -> tuple[float, Strategy]:
         space=megatron_2021_space(run),
     )[0]
     return run.paper_flops() / best.prediction.total_s / run.gpus / 1e12, best.strategy
+
+
+# -- H100 runs -------------------------------------------------------------------------------------------------
+#
+# Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: Llama 3 405B pretraining on up
+# to 16,384 H100 SXM 80GB (700 W, NVLink within a server of 8, 400 Gb/s RoCE between GPUs), 16M-token batches,
+# tp8 pp16, BF16 TFLOP/s per GPU 430 / 400 at sequence 8192 (dp 64 / 128) and 380 at 131,072 with cp16 (dp 8).
+# The same three rows (GPUs, tp, cp, pp, tokens per batch, TFLOP/s per GPU) are restated from the authors' SC'24
+# slides at https://glennklockwood.com/garden/llama-3.1 (where the figures here were checked; that page does not
+# give the sequence lengths, taken as the paper's 8K pretraining and 128K long-context stages, the only ones it has).
+# Not stated there, so assumed (and listed per run in ``assumed``): the micro-batch (1 sequence), the
+# interleaving depth (4 chunks per stage: 126 layers = 16 stages of 8 with one fewer on the first and last),
+# no activation recompute, data parallelism sharding gradients and optimizer state but not the weights (ZeRO-2),
+# sequence parallelism, ring context parallelism; and that the paper's TFLOP/s count model FLOPs as
+# ``modelpar.model.flops`` does (attention's score and value matmuls over the whole sequence).
+#
+# torchtitan's docs/performance.md (github.com/pytorch/torchtitan), Table 1: Llama 3.1 8B on 8 H100 (96 GB HBM2e,
+# 2.4 TB/s, 500 W power limit), FSDP 8, local batch 2, global 16, selective activation checkpointing, 5,762
+# tokens/s per GPU without torch.compile. Sequence length not in the table (torchtitan's default, 8192, assumed).
+
+LLAMA3_VOCAB = 128_256
+H100_SOURCE = "Dubey et al. 2024, arXiv:2407.21783 (Table 4); torchtitan docs/performance.md (Table 1)"
+
+
+def llama3_shape(billions: int) -> ModelConfig:
+    """Llama 3 / 3.1's published shapes (the paper's Table 3): GQA with 8 K/V heads, vocabulary 128,256."""
+    hidden, layers, heads, ffn = {8: (4096, 32, 32, 14336), 70: (8192, 80, 64, 28672), 405: (16384, 126, 128, 53248)}[
+        billions
+    ]
+    return ModelConfig(
+        name=f"llama3-{billions}b",
+        vocab_size=LLAMA3_VOCAB,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=8,
+        ffn_hidden=ffn,
+        tie_embeddings=False,
+    )
+
+
+@dataclass(frozen=True)
+class H100Run:
+    """One published Llama run on H100s, its layout as published plus ``assumed``'s choices, and the figure the
+    source gives: model TFLOP/s per GPU (``tflops_per_gpu``) or tokens/s per GPU (``tokens_per_gpu``)."""
+
+    name: str
+    billions: int
+    gpus: int
+    tp: int
+    cp: int
+    pp: int
+    vpp: int
+    seq_len: int
+    global_batch: int  # sequences
+    micro_batch_size: int
+    recompute: str
+    zero: int
+    where: str
+    assumed: str
+    tflops_per_gpu: float = 0.0
+    tokens_per_gpu: float = 0.0
+    recompute_modules: tuple[str, ...] = ("elementwise",)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def model(self) -> ModelSpec:
+        return ModelSpec(llama3_shape(self.billions), flash_attention=True)
+
+    @property
+    def strategy(self) -> Strategy:
+        layout = ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, vpp=self.vpp)
+        return Strategy(
+            layout,
+            self.micro_batch_size,
+            self.global_batch // (self.dp * self.micro_batch_size),
+            recompute=self.recompute,
+            recompute_modules=self.recompute_modules,
+            zero=self.zero,
+            sp=self.tp > 1,
+        )
+
+
+_LLAMA3_ASSUMED = "b1, vpp4, no recompute, ZeRO-2, SP, ring cp; model-FLOP convention"
+LLAMA3_405B = [
+    H100Run("Llama 3 405B, 8K GPUs", 405, 8192, 8, 1, 16, 4, 8192, 2048, 1, "none", 2, "Table 4", _LLAMA3_ASSUMED, 430),
+    H100Run(
+        "Llama 3 405B, 16K GPUs", 405, 16384, 8, 1, 16, 4, 8192, 2048, 1, "none", 2, "Table 4", _LLAMA3_ASSUMED, 400
+    ),
+    H100Run(
+        "Llama 3 405B, 16K GPUs, 128K context",
+        405,
+        16384,
+        8,
+        16,
+        16,
+        4,
+        131072,
+        128,
+        1,
+        "none",
+        2,
+        "Table 4",
+        _LLAMA3_ASSUMED,
+        380,
+    ),
+]
+TORCHTITAN_8B = H100Run(
+    "Llama 3.1 8B, torchtitan FSDP",
+    8,
+    8,
+    1,
+    1,
+    1,
+    1,
+    8192,
+    16,
+    2,
+    "selective",
+    3,
+    "torchtitan Table 1",
+    "seq 8192, selective = the cheap element-wise ops, ZeRO-3 (FSDP2); H100 80GB preset for a 500 W H100 96GB",
+    tokens_per_gpu=5762,
+)
+H100_RUNS = [*LLAMA3_405B, TORCHTITAN_8B]
+
+
+def predicted_h100(run: H100Run) -> Prediction:
+    """The planner's prediction of ``run``'s strategy on its H100 80GB preset, default costs (not fitted)."""
+    return predict(run.strategy, run.model, HARDWARE["h100-80gb"], seq_len=run.seq_len)
+
+
+def h100_residual(run: H100Run) -> tuple[float, float]:
+    """(predicted, residual) of the figure the source gives: model TFLOP/s or tokens/s per GPU."""
+    p = predicted_h100(run)
+    if run.tflops_per_gpu:
+        predicted = p.model_flops_per_step / p.total_s / run.gpus / 1e12
+        return predicted, predicted / run.tflops_per_gpu - 1
+    predicted = p.tokens_per_s / run.gpus
+    return predicted, predicted / run.tokens_per_gpu - 1
