@@ -23,7 +23,7 @@ class BenchOptions:
     peer: bool = True
     peer_partition: str = "same"  # same: the peer runs our layer split; uniform: torch users' even split
     peak_tflops: float = 0.0  # per rank; 0: measure a one-thread fp32 matmul
-    results_dir: str = "benchmarks/results"
+    results_dir: str = ""  # empty: the run's directory (a multirun's sweep directory); or a path: benchmarks/results
     name: str = "bench"  # file stem of the results
     profile_rank: int = -1  # >= 0: cProfile our timed steps on this rank, top functions to <name>_profile_*.txt
     timeout_s: float = 1800.0

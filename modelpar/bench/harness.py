@@ -35,7 +35,9 @@ pool (load from other jobs drifts over minutes). From the timed steps it reports
   runs our layer split (``bench.peer_partition=same``), or with ``uniform`` the even split a user of
   ``torch.distributed.pipelining`` gets without a partitioner, named "(uniform split)" in the table.
 
-Results accumulate in ``bench.results_dir`` (``benchmarks/results``): ``bench.json`` (one row per layout; a
+Results accumulate in ``bench.results_dir`` (empty: ``trainer.out_dir``; ``modelpar-bench`` fills in the run's
+Hydra directory, or a multirun's sweep directory so its jobs' rows merge; the committed ``benchmarks/results``
+changes only when named): ``bench.json`` (one row per layout; a
 rerun replaces its layout's row), ``bench.md``, ``bench_throughput.png`` and, per pipeline layout, the
 measured timeline of one step, ``bench_timeline_<layout>.png``. The table is printed too.
 
@@ -261,6 +263,8 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
     """Benchmark every layout of ``cfg.bench.sweep`` (or ``cfg.parallel``); returns all rows of the results."""
     opts = cfg.bench
     check_options(opts)
+    if not opts.results_dir:
+        opts.results_dir = cfg.trainer.out_dir
 
     def peer_of(case: BenchRecipe) -> str | None:
         name = peer_name(case) if opts.peer else None
@@ -302,7 +306,9 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
                     out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_rank{r['rank']}_pass{k}.txt"
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(r["profile"])
+                    print(f"modelpar-bench: wrote {out}", flush=True)
     rows = [summarize(case, pooled[i], peak, peer_of(case)) for i, case in enumerate(cases)]
-    all_rows = write_results(cfg, rows)
+    all_rows, written = write_results(cfg, rows)
     print(text_table({r["layout"]: all_rows[r["layout"]] for r in rows}), flush=True)
+    print(f"modelpar-bench: wrote {', '.join(str(p) for p in written)}", flush=True)
     return all_rows

@@ -174,19 +174,23 @@ MEMORY_NOTE = (
 )
 
 
-def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
-    """Merge ``new_rows`` into ``<results_dir>/<name>.json`` and rewrite the table, plots and timelines."""
+def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> tuple[dict[str, dict], list[Path]]:
+    """Merge ``new_rows`` into ``<results_dir>/<name>.json`` and rewrite the table, plots and timelines.
+
+    Returns all rows and the paths written."""
     out_dir = Path(cfg.bench.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{cfg.bench.name}.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
     rows = report.get("rows", {})
+    written: list[Path] = []
     for row in new_rows:
         timeline = row.pop("_timeline")
         if row["pp"] > 1:
             png = out_dir / f"{cfg.bench.name}_timeline_{row['layout']}.png"
             title = f"{row['layout']}: one measured step, bubble {row['bubble_measured']:.1%}"
             render_png(timeline, str(png), title=title)
+            written.append(png)
             row["timeline_png"] = png.name
         rows[row["layout"]] = row
     add_ideal(rows)
@@ -227,4 +231,5 @@ def write_results(cfg: BenchRecipe, new_rows: list[dict]) -> dict[str, dict]:
         f"{memory_markdown_table(rows)}\n\n{MEMORY_NOTE}\n"
     )
     plot_throughput(rows, out_dir / f"{cfg.bench.name}_throughput.png")
-    return rows
+    md = out_dir / f"{cfg.bench.name}.md"
+    return rows, [path, md, *written, out_dir / f"{cfg.bench.name}_throughput.png"]

@@ -5,8 +5,10 @@
     modelpar-bench -m parallel=single,tp2,pp2,tp2-pp2  # one layout per Hydra job; the rows merge
     modelpar-bench bench.peak_tflops=989 trainer.device=cuda ...   # MFU against a GPU's peak
 
-What is measured, and where the results go: ``modelpar.bench.harness``. A bad ``bench.*`` value, layout or data
-file is one line on stderr and exit status 2, before any rank starts.
+Results go to the run's directory (``runs/bench/<time>``; a multirun's sweep directory, where its jobs' rows
+merge) and every file written is printed; ``bench.results_dir=benchmarks/results`` updates the committed
+results. What is measured: ``modelpar.bench.harness``. An unknown key (``bench.roundz=3``) is refused in one line.
+A bad ``bench.*`` value, layout or data file is one line on stderr and exit status 2, before any rank starts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from modelpar.bench.config import BenchRecipe, register_bench_schema
 from modelpar.bench.harness import run
+from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.training.config import RECIPES
 
 
@@ -37,6 +40,10 @@ def _app(dcfg: DictConfig) -> None:
     cfg: BenchRecipe = OmegaConf.to_object(dcfg)
     if _recipe_layout_requested():
         cfg.bench.sweep = []
+    if not cfg.bench.results_dir:  # the run's own directory; a multirun's jobs share the sweep's, so rows merge
+        hydra_cfg = HydraConfig.get()
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        cfg.bench.results_dir = hydra_cfg.sweep.dir if multirun else hydra_cfg.runtime.output_dir
     try:
         run(cfg)
     except ValueError as exc:
@@ -45,6 +52,7 @@ def _app(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    refuse_unknown_overrides("modelpar-bench", BenchRecipe, RECIPES)
     register_bench_schema()
     _app()
 

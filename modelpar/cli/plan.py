@@ -216,6 +216,13 @@ def parse_modules(text: str) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(m.strip() for m in c.split(",") if m.strip()) for c in text.split(";") if c.strip())
 
 
+def search_progress(layouts: list) -> Iterator:
+    """A progress bar on stderr over the layouts searched, cleared when the search ends."""
+    from tqdm import tqdm  # only on a terminal: tqdm starts a monitor thread on import
+
+    return iter(tqdm(layouts, desc="modelpar-plan: searching", unit="layout", file=sys.stderr, leave=False))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -247,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seq_len=args.seq_len,
             costs=costs,
             space=space,
+            progress=search_progress if sys.stderr.isatty() else None,  # piped: the output stays as it is
         )
     except PlanError as exc:
         print(f"modelpar-plan: error: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ by tokens/s among those that fit; and the one-line messages when none can run or
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from modelpar.parallel.context import CP_COMMS
@@ -127,8 +128,11 @@ def plan(
     seq_len: int,
     costs: CostModel | None = None,
     space: SearchSpace | None = None,
+    progress: Callable[[list[ParallelLayout]], Iterable[ParallelLayout]] | None = None,
 ) -> list[PlannedLayout]:
     """Strategies that fit in memory, fastest first (tokens/s, then less memory). Raises ``PlanError``.
+
+    ``progress`` wraps the list of layouts searched (a progress bar: ``modelpar-plan`` on a terminal).
 
     Recompute and offload only ever add time, so a strategy that fits without them is not tried with them
     (its recomputing variants would rank below it), and offload is tried only where a strategy misses."""
@@ -139,7 +143,7 @@ def plan(
         raise PlanError(no_layout_message(model, gpus, global_batch, space, seq_len))
     planned, closest = [], None
     fits_as_is: set[Strategy] = set()  # strategies that fit without recompute: recomputing them only costs time
-    for layout in layouts:
+    for layout in progress(layouts) if progress else layouts:
         for strategy in strategies(model, layout, global_batch, seq_len, space):
             if strategy.recompute != "none" and _without_recompute(strategy) in fits_as_is:
                 continue

@@ -214,13 +214,23 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
         "bench.steps_per_round=1",
         "bench.passes=1",
         "bench.peak_tflops=0.1",
-        f"bench.results_dir={tmp_path}",
         f"hydra.sweep.dir={tmp_path / 'hydra'}",
-    ]
-    subprocess.run([sys.executable, "-m", "modelpar.cli.bench", *overrides], check=True, timeout=120, cwd=ROOT)
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    ]  # no bench.results_dir: the sweep's directory, never the committed benchmarks/results
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.cli.bench", *overrides],
+        check=True, timeout=120, cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    sweep = tmp_path / "hydra"
+    rows = json.loads((sweep / "bench.json").read_text())["rows"]
     assert set(rows) == {"single-m4", "pp2-1f1b-m4"}
     assert rows["pp2-1f1b-m4"]["peer"] is None
+    status = ["git", "status", "--porcelain", "--untracked-files=all", "benchmarks/results"]
+    assert subprocess.run(status, cwd=ROOT, capture_output=True, text=True, check=True).stdout == ""
+    wrote = [line for line in proc.stdout.splitlines() if line.startswith("modelpar-bench: wrote ")]
+    assert len(wrote) == 2  # one line per job, naming every file it wrote
+    named = {p for line in wrote for p in line.removeprefix("modelpar-bench: wrote ").split(", ")}
+    expected = {"bench.json", "bench.md", "bench_throughput.png", "bench_timeline_pp2-1f1b-m4.png"}
+    assert named == {str(sweep / name) for name in expected}
 
 
 def _live_after_each_weight_backward(cfg, data_path):

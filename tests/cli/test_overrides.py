@@ -43,3 +43,13 @@ def test_the_cli_refuses_a_typo_in_one_line_before_any_work(cli, tmp_path):
     expected = f"modelpar-{cli}: error: trainer.stepz is not a recipe key; did you mean trainer.steps?"
     assert proc.stderr.strip() == expected
     assert not any(tmp_path.iterdir())  # no run directory, no job
+
+
+def test_bench_refuses_a_typo_in_one_line_before_any_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpar.cli.bench", "+bench.roundz=3", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "modelpar-bench: error: bench.roundz is not a recipe key; did you mean bench.rounds?"
+    assert not any(tmp_path.iterdir())

@@ -1,10 +1,12 @@
 """Layout planner: memory and step-time formulas, ranking, the CLI, and validation against published runs."""
 
 import dataclasses
+import io
 import json
 import pathlib
 import shlex
 import statistics
+import sys
 
 import pytest
 
@@ -443,3 +445,23 @@ def test_cli_names_the_trainer_overrides_that_run_the_best_layout_and_they_valid
     assert cfg.parallel.recompute == best["recompute"] and cfg.parallel.recompute_modules == (
         best["recompute_modules"] or cfg.parallel.recompute_modules
     )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_cli_shows_search_progress_on_a_terminal_only(terminal, capsys, monkeypatch):
+    argv = ["--model", "tiny", "--gpus", "2", "--global-batch", "16", "--seq-len", "128", "--hardware", "cpu"]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(argv) == 0
+    assert capsys.readouterr().out == plain.out  # the table and run line never change
+    if terminal:
+        assert "modelpar-plan: searching" in err.getvalue() and "layout/s" in err.getvalue()
+    else:
+        assert err.getvalue() == ""
