@@ -346,13 +346,18 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
     bw = group_bandwidth(hardware, layout.world_size)
     exposed = 0.0
     if d > 1 and strategy.zero >= 2:
-        # FSDP2 reduce-scatters every block's gradients once, after its last micro-batch's backward, and at
-        # stage 3 all-gathers its weights before each forward and backward; prefetching hides the dp_overlap share
+        # FSDP2 moves each sharded unit (every block, and each chunk's rest) in its own collectives: it
+        # reduce-scatters a unit's gradients once, by its last micro-batch's backward (every backward under
+        # optim.reduce_every_micro_batch), and all-gathers its weights wherever they were freed: at stage 2 once,
+        # from the first forward to the reducing backward (m times when every backward reduces), at stage 3
+        # before each forward and each backward. Prefetching hides the dp_overlap share.
         m = strategy.micro_batches
-        scatters = m if strategy.reduce_every_micro_batch else 1  # optim.reduce_every_micro_batch: m x the traffic
-        moved = scatters * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
-        if strategy.zero >= 3:
-            moved += 2 * m * ring_all_gather_s(params * hardware.weight_bytes, d, bw, hardware.latency_s)
+        scatters = m if strategy.reduce_every_micro_batch else 1
+        gathers = 2 * m if strategy.zero >= 3 else scatters
+        units = layers_per_chunk(model.shape.layers, layout) * layout.vpp + layout.vpp
+        latency = units * (d - 1) * hardware.latency_s  # per collective of one unit
+        moved = scatters * (ring_all_gather_s(params * GRAD_BYTES, d, bw, 0.0) + latency)
+        moved += gathers * (ring_all_gather_s(params * hardware.weight_bytes, d, bw, 0.0) + latency)
         exposed = (1 - costs.dp_overlap) * moved
     elif d > 1 and strategy.zero1:
         # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
