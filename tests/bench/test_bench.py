@@ -218,7 +218,7 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
     ]  # no bench.results_dir: the sweep's directory, never the committed benchmarks/results
     proc = subprocess.run(
         [sys.executable, "-m", "modelpar.cli.bench", *overrides],
-        check=True, timeout=120, cwd=ROOT, capture_output=True, text=True,
+        check=True, timeout=300, cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     sweep = tmp_path / "hydra"
     rows = json.loads((sweep / "bench.json").read_text())["rows"]
