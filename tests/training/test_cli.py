@@ -68,7 +68,10 @@ def test_bad_recipe_is_one_line_before_any_rank_starts(overrides, needle, tmp_pa
 
 @pytest.mark.parametrize(
     "override, needle",
-    [("model.hiden=3", "Key 'hiden' not in 'ModelConfig'"), ("trainer.steps=many", "trainer.steps")],
+    [
+        ("model.hiden=3", "model.hiden is not a recipe key; did you mean model.hidden?"),
+        ("trainer.steps=many", "trainer.steps"),
+    ],
 )
 def test_unknown_key_and_wrong_type_are_rejected_by_the_schema(override, needle, tmp_path):
     proc = train_cli(override, f"hydra.run.dir={tmp_path}")
