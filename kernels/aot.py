@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from modelpar_kernels.presets import PRESETS, Preset  # noqa: F401 - Preset: part of this module's API
 
 ARCH_NAMES = ("sm_80", "sm_90a")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -65,29 +66,6 @@ REGS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_BLOCKS_PER_SM = 32
 SMEM_RESERVED_PER_BLOCK = 1024
-
-
-@dataclass(frozen=True)
-class Preset:
-    """The widths of one shipped model preset (recipes/model/<name>.yaml) that kernels see."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab_size: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-
-PRESETS = {
-    "llama-1b": Preset(2048, 32, 8, 8192, 128256),
-    "llama-8b": Preset(4096, 32, 8, 14336, 128256),
-    "llama-70b": Preset(8192, 64, 8, 28672, 128256),
-    "mixtral-8x7b": Preset(4096, 32, 8, 14336, 32000),
-}
 
 
 def occupancy(regs: int, warps: int, shared: int, arch: Arch) -> dict[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpar_kernels.aot import PRESETS
+from modelpar_kernels.presets import PRESETS
 
 
 @dataclass(frozen=True)
