@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from modelpar_kernels.presets import PRESETS, Preset  # noqa: F401 - Preset: part of this module's API
+from modelpar_kernels.presets import PRESETS
 
 ARCH_NAMES = ("sm_80", "sm_90a")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
