@@ -59,6 +59,13 @@ def pytest_configure(config) -> None:
     )
 
 
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """After a test module, idle warm ranks drop their process groups: each gloo group's socket thread keeps
+    polling, and a dozen layouts' worth of them in idle workers slows every later test that runs processes."""
+    if nextitem is None or nextitem.module is not item.module:
+        pool.release_pools()
+
+
 def pytest_pyfunc_call(pyfuncitem):
     marker = pyfuncitem.get_closest_marker("ranks")
     if marker is None:

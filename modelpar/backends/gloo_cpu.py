@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -114,14 +115,17 @@ def gloo_socket_threads() -> list[int]:
     return sorted(out)
 
 
-_threads_of_group: dict = {}  # process group -> the socket thread ids its creation brought along
+# process group -> the socket thread ids its creation brought along (weak: a released group must be freed,
+# or its socket thread lives on)
+_threads_of_group: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _record_socket_threads(kind: str, ranks: Sequence[int], create: Callable[[], dist.ProcessGroup]):
     """Group-creation observer (``observe_group_creation``): each gloo group brings its own socket thread."""
     before = set(gloo_socket_threads())
     group = create()
-    _threads_of_group[group] = tuple(sorted(set(gloo_socket_threads()) - before))
+    if isinstance(group, dist.ProcessGroup):  # not a group this rank is outside of (torch's marker is an int)
+        _threads_of_group[group] = tuple(sorted(set(gloo_socket_threads()) - before))
     return group
 
 
@@ -132,7 +136,7 @@ def watch_socket_threads() -> None:
 
 def socket_threads(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """The socket threads ``group`` brought along (empty if it was created before ``watch_socket_threads``)."""
-    return _threads_of_group.get(group, ())
+    return _threads_of_group.get(group, ()) if isinstance(group, dist.ProcessGroup) else ()
 
 
 def set_gloo_threads(mode: str, threads: Iterable[int] | None = None) -> list[int]:

@@ -23,11 +23,43 @@ def observe_group_creation(observer: GroupCreationObserver) -> None:
         _creation_observers.append(observer)
 
 
+# (kind, ranks) -> group, shared by every layout built on this world: a 4-rank world tried under a dozen
+# layouts holds each distinct group once (each gloo group keeps a socket thread polling its epoll set, so
+# idle duplicates cost CPU). Within one layout every kind keeps its own group, as collectives on different
+# kinds may be ordered differently across ranks.
+_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
 def _new_group(kind: str, ranks: Sequence[int]) -> dist.ProcessGroup:
-    create = functools.partial(dist.new_group, list(ranks), timeout=world_timeout())
-    for observer in _creation_observers:
-        create = functools.partial(observer, kind, ranks, create)
-    return create()
+    """The group of ``ranks`` for ``kind``, created once per world. Every rank calls this for every group in
+    the same order, so every rank reaches the same cache decision and the collective ``new_group`` calls
+    stay matched."""
+    key = (kind, tuple(ranks))
+    if key not in _groups:
+        create = functools.partial(dist.new_group, list(ranks), timeout=world_timeout())
+        for observer in _creation_observers:
+            create = functools.partial(observer, kind, ranks, create)
+        _groups[key] = create()
+    return _groups[key]
+
+
+def held_groups() -> int:
+    """How many groups this rank belongs to that ``ParallelGroups.build`` created and did not release."""
+    return sum(g not in (None, dist.GroupMember.NON_GROUP_MEMBER) for g in _groups.values())
+
+
+def release_groups() -> None:
+    """Destroy every group ``ParallelGroups.build`` created on this world (the default group stays).
+
+    Collective in the sense that every rank must call it at the same point of its sequence of builds; the
+    next ``build`` creates the groups again. Idle warm workers call it so their groups' threads stop.
+    """
+    groups = list(_groups.values())
+    _groups.clear()
+    ParallelGroups._cache.clear()
+    for group in groups:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,3 +189,4 @@ def _with_layout(groups: ParallelGroups, layout: ParallelLayout) -> ParallelGrou
 
 
 on_destroy(ParallelGroups._cache.clear)
+on_destroy(_groups.clear)

@@ -157,8 +157,9 @@ def _watch(procs: list, errors, hang_report: Callable[[list[int]], str] | None, 
             if reports:
                 rank = next(iter(reports))  # the first to report is the likeliest cause; the rest follow it
                 message, trace = reports[rank]
-                if not trace:  # a verdict every rank reached alike: its message says it all
-                    raise LaunchError(rank, f"halted: {message}{hang}")
+                if not trace:  # a verdict every rank reached alike: its message says it all (the ranks still
+                    # exiting when it arrived are not stuck, so no hang report follows it)
+                    raise LaunchError(rank, f"halted: {message}")
                 raise LaunchError(rank, f"rank {rank} failed: {message}\n{trace.rstrip()}{hang}")
             rank = failed[0]
             code = procs[rank].exitcode

@@ -17,6 +17,7 @@ a call with another ``rank_setup`` than the pool's replaces the pool. ``modelpar
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -30,12 +31,16 @@ from typing import Any
 
 import torch
 
-from modelpar.parallel.groups import ParallelGroups
+from modelpar.parallel.groups import ParallelGroups, held_groups, release_groups
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.parallel.world import init_distributed
 
 DEFAULT_TIMEOUT_S = 120.0
 _FAILURE_GRACE_S = 1.0  # after one rank fails, how long to wait for the others' own reports
+_RELEASE = "release-groups"  # a task telling an idle pool's workers to destroy their cached process groups
+# groups a worker keeps between calls: beyond this, it drops them all before the next call (every worker of a
+# pool sees the same calls, so all decide alike); each gloo group keeps a socket thread polling
+_MAX_HELD_GROUPS = 24
 
 
 class RankError(RuntimeError):
@@ -90,7 +95,14 @@ def _worker_main(
             continue
         if task is None:
             return
+        if task == _RELEASE:  # another pool is in use: stop this one's group threads until it is needed again
+            release_groups()
+            gc.collect()
+            continue
         call_id, sys_path, payload = task
+        if held_groups() > _MAX_HELD_GROUPS:
+            release_groups()
+            gc.collect()
         for entry in reversed(sys_path):
             if entry not in sys.path:
                 sys.path.insert(0, entry)
@@ -134,6 +146,7 @@ class _RankPool:
         for p in self.procs:
             p.start()
         self._calls = 0
+        self.holds_groups = False  # whether a call since the last release may have built process groups
         try:
             self._collect("ready", set(range(world_size)), start_timeout_s, "start-up")
         except BaseException:
@@ -143,8 +156,16 @@ class _RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
+    def release(self) -> None:
+        """Have every worker destroy its cached process groups (in order with the calls: all ranks agree)."""
+        if self.holds_groups:
+            for q in self.tasks:
+                q.put(_RELEASE)
+            self.holds_groups = False
+
     def run(self, fn: Callable, args: tuple, kwargs: dict, layout: ParallelLayout | None, timeout_s: float) -> list:
         self._calls += 1
+        self.holds_groups = True
         call_id = self._calls
         payload = pickle.dumps((fn, args, kwargs, layout))
         for q in self.tasks:
@@ -251,6 +272,9 @@ def run_on_ranks(
         _pools.pop(world_size)
         pool.close()
         pool = None
+    for size, other in _pools.items():
+        if size != world_size:  # an idle gloo group still polls its sockets: idle pools drop theirs
+            other.release()
     if pool is None:
         pool = _pools[world_size] = _RankPool(world_size, rank_setup)
     try:
@@ -259,6 +283,13 @@ def run_on_ranks(
         _pools.pop(world_size, None)
         pool.close()
         raise
+
+
+def release_pools() -> None:
+    """Have every warm pool destroy its cached process groups; the workers stay, the next call rebuilds
+    what it needs (the pytest plugin calls this after each test module)."""
+    for p in _pools.values():
+        p.release()
 
 
 def shutdown_pools() -> None:

@@ -90,3 +90,31 @@ def _process_exists(pid: int) -> bool:
     # a zombie awaiting its parent's reap is gone for our purposes
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def _socket_threads_after_build(layout):
+    from modelpar.backends.gloo_cpu import gloo_socket_threads
+    from modelpar.parallel.groups import ParallelGroups, held_groups
+
+    groups = ParallelGroups.build(layout) if layout is not None else None
+    total = torch.ones(1)
+    if groups is not None:  # the groups still work after the others were released
+        dist.all_reduce(total, group=groups.tp_group)
+    return held_groups(), len(gloo_socket_threads()), total.item()
+
+
+def test_layouts_share_their_groups_and_an_idle_pool_releases_them():
+    from modelpar.parallel.layout import ParallelLayout
+
+    from modelpar.parallel.pool import release_pools
+
+    release_pools()  # start from no groups, whatever ran before
+    layouts = [ParallelLayout(tp=2, pp=2), ParallelLayout(dp=4), ParallelLayout(tp=2, dp=2)]
+    held = [run_on_ranks(4, _socket_threads_after_build, lay)[0] for lay in layouts]
+    # rank 0 of tp2-pp2 is in a tp, pp, dp and embedding group (4); dp4 brings 4 others; of tp2-dp2's, only
+    # the dp group [0, 2] is new: its tp group [0, 1] is tp2-pp2's, its pp and embedding groups ([0]) are dp4's
+    assert [h[0] for h in held] == [4, 8, 9]
+    assert held[-1][1] == held[-1][0] + 1  # one socket thread per held group, plus the default group's
+    run_on_ranks(2, _socket_threads_after_build, None)  # another pool in use: the idle one drops its groups
+    assert run_on_ranks(4, _socket_threads_after_build, None)[0][:2] == (0, 1)
+    assert run_on_ranks(4, _socket_threads_after_build, layouts[0])[0] == (4, 5, 2.0)
