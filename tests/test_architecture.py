@@ -139,7 +139,12 @@ def test_kernels_import_nothing_of_modelpar():
 _IMPORT_EACH = textwrap.dedent(
     """
     import os, sys, traceback
-    import numpy, torch
+    # third-party packages load once, before the forks: what is checked is that each of our modules imports
+    # alone (no cycle, no missing import), and these cost seconds per fork otherwise
+    import numpy, torch, sympy, hydra, omegaconf, torch.distributed.fsdp, torch.distributed.tensor
+    if torch.version.cuda is None:  # as modelpar_kernels.grid sets it before triton loads on a CPU build
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton, triton.language
     failed, running = [], {}
     for name in sys.argv[1:] + [None] * 2:
         if len(running) == 2 or (name is None and running):  # two at a time, one per core

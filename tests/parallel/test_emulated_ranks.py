@@ -105,7 +105,6 @@ def _socket_threads_after_build(layout):
 
 def test_layouts_share_their_groups_and_an_idle_pool_releases_them():
     from modelpar.parallel.layout import ParallelLayout
-
     from modelpar.parallel.pool import release_pools
 
     release_pools()  # start from no groups, whatever ran before
