@@ -29,7 +29,7 @@ from modelpar.model.activations import ActivationOffload
 from modelpar.model.compile import compile_blocks
 from modelpar.model.moe import RoutedExperts
 from modelpar.model.transformer import Block, ModelChunk
-from modelpar.parallel.groups import ParallelGroups
+from modelpar.parallel.groups import ParallelGroups, keep_group
 
 SHARDED_STAGES = (2, 3)
 
@@ -148,6 +148,7 @@ def apply_fsdp(
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     expert_mesh = None
     if split_experts and len(groups.expert_dp_ranks) > 1:
+        keep_group(groups.expert_dp_group)
         expert_mesh = DeviceMesh.from_group(groups.expert_dp_group, device)
     whole: list[torch.nn.Parameter] = []
     for chunk in chunks:
@@ -175,6 +176,7 @@ def dp_cp_mesh(groups: ParallelGroups, shard_group: int, device: str) -> DeviceM
     the world (every rank creates every block's groups, in the same order)."""
     size = len(groups.dp_cp_ranks)
     if shard_group in (0, size):
+        keep_group(groups.dp_cp_group)
         return DeviceMesh.from_group(groups.dp_cp_group, device)
     if size % shard_group:
         raise ValueError(f"zero_group={shard_group} must divide dp x cp = {size}")

@@ -102,6 +102,11 @@ def current_tag() -> str:
 _sizes: dict = {}  # process group -> its size, asked of torch.distributed once
 
 
+def forget_sizes() -> None:
+    """Drop the cached sizes (and so the references to groups about to be destroyed)."""
+    _sizes.clear()
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """The size of ``group`` (None: the world), cached so the hot path never asks torch.distributed."""
     size = _sizes.get(group)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+from modelpar.parallel import collectives
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.parallel.world import on_destroy, world_timeout
 
@@ -28,6 +29,7 @@ def observe_group_creation(observer: GroupCreationObserver) -> None:
 # idle duplicates cost CPU). Within one layout every kind keeps its own group, as collectives on different
 # kinds may be ordered differently across ranks.
 _groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+_kept: set[int] = set()  # ids of groups in _groups that release_groups leaves alone (keep_group)
 
 
 def _new_group(kind: str, ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -48,16 +50,27 @@ def held_groups() -> int:
     return sum(g not in (None, dist.GroupMember.NON_GROUP_MEMBER) for g in _groups.values())
 
 
+def keep_group(group: dist.ProcessGroup | None) -> None:
+    """Exempt ``group`` from ``release_groups``: a DeviceMesh was made of it. DTensor caches sharding results by
+    mesh, and meshes compare equal by ranks alone, so a later mesh of the same ranks must find this group alive
+    (the next build of the same (kind, ranks) returns it)."""
+    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        _kept.add(id(group))
+
+
 def release_groups() -> None:
-    """Destroy every group ``ParallelGroups.build`` created on this world (the default group stays).
+    """Destroy the groups ``ParallelGroups.build`` created on this world, except those ``keep_group`` named
+    (the default group stays too).
 
     Collective in the sense that every rank must call it at the same point of its sequence of builds; the
-    next ``build`` creates the groups again. Idle warm workers call it so their groups' threads stop.
+    next ``build`` creates the groups again. Idle warm workers call it so their groups' socket threads stop.
     """
-    groups = list(_groups.values())
-    _groups.clear()
+    released = {key: g for key, g in _groups.items() if id(g) not in _kept}
+    for key in released:
+        del _groups[key]
     ParallelGroups._cache.clear()
-    for group in groups:
+    collectives.forget_sizes()
+    for group in released.values():
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(group)
 
@@ -190,3 +203,4 @@ def _with_layout(groups: ParallelGroups, layout: ParallelLayout) -> ParallelGrou
 
 on_destroy(ParallelGroups._cache.clear)
 on_destroy(_groups.clear)
+on_destroy(_kept.clear)
