@@ -105,9 +105,9 @@ def _socket_threads_after_build(layout):
 
 def test_layouts_share_their_groups_and_an_idle_pool_releases_them():
     from modelpar.parallel.layout import ParallelLayout
-    from modelpar.parallel.pool import release_pools
+    from modelpar.parallel.pool import shutdown_pools
 
-    release_pools()  # start from no groups, whatever ran before
+    shutdown_pools()  # fresh workers: no groups from earlier tests (meshes' groups are kept through releases)
     layouts = [ParallelLayout(tp=2, pp=2), ParallelLayout(dp=4), ParallelLayout(tp=2, dp=2)]
     held = [run_on_ranks(4, _socket_threads_after_build, lay)[0] for lay in layouts]
     # rank 0 of tp2-pp2 is in a tp, pp, dp and embedding group (4); dp4 brings 4 others; of tp2-dp2's, only
