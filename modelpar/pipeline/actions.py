@@ -10,7 +10,8 @@ chunk other than 0 (interleaved schedules)::
     0SEND_B2c1  rank 0 sends upstream the input gradient of its backward of micro-batch 2, chunk 1
 
 Local chunk ``c`` of rank ``r`` is model chunk (virtual stage) ``c * pp + r`` (Megatron's interleaving), so
-activations flow rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... and gradients flow back. A run of
+activations flow rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... and gradients flow back; a schedule may
+instead carry the V placement (``modelpar.pipeline.placement``), and every helper here takes it. A run of
 consecutive SEND/RECV actions on one rank is a *batch*: the runtime posts it with one ``batch_isend_irecv``.
 """
 
@@ -19,6 +20,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+
+from modelpar.pipeline.placement import Placement
+
+INTERLEAVED = Placement.INTERLEAVED
 
 
 class ScheduleError(ValueError):
@@ -81,17 +86,28 @@ class Action:
         rank, kind, micro_batch, chunk = match.groups()
         return cls(int(rank), ActionKind(kind), int(micro_batch), int(chunk or 0))
 
-    def stage(self, pp: int) -> int:
-        """Model chunk (virtual stage) this action runs on: ``chunk * pp + rank``."""
-        return self.chunk * pp + self.rank
+    def stage(self, pp: int, placement: Placement = INTERLEAVED) -> int:
+        """Model chunk (virtual stage) this action runs on: ``chunk * pp + rank`` when interleaved."""
+        return placement.stage(self.rank, self.chunk, pp)
 
 
-Schedule = list[list[Action]]  # one ordered action list per pipeline rank
+class Schedule(list):
+    """One ordered action list per pipeline rank, and the chunk placement those lists assume."""
+
+    def __init__(self, rows=(), placement: Placement = INTERLEAVED):
+        super().__init__(rows)
+        self.placement = Placement(placement)
 
 
-def parse_schedule(rows: list[str] | list[list[str]]) -> Schedule:
+def placement_of(schedule: list[list[Action]]) -> Placement:
+    """The placement ``schedule`` was built for; a plain list of rows is interleaved."""
+    return schedule.placement if isinstance(schedule, Schedule) else INTERLEAVED
+
+
+def parse_schedule(rows: list[str] | list[list[str]], placement: Placement = INTERLEAVED) -> Schedule:
     """Parse per-rank lists written as strings (``["0F0 0F1 0B0 0B1", ...]``) or lists of strings."""
-    return [[Action.parse(a) for a in (row.split() if isinstance(row, str) else row)] for row in rows]
+    rows = [row.split() if isinstance(row, str) else row for row in rows]
+    return Schedule(([Action.parse(a) for a in row] for row in rows), placement)
 
 
 def format_schedule(schedule: Schedule) -> list[str]:
@@ -99,16 +115,15 @@ def format_schedule(schedule: Schedule) -> list[str]:
     return [" ".join(str(a) for a in row) for row in schedule]
 
 
-def peer_of(action: Action, pp: int) -> tuple[int, int]:
+def peer_of(action: Action, pp: int, placement: Placement = INTERLEAVED) -> tuple[int, int]:
     """``(rank, chunk)`` on the other end of a communication action."""
     step = 1 if action.kind in (SEND_F, RECV_B) else -1
-    stage = action.stage(pp) + step
-    return stage % pp, stage // pp
+    return placement.locate(action.stage(pp, placement) + step, pp)
 
 
-def matching_action(action: Action, pp: int) -> Action:
+def matching_action(action: Action, pp: int, placement: Placement = INTERLEAVED) -> Action:
     """The action on the peer that completes this send or receive."""
-    rank, chunk = peer_of(action, pp)
+    rank, chunk = peer_of(action, pp, placement)
     kind = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}[action.kind]
     return Action(rank, kind, action.micro_batch, chunk)
 
@@ -124,11 +139,25 @@ def comm_batches(actions: list[Action]) -> list[list[Action]]:
     return batches
 
 
-def input_recv(action: Action, pp: int, last_stage: int) -> Action | None:
-    """The RECV whose data ``action`` consumes (None for W, for F on chunk 0 and B on the last chunk)."""
-    stage = action.stage(pp)
+def upstream_compute(action: Action, pp: int, last_stage: int, placement: Placement = INTERLEAVED) -> Action | None:
+    """The compute action whose output ``action`` consumes: F of the previous model chunk for F, B of the next
+    one for B (None for W, for F on model chunk 0 and for B on the last)."""
+    stage = action.stage(pp, placement)
     if action.kind is F and stage > 0:
-        return Action(action.rank, RECV_F, action.micro_batch, action.chunk)
+        rank, chunk = placement.locate(stage - 1, pp)
+        return Action(rank, F, action.micro_batch, chunk)
     if action.kind is B and stage < last_stage:
-        return Action(action.rank, RECV_B, action.micro_batch, action.chunk)
+        rank, chunk = placement.locate(stage + 1, pp)
+        return Action(rank, B, action.micro_batch, chunk)
     return None
+
+
+def input_recv(action: Action, pp: int, last_stage: int, placement: Placement = INTERLEAVED) -> Action | None:
+    """The RECV whose data ``action`` consumes (None for W, for F on chunk 0 and B on the last chunk, and where
+    the data comes from the same rank: under the V placement the forward turns around on rank pp-1 from one
+    local chunk to the other, and so does the backward, without a p2p hop)."""
+    source = upstream_compute(action, pp, last_stage, placement)
+    if source is None or source.rank == action.rank:
+        return None
+    kind = RECV_F if action.kind is F else RECV_B
+    return Action(action.rank, kind, action.micro_batch, action.chunk)

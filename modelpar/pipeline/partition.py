@@ -7,6 +7,10 @@ lives on rank ``c % pp`` as that rank's local chunk ``c // pp`` (Megatron's inte
                                       layers  0-1    2-3    4-5    6-7
                                       rank    0      1      0      1     (local chunk 0, 0, 1, 1)
 
+Under the V placement (``modelpar.pipeline.placement``, schedules zbv and dualpipev) rank ``r`` holds chunks
+``r`` and ``2 * pp - 1 - r`` instead; a partition carries its placement and every question about ranks below
+goes through it.
+
 The first chunk also holds the embedding; the last holds the final norm, the head and the loss.
 
 A count may end in .5: the split then falls inside a block, between its attention half (``x + attn(norm(x))``)
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from modelpar.pipeline.placement import Placement
+
 
 class PartitionError(ValueError):
     """An impossible split of layers into chunks; the message is one line naming the fix."""
@@ -40,6 +46,7 @@ class Partition:
     pp: int
     vpp: int
     layer_counts: tuple[float, ...]
+    placement: Placement = Placement.INTERLEAVED
 
     def __post_init__(self) -> None:
         if len(self.layer_counts) != self.pp * self.vpp:
@@ -80,14 +87,14 @@ class Partition:
         return split
 
     def rank_of(self, chunk: int) -> int:
-        return chunk % self.pp
+        return self.placement.locate(chunk, self.pp)[0]
 
     def local_index(self, chunk: int) -> int:
-        return chunk // self.pp
+        return self.placement.locate(chunk, self.pp)[1]
 
     def chunks_of(self, rank: int) -> list[int]:
         """Model chunks on ``rank``, in local-chunk order."""
-        return [rank + k * self.pp for k in range(self.vpp)]
+        return self.placement.chunks_of(rank, self.pp, self.vpp)
 
     def has_embedding(self, chunk: int) -> bool:
         return chunk == 0

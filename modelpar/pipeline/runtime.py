@@ -8,7 +8,8 @@ NCCL's single p2p stream would), which also lets go of the tensors sent so far. 
 NCCL does, and a misordered schedule fails here too.
 
 What a chunk must look like (one ``torch.nn.Module`` per local virtual stage, local chunk ``c`` of rank
-``r`` being model chunk ``c * pp + r``)::
+``r`` being model chunk ``c * pp + r``, or as the schedule's placement says: under the V placement the
+activation passes from one local chunk to the other on rank pp-1, and the gradient back, with no p2p)::
 
     model chunk 0:        chunk(tokens [b, s] int64)   -> activation [*activation_shape]
     middle chunks:        chunk(activation)            -> activation
@@ -44,6 +45,7 @@ from modelpar.pipeline.actions import (
     comm_batches,
     input_recv,
     peer_of,
+    placement_of,
 )
 from modelpar.pipeline.simulate import TimedAction, Timeline, check_schedule, peak_in_flight
 from modelpar.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
@@ -136,6 +138,7 @@ class _StepState:
     output_grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)  # chunk 0: B -> W
     pending_weight: dict[tuple[int, int], PendingWeightGrad] = field(default_factory=dict)  # other chunks: B -> W
     received: dict[Action, torch.Tensor] = field(default_factory=dict)  # RECV buffers by their action
+    handed: dict[Action, torch.Tensor] = field(default_factory=dict)  # same-rank inputs, by the consuming action
     batches: list[_PostedBatch] = field(default_factory=list)  # in posting order
     waited: int = 0  # batches[:waited] are complete
     batch_of: dict[Action, _PostedBatch] = field(default_factory=dict)
@@ -195,6 +198,7 @@ class PipelineRuntime:
             raise ScheduleError(f"schedule has {len(schedule)} rank lists but pp={self.pp}; build it for pp={self.pp}")
         check_schedule(schedule)  # a malformed or deadlocking schedule fails here, before any message
         self.actions = list(schedule[self.rank])
+        self.placement = placement_of(schedule)
         self.micro_batches = 1 + max(a.micro_batch for a in self.actions)
         chunk_count = 1 + max(a.chunk for row in schedule for a in row)
         if chunk_count != len(self.chunks):
@@ -214,6 +218,7 @@ class PipelineRuntime:
         self.before_weight_backward: Callable[[int, int], None] | None = None
         self.after_weight_backward: Callable[[int, int], None] | None = None
         self.last_stage = self.pp * chunk_count - 1
+        self.loss_rank = self.placement.locate(self.last_stage, self.pp)[0]  # holds the last chunk and the loss
         self.split_backward = any(a.kind is W for a in self.actions)
         # a schedule without backwards (``forward_only``): forwards run without autograd and keep nothing
         self.forward_only = not any(a.kind in (B, W) for row in schedule for a in row)
@@ -245,7 +250,7 @@ class PipelineRuntime:
         """
         for name, given, needed in (
             ("micro_batches", micro_batches, self.rank == 0),
-            ("targets", targets, self.rank == self.last_stage % self.pp),
+            ("targets", targets, self.rank == self.loss_rank),
         ):
             if needed and (given is None or len(given) != self.micro_batches):
                 count = "None" if given is None else len(given)
@@ -259,7 +264,7 @@ class PipelineRuntime:
         observer = self.observer
         for batch in comm_batches(self.actions):
             if batch[0].kind.is_compute:
-                recv = input_recv(batch[0], self.pp, self.last_stage)
+                recv = input_recv(batch[0], self.pp, self.last_stage, self.placement)
                 if recv is not None:
                     observer.begin(f"wait {recv}", waiting=True)
                     with profiler_range(f"wait {recv}"):
@@ -300,11 +305,13 @@ class PipelineRuntime:
         targets: Sequence[torch.Tensor] | torch.Tensor | None,
     ) -> None:
         key = (action.micro_batch, action.chunk)
-        stage = action.stage(self.pp)
+        stage = action.stage(self.pp, self.placement)
         self.current = action
         if action.kind is F:
             if stage == 0:
                 x = micro_batches[action.micro_batch].to(self.device)
+            elif action in state.handed:
+                x = state.handed.pop(action).requires_grad_(True)
             else:
                 x = state.received.pop(Action(self.rank, RECV_F, *key)).requires_grad_(True)
             if self.forward_only:
@@ -318,7 +325,7 @@ class PipelineRuntime:
                 state.loss_sum = y.detach() if state.loss_sum is None else state.loss_sum + y.detach()
             else:
                 # under autocast a chunk may return bf16; the receiver's buffer is ``self.dtype``
-                state.to_send[Action(self.rank, SEND_F, *key)] = y.detach().to(self.dtype).contiguous()
+                self._pass_on(action, F, y.detach().to(self.dtype).contiguous(), state)
             if not self.forward_only:
                 state.hold(key, x, y)
         elif action.kind is B:
@@ -326,22 +333,34 @@ class PipelineRuntime:
         else:
             self._weight_backward(action, state)
 
+    def _pass_on(self, action: Action, kind, tensor: torch.Tensor, state: _StepState) -> None:
+        """Hand ``tensor`` (this action's output, or input gradient) to the action consuming it: a SEND, or,
+        when that action runs on this rank (the V turnaround), directly."""
+        stage = action.stage(self.pp, self.placement) + (1 if kind is F else -1)
+        rank, chunk = self.placement.locate(stage, self.pp)
+        if rank == self.rank:
+            state.handed[Action(rank, kind, action.micro_batch, chunk)] = tensor
+        else:
+            state.to_send[Action(self.rank, SEND_F if kind is F else SEND_B, action.micro_batch, action.chunk)] = tensor
+
     def _output_grad(self, action: Action, state: _StepState) -> torch.Tensor | None:
-        """Gradient of the loss w.r.t. this chunk's output: received, or None for the loss itself."""
-        if action.stage(self.pp) == self.last_stage:
+        """Gradient of the loss w.r.t. this chunk's output: received or handed over, or None for the loss."""
+        if action.stage(self.pp, self.placement) == self.last_stage:
             return None
+        if action in state.handed:
+            return state.handed.pop(action)
         return state.received.pop(Action(self.rank, RECV_B, action.micro_batch, action.chunk))
 
     def _backward(self, action: Action, state: _StepState) -> None:
         key = (action.micro_batch, action.chunk)
         x, y = state.inputs[key], state.outputs[key]
         grad = self._output_grad(action, state)
-        has_input_grad = action.stage(self.pp) > 0
+        has_input_grad = action.stage(self.pp, self.placement) > 0
         if self.split_backward:
             if has_input_grad:
                 grad = grad if grad is None else grad.to(y.dtype)  # p2p runs in the compute dtype
                 dx, state.pending_weight[key] = backward_input(y, grad, x)  # W fills the graph's leaves
-                state.to_send[Action(self.rank, SEND_B, *key)] = dx.to(self.dtype).contiguous()
+                self._pass_on(action, B, dx.to(self.dtype).contiguous(), state)
             else:
                 state.output_grads[key] = grad
             return
@@ -349,7 +368,7 @@ class PipelineRuntime:
             self.before_backward(action.chunk, action.micro_batch)
         torch.autograd.backward(y, grad if grad is None else grad.to(y.dtype))
         if has_input_grad:
-            state.to_send[Action(self.rank, SEND_B, *key)] = x.grad.to(self.dtype).contiguous()
+            self._pass_on(action, B, x.grad.to(self.dtype).contiguous(), state)
         state.release(key)
 
     def _weight_backward(self, action: Action, state: _StepState) -> None:
@@ -368,7 +387,7 @@ class PipelineRuntime:
         """Post the batch as one ``batch_isend_irecv`` (one NCCL group), without waiting."""
         ops, tensors = [], []
         for action in batch:
-            peer = self.groups.pp_ranks[peer_of(action, self.pp)[0]]
+            peer = self.groups.pp_ranks[peer_of(action, self.pp, self.placement)[0]]
             if action.kind.is_send:
                 tensor = state.to_send.pop(action)
                 ops.append(dist.P2POp(dist.isend, tensor, peer, self.groups.pp_group))
@@ -398,7 +417,7 @@ class PipelineRuntime:
 
     def _broadcast_loss(self, state: _StepState) -> torch.Tensor:
         """The step's loss on every pipeline rank, left on the device (no host sync)."""
-        holder = self.last_stage % self.pp
+        holder = self.loss_rank
         loss = state.loss_sum if self.rank == holder else torch.zeros((), dtype=torch.float32, device=self.device)
         loss = loss.detach().to(torch.float32).reshape(())
         if self.pp > 1:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from modelpar.pipeline.actions import Action, B, F, Schedule, ScheduleError, W
 from modelpar.pipeline.p2p_order import add_communication
+from modelpar.pipeline.placement import Placement
+from modelpar.pipeline.schedule_v import dual_pipe_v, zero_bubble_v
 
 # -- generators: compute order per rank ------------------------------------------------------------------
 
@@ -108,7 +110,7 @@ def forward_only(name: str, pp: int, m: int, vpp: int = 1) -> Schedule:
     """The forwards of schedule ``name``, in its order, with their sends and receives: evaluation. Nothing
     waits on a backward, so no micro-batch is held once its output has been sent (or its loss taken)."""
     compute = [[a for a in row if a.kind is F] for row in build_schedule(name, pp, m, vpp)]
-    return add_communication(compute, pp, vpp)
+    return add_communication(compute, pp, vpp, placement_for(name))
 
 
 def single_micro_batch(name: str, pp: int, vpp: int = 1) -> Schedule:
@@ -117,17 +119,21 @@ def single_micro_batch(name: str, pp: int, vpp: int = 1) -> Schedule:
     step exactly as the step ran it (the silent-corruption check), whatever ``m`` the schedule needs."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    # interleaved needs pp >= 2 to be built at all, and never splits its backward
-    split = name != "interleaved" and any(a.kind is W for row in SCHEDULES[name](1, 1, 1) for a in row)
+    # interleaved needs pp >= 2 to be built at all, and never splits its backward; the V ones always split
+    split = name in V_SCHEDULES or (
+        name != "interleaved" and any(a.kind is W for row in SCHEDULES[name](1, 1, 1) for a in row)
+    )
+    place = placement_for(name)
     compute = []
     for r in range(pp):
-        row = [Action(r, F, 0, c) for c in range(vpp)]
-        for c in reversed(range(vpp)):
+        chunks = sorted(range(vpp), key=lambda c: place.stage(r, c, pp))  # this rank's chunks in model order
+        row = [Action(r, F, 0, c) for c in chunks]
+        for c in reversed(chunks):
             row.append(Action(r, B, 0, c))
             if split:
                 row.append(Action(r, W, 0, c))
         compute.append(row)
-    return add_communication(compute, pp, vpp)
+    return add_communication(compute, pp, vpp, place)
 
 
 def _check_single_chunk(name: str, vpp: int) -> None:
@@ -142,7 +148,17 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zb-h1": zero_bubble_h1,
+    "zbv": zero_bubble_v,
+    "dualpipev": dual_pipe_v,
 }
+
+# schedules that fold two chunks per rank in a V; every other one places chunks interleaved
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def placement_for(name: str) -> Placement:
+    """Where schedule ``name`` puts each model chunk: what partition, runtime and p2p peers all follow."""
+    return Placement.V if name in V_SCHEDULES else Placement.INTERLEAVED
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> Schedule:

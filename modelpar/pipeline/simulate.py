@@ -28,8 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from modelpar.pipeline.actions import (
-    RECV_B,
-    RECV_F,
     SEND_B,
     SEND_F,
     Action,
@@ -42,6 +40,8 @@ from modelpar.pipeline.actions import (
     input_recv,
     matching_action,
     peer_of,
+    placement_of,
+    upstream_compute,
 )
 
 
@@ -163,6 +163,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = Non
     """
     costs = _as_costs(costs)
     pp = len(schedule)
+    place = placement_of(schedule)
     _check_actions(schedule, pp, with_comm=True)
     _check_p2p_order(schedule, pp)
     split = any(a.kind is W for row in schedule for a in row)
@@ -180,7 +181,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = Non
         for r in range(pp):
             while compute_at[r] < len(batches[r]):
                 batch = batches[r][compute_at[r]]
-                recv = input_recv(batch[0], pp, last_stage)
+                recv = input_recv(batch[0], pp, last_stage, place)
                 if not batch[0].kind.is_compute:
                     lane[r].append((batch, compute_clock[r]))
                 elif recv is None or recv in timed:
@@ -195,7 +196,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = Non
                 batch, handed = lane[r][lane_at[r]]
                 for op in batch:
                     posted.setdefault(op, max(handed, lane_clock[r]))
-                peers = [matching_action(op, pp) for op in batch]
+                peers = [matching_action(op, pp, place) for op in batch]
                 if not all(p in posted for p in peers):
                     break
                 lane_clock[r] = max(
@@ -206,7 +207,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, float] | None = Non
                 lane_at[r] += 1
                 progressed = True
         if not progressed:
-            raise ScheduleDeadlock(_report(schedule, _stuck(batches, compute_at, lane, lane_at, posted, pp)))
+            raise ScheduleDeadlock(_report(schedule, _stuck(batches, compute_at, lane, lane_at, posted, pp, place)))
     timeline = Timeline(tuple(tuple(timed[a] for a in row) for row in schedule))
     return Simulation(timeline, tuple(peak_in_flight(row) for row in schedule))
 
@@ -218,6 +219,7 @@ def _stuck(
     lane_at: list[int],
     posted: dict[Action, float],
     pp: int,
+    place,
 ) -> dict[int, tuple[list[Action], str]]:
     """Per stuck rank: the actions it is stuck on and what each waits for."""
     stuck = {}
@@ -225,7 +227,8 @@ def _stuck(
         marked, why = [], []
         if lane_at[r] < len(lane[r]):
             batch = lane[r][lane_at[r]][0]
-            missing = [str(matching_action(op, pp)) for op in batch if matching_action(op, pp) not in posted]
+            peers = [matching_action(op, pp, place) for op in batch]
+            missing = [str(p) for p in peers if p not in posted]
             marked += batch
             why.append(f"{' '.join(map(str, batch))} waits for {' '.join(missing)}")
         if compute_at[r] < len(batches[r]) and batches[r][compute_at[r]][0].kind.is_compute:
@@ -245,7 +248,8 @@ def compute_timeline(schedule: Schedule, costs: Costs | Mapping[str, float] | No
     SEND/RECV actions can reach; ``p2p_order`` uses it to order transfers.
     """
     costs = _as_costs(costs)
-    compute = [[a for a in row if a.kind.is_compute] for row in schedule]
+    place = placement_of(schedule)
+    compute = Schedule(([a for a in row if a.kind.is_compute] for row in schedule), place)
     pp = len(compute)
     _check_actions(compute, pp, with_comm=False)
     split = any(a.kind is W for row in compute for a in row)
@@ -258,10 +262,11 @@ def compute_timeline(schedule: Schedule, costs: Costs | Mapping[str, float] | No
         for r in range(pp):
             while at[r] < len(compute[r]):
                 action = compute[r][at[r]]
-                source = _upstream_compute(action, pp, last_stage)
+                source = upstream_compute(action, pp, last_stage, place)
                 if source is not None and source not in timed:
                     break
-                ready = timed[source].end + costs.latency if source is not None else 0.0
+                local = source is None or source.rank == r  # the V turnaround needs no transfer
+                ready = 0.0 if source is None else timed[source].end + (0.0 if local else costs.latency)
                 start = max(clock[r], ready)
                 clock[r] = start + costs.duration(action, split)
                 timed[action] = TimedAction(action, start, clock[r])
@@ -269,7 +274,7 @@ def compute_timeline(schedule: Schedule, costs: Costs | Mapping[str, float] | No
                 progressed = True
         if not progressed:
             stuck = {
-                r: ([compute[r][at[r]]], f"waiting for {_upstream_compute(compute[r][at[r]], pp, last_stage)}")
+                r: ([compute[r][at[r]]], f"waiting for {upstream_compute(compute[r][at[r]], pp, last_stage, place)}")
                 for r in range(pp)
                 if at[r] < len(compute[r])
             }
@@ -303,26 +308,17 @@ def _last_stage(schedule: Schedule, pp: int) -> int:
     return pp * (1 + max((a.chunk for row in schedule for a in row), default=0)) - 1
 
 
-def _upstream_compute(action: Action, pp: int, last_stage: int) -> Action | None:
-    """The compute action on another rank whose output ``action`` consumes."""
-    recv = input_recv(action, pp, last_stage)
-    if recv is None:
-        return None
-    send = matching_action(recv, pp)
-    return Action(send.rank, F if recv.kind is RECV_F else B, send.micro_batch, send.chunk)
-
-
 # -- validation --------------------------------------------------------------------------------------------
 
 
 def _check_actions(schedule: Schedule, pp: int, *, with_comm: bool) -> None:
     """Every rank runs F and B (and W for all or none) once per (micro-batch, chunk), each after its inputs;
     a schedule without any B is forward-only (evaluation) and needs only the F."""
+    place = placement_of(schedule)
     m = 1 + max((a.micro_batch for row in schedule for a in row), default=-1)
     vpp = 1 + max((a.chunk for row in schedule for a in row), default=-1)
     split = any(a.kind is W for row in schedule for a in row)
     backward = split or any(a.kind is B for row in schedule for a in row)
-    needs_before = {F: [RECV_F], B: [F, RECV_B], W: [B], SEND_F: [F], SEND_B: [B]}
     last_stage = pp * vpp - 1
     for r, row in enumerate(schedule):
         seen: set[Action] = set()
@@ -331,12 +327,10 @@ def _check_actions(schedule: Schedule, pp: int, *, with_comm: bool) -> None:
                 raise ScheduleError(f"step {i} of rank {r} is {a}, an action of rank {a.rank}")
             if a in seen:
                 raise ScheduleError(f"{a} appears twice in rank {r}'s list (second time at step {i})")
-            for kind in needs_before.get(a.kind, []):
-                need = Action(r, kind, a.micro_batch, a.chunk)
-                needed = not (
-                    (kind is RECV_F and need.stage(pp) == 0) or (kind is RECV_B and need.stage(pp) == last_stage)
-                ) and (with_comm or kind.is_compute)
-                if needed and need not in seen:
+            if not a.kind.is_compute and peer_of(a, pp, place)[0] == r:
+                raise ScheduleError(f"{a} at step {i} of rank {r} sends to its own rank; the data stays local, drop it")
+            for need in _needed_before(a, pp, last_stage, place, with_comm):
+                if need not in seen:
                     raise ScheduleError(f"{a} at step {i} of rank {r} comes before {need}; move it after")
             seen.add(a)
         kinds = (F, B, W) if split else (F, B) if backward else (F,)
@@ -348,21 +342,39 @@ def _check_actions(schedule: Schedule, pp: int, *, with_comm: bool) -> None:
                     raise ScheduleError(f"rank {r} never runs {first} ({len(missing)} {kind.value} actions missing)")
 
 
+def _needed_before(a: Action, pp: int, last_stage: int, place, with_comm: bool) -> list[Action]:
+    """Actions of the same rank that must come before ``a``: its receive (or, where the data stays on the
+    rank, the compute producing it), its own F for B, its B for W and for a SEND_B, its F for a SEND_F."""
+    need = []
+    if a.kind in (F, B):
+        source = upstream_compute(a, pp, last_stage, place)
+        recv = input_recv(a, pp, last_stage, place)
+        if recv is not None and with_comm:
+            need.append(recv)
+        elif source is not None and source.rank == a.rank:
+            need.append(source)
+    own = {B: F, W: B, SEND_F: F, SEND_B: B}.get(a.kind)
+    if own is not None:
+        need.append(Action(a.rank, own, a.micro_batch, a.chunk))
+    return need
+
+
 def _check_p2p_order(schedule: Schedule, pp: int) -> None:
     """The k-th send from a to b must be the k-th receive on b from a (NCCL matches in order)."""
+    place = placement_of(schedule)
     sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
     for r, row in enumerate(schedule):
         for a in row:
             if a.kind.is_send:
-                sends[(r, peer_of(a, pp)[0])].append(a)
+                sends[(r, peer_of(a, pp, place)[0])].append(a)
             elif a.kind.is_recv:
-                recvs[(peer_of(a, pp)[0], r)].append(a)
+                recvs[(peer_of(a, pp, place)[0], r)].append(a)
     for channel in sorted(set(sends) | set(recvs)):
         src, dst = channel
         out, into = sends[channel], recvs[channel]
         for k, (s, rv) in enumerate(zip(out, into, strict=False)):
-            if matching_action(s, pp) != rv:
+            if matching_action(s, pp, place) != rv:
                 raise ScheduleError(
                     f"p2p order differs on {src}->{dst}: send #{k} is {s} but receive #{k} is {rv}; "
                     "order both ends the same way"

@@ -5,7 +5,7 @@ Every layout runs this same code; ``tp = pp = dp = 1`` is the single-device run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,7 +27,7 @@ from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, de
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
-from modelpar.pipeline.schedule import single_micro_batch
+from modelpar.pipeline.schedule import placement_for, single_micro_batch
 from modelpar.training.config import RecipeError, TrainConfig
 
 
@@ -52,6 +52,11 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def build_partition(cfg: TrainConfig) -> Partition:
+    """The layer split, placed on ranks as the schedule places chunks (interleaved, or V for zbv/dualpipev)."""
+    return replace(_layer_split(cfg), placement=placement_for(cfg.parallel.schedule))
+
+
+def _layer_split(cfg: TrainConfig) -> Partition:
     p, layers = cfg.parallel, cfg.model.layers
     if p.partition == "explicit":
         return partition_explicit(list(p.stage_layers), layers, p.pp, p.vpp)
@@ -125,6 +130,8 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
     for spec in chunk_specs(cfg, groups.pp_rank, device):
         chunks.append(ModelChunk(cfg.model, spec, groups))
         chunks[-1].initialise(cfg.trainer.seed)
+    if cfg.model.tie_embeddings and len(chunks) > 1 and chunks[0].first and chunks[-1].last:
+        chunks[-1].lm_head.weight = chunks[0].embed_tokens.weight  # V placement: both ends on this rank, one weight
     whole_experts = parallelize(chunks, groups, parallelism(cfg, dtype), report=print if groups.rank == 0 else _quiet)
     params, tied = describe_params(cfg, chunks, groups)
     return RankModel(chunks, params, tied, dtype, whole_experts)
@@ -135,7 +142,8 @@ def describe_params(
 ) -> tuple[list[tuple[torch.nn.Parameter, ParamInfo]], list[torch.nn.Parameter]]:
     """Each trainable parameter of ``chunks`` once, with what the optimizer needs to know of it, and this
     rank's copies of a tied embedding that lives on two stages."""
-    tied_across_stages = cfg.model.tie_embeddings and groups.layout.pp > 1
+    partition = build_partition(cfg)
+    tied_across_stages = cfg.model.tie_embeddings and partition.rank_of(0) != partition.rank_of(partition.n_chunks - 1)
     experts = {id(p) for chunk in chunks for moe in chunk.moe_layers().values() for p in moe.expert_parameters()}
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []

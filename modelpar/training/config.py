@@ -19,7 +19,7 @@ from modelpar.model.config import ModelConfig, ModelConfigError
 from modelpar.optim import ZERO_STAGES
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
-from modelpar.pipeline.schedule import SCHEDULES
+from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
 from modelpar.training.outliers import OUTLIER_ACTIONS
 from modelpar.training.sdc import SDC_ACTIONS
 
@@ -222,8 +222,17 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             )
         if m.compile:
             raise RecipeError("parallel.recompute=selective with model.compile=true is untested; use one of them")
-    if p.vpp > 1 and p.schedule != "interleaved":
-        raise RecipeError(f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved (got {p.schedule})")
+    if p.schedule in V_SCHEDULES and p.vpp != 2:
+        raise RecipeError(f"parallel.schedule={p.schedule} folds two chunks per rank in a V; set parallel.vpp=2")
+    if p.schedule in V_SCHEDULES and m.tie_embeddings and cfg.optim.zero >= 2:
+        raise RecipeError(
+            f"parallel.schedule={p.schedule} with tied embeddings at optim.zero={cfg.optim.zero} is not supported "
+            "(rank 0 holds both ends, one weight in two FSDP units); set model.tie_embeddings=false or zero<=1"
+        )
+    if p.vpp > 1 and p.schedule not in ("interleaved", *V_SCHEDULES):
+        raise RecipeError(
+            f"parallel.vpp={p.vpp} needs parallel.schedule=interleaved, zbv or dualpipev (got {p.schedule})"
+        )
     if p.schedule == "interleaved" and p.vpp < 2:
         raise RecipeError("parallel.schedule=interleaved needs parallel.vpp >= 2")
     if m.moe.enabled and (m.moe.experts % p.ep or (p.dp * p.cp) % p.ep):  # both rules in one hint

@@ -98,7 +98,7 @@ class SilentCorruptionCheck:
         action = self._runtime.current if self._runtime is not None else None
         if action is None or action.micro_batch != 0 or self._recording is None:
             return None
-        stage = action.stage(self.groups.layout.pp)
+        stage = action.stage(self.groups.layout.pp, self._runtime.placement)
         return (0, stage) if action.kind is F else (1, -stage, action.kind.value)
 
     def _on_output(self, module, args, output) -> None:

@@ -61,7 +61,7 @@ def test_whole_schedule_round_trips_through_text():
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (("pipedream", 2, 4), "choose one of ['1f1b', 'gpipe', 'interleaved', 'zb-h1']"),
+        (("pipedream", 2, 4), "choose one of ['1f1b', 'dualpipev', 'gpipe', 'interleaved', 'zb-h1', 'zbv']"),
         (("interleaved", 4, 6, 2), "multiple of pp=4 (got m=6); try m in [4, 8]"),
         (("interleaved", 4, 2, 2), "multiple of pp=4 (got m=2); try m in [4]"),
         (("interleaved", 2, 4, 1), "needs vpp >= 2"),
