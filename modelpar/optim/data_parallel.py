@@ -128,12 +128,15 @@ class ReplicatedAdamW(DataParallelOptimizer):
         dense = [p for p, info in self.params_with_info if not info.expert_parallel]
         experts = [p for p, info in self.params_with_info if info.expert_parallel]
         # weights are replicated over dp x cp: gradients average over both (dp_cp is dp when cp=1)
-        self.sync = GradientSynchronizer(dense, groups.dp_cp_group, bucket_bytes=bucket_bytes)
+        uses = {id(p): info.uses for p, info in self.params_with_info if info.uses != 1}
+        self.sync = GradientSynchronizer(dense, groups.dp_cp_group, bucket_bytes=bucket_bytes, uses=uses)
         self.syncs = [self.sync]
         if experts:  # summed over the ranks holding the same experts, averaged over every token of dp x cp
             group = groups.expert_dp_group if len(groups.expert_dp_ranks) > 1 else None
             divisor = len(groups.dp_cp_ranks)
-            self.syncs.append(GradientSynchronizer(experts, group, bucket_bytes=bucket_bytes, divisor=divisor))
+            self.syncs.append(
+                GradientSynchronizer(experts, group, bucket_bytes=bucket_bytes, divisor=divisor, uses=uses)
+            )
         self.optimizer = build_adamw(self.params_with_info, **adam)
 
     def final_backward(self) -> contextlib.AbstractContextManager:

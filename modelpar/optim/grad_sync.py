@@ -136,8 +136,11 @@ class GradientSynchronizer:
         dp_group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         divisor: int | None = None,
+        uses: dict[int, int] | None = None,
     ):
+        """``uses``: id(param) -> backward passes per micro-batch that accumulate into it (default 1)."""
         params = [p for p in params if p.requires_grad]
+        self._uses = dict(uses or {})
         check_unique(params)
         self.dp_group = dp_group
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -169,7 +172,7 @@ class GradientSynchronizer:
         """
         if micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches} must be >= 1")
-        self._accumulations_left.update({key: micro_batches for key in self._where})
+        self._accumulations_left.update({key: micro_batches * self._uses.get(key, 1) for key in self._where})
 
     @contextlib.contextmanager
     def final_backward(self) -> Iterator[None]:

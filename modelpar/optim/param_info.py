@@ -25,12 +25,16 @@ class ParamInfo:
     ``expert_parallel``: the parameter holds this rank's experts of a MoE layer, split over the ep group: its
     gradient is averaged over the expert data-parallel ranks (those holding the same experts) instead of all
     of dp x cp, and its norm is summed over ep.
+
+    ``uses``: how many of this rank's model chunks hold the parameter, each running its own backward per
+    micro-batch (2 for a tied embedding whose two ends are chunks of one rank, as the V placement puts them).
     """
 
     name: str
     decay: bool
     norm_share: float | torch.Tensor = 1.0
     expert_parallel: bool = False
+    uses: int = 1
 
 
 ParamsWithInfo = Sequence[tuple[torch.Tensor, ParamInfo]]

@@ -165,6 +165,7 @@ def describe_params(
                 decay=default_decay(name, param),
                 norm_share=share,
                 expert_parallel=id(param) in experts and len(groups.ep_ranks) > 1,
+                uses=sum(any(q is param for q in c.parameters()) for c in chunks),
             )
             params.append((param, info))
     return params, tied

@@ -3,6 +3,8 @@ exactly as many micro-batches in flight as the simulator predicts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from modelpar import ParallelLayout
 from modelpar.pipeline.actions import Action
 from modelpar.pipeline.partition import partition_uniform
 from modelpar.pipeline.runtime import PipelineRuntime, measured_timeline
-from modelpar.pipeline.schedule import SCHEDULES, ScheduleError, build_schedule
+from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES, ScheduleError, build_schedule, placement_for
 from modelpar.pipeline.simulate import simulate
 from modelpar.testing import current_groups, run_on_ranks
 from tests.pipeline import toy_model
@@ -22,7 +24,12 @@ LAYOUT_2 = ParallelLayout(pp=2)
 
 
 def vpp_of(schedule: str) -> int:
-    return 2 if schedule == "interleaved" else 1
+    return 2 if schedule in ("interleaved", *V_SCHEDULES) else 1
+
+
+def placed(schedule: str, layers: int, pp: int):
+    """The uniform layer split, its chunks placed on ranks as ``schedule`` places them."""
+    return replace(partition_uniform(layers, pp, vpp_of(schedule)), placement=placement_for(schedule))
 
 
 def cases(pp: int) -> list[tuple[str, int]]:
@@ -39,7 +46,7 @@ def _run_cases(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
         except ScheduleError as exc:
             out[(name, m)] = {"rejected": str(exc)}
             continue
-        chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, pp, vpp_of(name)), groups.pp_rank)
+        chunks = toy_model.chunk_modules(cfg, placed(name, cfg.layers, pp), groups.pp_rank)
         runtime = PipelineRuntime(
             chunks, groups, schedule, activation_shape=(cfg.batch, cfg.seq, cfg.hidden), loss_fn=toy_model.loss_fn
         )
@@ -183,7 +190,7 @@ def _forward_only(cfg: ToyConfig, todo: list[tuple[str, int]]) -> dict:
     groups = current_groups()
     pp, out = groups.layout.pp, {}
     for name, m in todo:
-        chunks = toy_model.chunk_modules(cfg, partition_uniform(cfg.layers, pp, vpp_of(name)), groups.pp_rank)
+        chunks = toy_model.chunk_modules(cfg, placed(name, cfg.layers, pp), groups.pp_rank)
         runtime = PipelineRuntime(
             chunks,
             groups,

@@ -14,7 +14,7 @@ from modelpar.pipeline.actions import (
     parse_schedule,
 )
 from modelpar.pipeline.p2p_order import add_communication
-from modelpar.pipeline.schedule import SCHEDULES, build_schedule
+from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES, build_schedule
 from modelpar.pipeline.simulate import simulate
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
@@ -24,7 +24,7 @@ def valid_configs() -> list[tuple[str, int, int, int]]:
     """(schedule, pp, m, vpp) for every pp in 2..5 and m in 1..9 that the schedule accepts."""
     out = []
     for name in SCHEDULES:
-        vpp = 2 if name == "interleaved" else 1
+        vpp = 2 if name in ("interleaved", *V_SCHEDULES) else 1
         for pp in range(2, 6):
             for m in range(1, 10):
                 if name != "interleaved" or m % pp == 0:
@@ -101,7 +101,8 @@ def test_generated_schedules_are_well_formed_and_cannot_deadlock(name, pp, m, vp
         assert all(a.rank == r for a in row)
         for batch in comm_batches(row):
             if not batch[0].kind.is_compute:
-                assert all(matching_action(a, pp) in schedule[matching_action(a, pp).rank] for a in batch)
+                peers = [matching_action(a, pp, schedule.placement) for a in batch]
+                assert all(peer in schedule[peer.rank] for peer in peers)
 
 
 def test_add_communication_rejects_lists_that_already_communicate():

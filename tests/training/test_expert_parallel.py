@@ -117,6 +117,10 @@ LAYOUTS = [
     ("sigmoid", dict(tp=2, dp=2, ep=2, microbatches=2)),
     ("sigmoid", dict(pp=2, dp=2, ep=2, microbatches=2)),  # stage 0 holds no MoE layer
     ("sigmoid", dict(pp=2, microbatches=2, schedule="zb-h1")),
+    # two chunks per rank in a V: rank 0 holds the first and the last chunk
+    ("softmax", dict(pp=2, vpp=2, microbatches=2, schedule="zbv", scope_="micro_batch")),
+    ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=2, schedule="dualpipev")),
+    ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=2, schedule="zbv", zero_=3)),
 ]
 
 
