@@ -150,6 +150,33 @@ class ParallelGroups:
         cls._cache[key] = built
         return built
 
+    def context_split(self, a2a: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This rank's two sub-groups of its cp group for hybrid context parallelism: the ``a2a`` consecutive cp
+        ranks of its all-to-all group, and the ranks at its place in every such group (its ring).
+
+        Collective over the world on the first call per ``a2a`` (every rank makes every sub-group, in the same
+        order, as ``build`` does); cached after that, cleared with the other groups by ``destroy_distributed``.
+        """
+        cp = self.layout.cp
+        if a2a < 1 or cp % a2a:
+            raise ValueError(f"an all-to-all group of {a2a} cp ranks must divide cp={cp}")
+        key = (self.layout.tp, self.layout.pp, self.layout.dp, cp, self.layout.ep, a2a)
+        if key not in _context_splits:
+            every = self.layout.all_cp_groups()
+            blocks = [ranks[i : i + a2a] for ranks in every for i in range(0, cp, a2a)]
+            rings = [ranks[j::a2a] for ranks in every for j in range(a2a)]
+            mine = {}
+            for kind, groups in (("cp_a2a", blocks), ("cp_ring", rings)):
+                for ranks in groups:
+                    group = _new_group(kind, ranks)
+                    if self.rank in ranks:
+                        mine[kind] = group
+            _context_splits[key] = (mine["cp_a2a"], mine["cp_ring"])
+        return _context_splits[key]
+
+
+_context_splits: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
 
 def _with_layout(groups: ParallelGroups, layout: ParallelLayout) -> ParallelGroups:
     """Same groups under a layout differing only in vpp (vpp changes no process group)."""
@@ -157,3 +184,4 @@ def _with_layout(groups: ParallelGroups, layout: ParallelLayout) -> ParallelGrou
 
 
 on_destroy(ParallelGroups._cache.clear)
+on_destroy(_context_splits.clear)
