@@ -16,6 +16,7 @@ from modelpar.pipeline.schedule import SCHEDULES
 from modelpar.training.config import ParallelConfig
 
 _SPEC_TOKEN = re.compile(r"^(tp|cp|pp|dp|ep|vpp|m)(\d+)$")
+_HYBRID_TOKEN = re.compile(r"^hybrid(\d+)$")  # parallel.cp_comm=hybrid with parallel.cp_a2a=N
 _OPTIM_TOKEN = re.compile(r"^(zero|zg)(\d+)$")  # optim.zero, optim.zero_group (parse_case)
 
 
@@ -23,10 +24,12 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
     """``base`` with the settings of ``spec``: dash-separated ``tpN cpN ppN dpN epN vppN mN sp`` and a schedule name
     (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``, ``uniform`` /
     ``params`` / ``flops`` / ``blocks`` for ``parallel.partition``, ``rc`` for ``parallel.recompute=full``,
-    ``ring`` / ``allgather`` for ``parallel.cp_comm``, ``sel`` for ``parallel.recompute=selective`` (``sel`` alone:
+    ``ring`` / ``allgather`` / ``alltoall`` for ``parallel.cp_comm`` (``hybridN``: hybrid, all-to-all groups of N),
+    ``sel`` for ``parallel.recompute=selective`` (``sel`` alone:
     the default modules, elementwise; ``sel.attention``, ``sel.attention.mlp``, ...: those), ``off`` for
     ``parallel.offload_activations``; ``single`` is tp=cp=pp=dp=1. E.g. ``tp2-pp2-1f1b``,
-    ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``, ``single-rc``, ``cp2-allgather``, ``single-sel.mlp``.
+    ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``, ``single-rc``, ``cp2-allgather``, ``cp4-hybrid2``,
+    ``single-sel.mlp``.
     Unset degrees are 1; the schedule defaults to 1f1b (interleaved when vpp > 1); m to ``base.microbatches``;
     recompute and offload to ``base``'s."""
     values: dict = dict(tp=1, cp=1, pp=1, dp=1, ep=1, vpp=1, sp=False, schedule="", microbatches=base.microbatches)
@@ -52,8 +55,10 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
             values["offload_activations"] = True
         elif token == "sp":
             values["sp"] = True
-        elif token in ("ring", "allgather"):  # parallel.cp_comm
+        elif token in ("ring", "allgather", "alltoall"):  # parallel.cp_comm
             values["cp_comm"] = token
+        elif _HYBRID_TOKEN.match(token):
+            values["cp_comm"], values["cp_a2a"] = "hybrid", int(token[len("hybrid") :])
         elif token in ("native", "exchange"):  # parallel.collectives
             values["collectives"] = token
         elif token in ("uniform", "params", "flops", "blocks"):  # parallel.partition
@@ -63,8 +68,8 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
         else:
             raise ValueError(
                 f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, cpN, ppN, dpN, epN, vppN, mN, sp, rc, "
-                f"sel, off, ring, allgather, native, exchange, uniform, params, flops, blocks or a schedule "
-                f"({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
+                f"sel, off, ring, allgather, alltoall, hybridN, native, exchange, uniform, params, flops, blocks or a "
+                f"schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
             )
     values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
     return replace(base, **values)
@@ -81,7 +86,8 @@ def layout_name(p: ParallelConfig) -> str:
         return "single" + (f"-m{p.microbatches}" if p.microbatches != 8 else "") + rc
     parts = [f"{k}{getattr(p, k)}" for k in ("tp", "cp", "pp", "dp", "ep", "vpp") if getattr(p, k) > 1]
     parts += ["sp"] * (p.sp and p.tp > 1)
-    parts += [p.cp_comm] * (p.cp > 1 and p.cp_comm != ParallelConfig.cp_comm)
+    comm = f"hybrid{p.cp_a2a}" if p.cp_comm == "hybrid" else p.cp_comm
+    parts += [comm] * (p.cp > 1 and p.cp_comm != ParallelConfig.cp_comm)
     if p.pp > 1:
         parts.append(p.schedule)
     if p.microbatches != 8:

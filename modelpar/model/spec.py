@@ -36,9 +36,10 @@ class ChunkSpec:
     attention being in the previous chunk); only the first block may be an ``"mlp"`` half and only the last an
     ``"attention"`` half, so the chunk stays a contiguous piece of the model. ``sequence_parallel``: the
     residual stream sharded along the sequence over tp (a no-op at tp=1). ``recompute`` (none | selective |
-    full) with ``recompute_modules`` (for selective). ``cp_comm`` (ring | allgather): how attention exchanges
-    K/V under context parallelism. ``device`` and ``dtype``: where the parameters live and their dtype (None:
-    torch's defaults; the compute dtype of activations is the runtime's).
+    full) with ``recompute_modules`` (for selective). ``cp_comm`` (ring | allgather | alltoall | hybrid): how
+    attention exchanges K/V (or heads) under context parallelism; ``cp_a2a``: hybrid's all-to-all group size.
+    ``device`` and ``dtype``: where the parameters live and their dtype (None: torch's defaults; the compute
+    dtype of activations is the runtime's).
     """
 
     layer_ids: tuple[int, ...]
@@ -49,6 +50,7 @@ class ChunkSpec:
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = DEFAULT_SELECTIVE
     cp_comm: str = "ring"
+    cp_a2a: int = 0
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -94,8 +96,9 @@ class ChunkGroups:
     ep: ExpertParallelGroup = field(default_factory=ExpertParallelGroup)
 
     @classmethod
-    def of(cls, groups=None, cp_comm: str = "ring") -> ChunkGroups:
-        """From a ``ParallelGroups`` (its tp, cp and ep groups; K/V exchanged by ``cp_comm``), a
+    def of(cls, groups=None, cp_comm: str = "ring", cp_a2a: int = 0) -> ChunkGroups:
+        """From a ``ParallelGroups`` (its tp, cp and ep groups; K/V exchanged by ``cp_comm``, hybrid's
+        all-to-all over ``cp_a2a`` cp ranks), a
         ``TensorParallelGroup`` (tp only), or None (the single device)."""
         if isinstance(groups, ChunkGroups):
             return groups
@@ -104,7 +107,9 @@ class ChunkGroups:
         if isinstance(groups, TensorParallelGroup):
             return cls(tp=groups, cp=ContextParallelGroup(comm=cp_comm))
         return cls(
-            TensorParallelGroup.of(groups), ContextParallelGroup.of(groups, cp_comm), ExpertParallelGroup.of(groups)
+            TensorParallelGroup.of(groups),
+            ContextParallelGroup.of(groups, cp_comm, cp_a2a),
+            ExpertParallelGroup.of(groups),
         )
 
 

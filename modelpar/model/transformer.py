@@ -135,7 +135,7 @@ class ModelChunk(nn.Module):
     def __init__(self, config: ModelConfig, spec: ChunkSpec, groups=None):
         super().__init__()
         self.config, self.spec = config, spec
-        g = ChunkGroups.of(groups, spec.cp_comm)
+        g = ChunkGroups.of(groups, spec.cp_comm, spec.cp_a2a)
         tp = g.tp
         self.tp, self.cp, self.ep = tp, g.cp, g.ep
         self.first, self.last = spec.first, spec.last

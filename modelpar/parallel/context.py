@@ -7,7 +7,7 @@ Load-balanced causal split: the sequence is cut into ``2*cp`` chunks and cp rank
                    rank 0 holds [0 1 6 7], rank 1 holds [2 3 4 5]
 
 Everything else in a block (norms, projections, MLP) is per token and needs nothing; attention needs every
-earlier key, two ways (``parallel.cp_comm``):
+earlier key, four ways (``parallel.cp_comm``):
 
 - ring: K/V blocks (kv heads only) travel around the cp ring with ``batch_isend_irecv``; the next block's
   transfer is posted before the current block is computed. Each block gives a partial output and its
@@ -20,7 +20,11 @@ earlier key, two ways (``parallel.cp_comm``):
   blocks as the ring's; backward gathers K/V again (rather than keeping cp x the K/V per layer) and
   reduce-scatters their gradient back to the ranks that own them.
 
-Both compute exactly the attention of the whole sequence (with document masking: only earlier tokens of the
+- alltoall / hybrid (``modelpar.parallel.ulysses``): q/k/v exchanged from a sequence shard to a head shard over
+  all of cp (alltoall) or over groups of ``parallel.cp_a2a`` consecutive cp ranks (hybrid, the ring above
+  across the groups), and the output back.
+
+All compute exactly the attention of the whole sequence (with document masking: only earlier tokens of the
 same document, ``documents`` being per-token document ids of the whole sequence).
 """
 
@@ -35,8 +39,9 @@ from einops import rearrange
 from modelpar_kernels import BlockMask, accumulation_dtype, attention, block_attention_backward, block_attention_forward
 
 from modelpar.parallel.collectives import all_gather, blocking, comm_tag, current_tag, reduce_scatter, send_recv
+from modelpar.parallel.ulysses import exchange_qkv, sequence_from_heads
 
-CP_COMMS = ("ring", "allgather")
+CP_COMMS = ("ring", "allgather", "alltoall", "hybrid")
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +49,9 @@ class ContextParallelGroup:
     """The cp group attention talks over: process group, its global ranks (ring order), this rank's index.
 
     ``ContextParallelGroup()`` is no context parallelism (size 1): every helper below is the identity.
+    ``comm`` alltoall / hybrid (``modelpar.parallel.ulysses``): heads are exchanged over ``a2a_group``, the
+    ``a2a_size`` consecutive cp ranks of this rank's all-to-all group (all of cp for alltoall), and a ring over
+    ``ring_group`` (hybrid: the ranks at this rank's place in every all-to-all group) runs across the groups.
     """
 
     group: dist.ProcessGroup | None = None
@@ -51,6 +59,9 @@ class ContextParallelGroup:
     size: int = 1
     ranks: tuple[int, ...] = field(default=(0,))
     comm: str = "ring"
+    a2a_size: int = 1
+    a2a_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.size > 1 and (self.group is None or len(self.ranks) != self.size):
@@ -59,13 +70,38 @@ class ContextParallelGroup:
             raise ValueError(f"cp rank {self.rank} is outside a group of {self.size}")
         if self.comm not in CP_COMMS:
             raise ValueError(f"cp_comm={self.comm!r} must be one of {CP_COMMS}")
+        if self.a2a_size < 1 or self.size % self.a2a_size:
+            raise ValueError(f"an all-to-all group of {self.a2a_size} cp ranks must divide cp={self.size}")
+        if self.a2a_size > 1 and self.a2a_group is None:
+            raise ValueError(f"an all-to-all over {self.a2a_size} cp ranks needs its process group")
+        if 1 < self.a2a_size < self.size and self.ring_group is None:
+            raise ValueError(f"a ring across {self.size // self.a2a_size} all-to-all groups needs its process group")
 
     @classmethod
-    def of(cls, groups, comm: str = "ring") -> ContextParallelGroup:
-        """The cp part of a ``modelpar.parallel.groups.ParallelGroups``."""
-        if groups.layout.cp == 1:
+    def of(cls, groups, comm: str = "ring", a2a: int = 0) -> ContextParallelGroup:
+        """The cp part of a ``modelpar.parallel.groups.ParallelGroups``; ``a2a``: the all-to-all group size of
+        ``comm="hybrid"`` (its cp divisor; ``cp`` is plain alltoall, 1 the plain ring). Hybrid's sub-groups are
+        made collectively on first use (``ParallelGroups.context_split``)."""
+        cp = groups.layout.cp
+        if cp == 1:
             return cls(comm=comm)
-        return cls(group=groups.cp_group, rank=groups.cp_rank, size=groups.layout.cp, ranks=groups.cp_ranks, comm=comm)
+        base = dict(group=groups.cp_group, rank=groups.cp_rank, size=cp, ranks=groups.cp_ranks)
+        n = cp if comm == "alltoall" else a2a if comm == "hybrid" else 1
+        if n == cp:
+            return cls(**base, comm=comm, a2a_size=cp, a2a_group=groups.cp_group)
+        if n == 1:
+            return cls(**base, comm="ring" if comm == "hybrid" else comm)
+        a2a_group, ring_group = groups.context_split(n)
+        return cls(**base, comm=comm, a2a_size=n, a2a_group=a2a_group, ring_group=ring_group)
+
+    def ring(self) -> ContextParallelGroup:
+        """What runs after the heads are exchanged: the ring across the all-to-all groups (size 1 when the
+        all-to-all spans cp), this rank's group being its place in it."""
+        n = self.a2a_size
+        if n == self.size:
+            return ContextParallelGroup()
+        ranks = self.ranks[self.rank % n :: n]
+        return ContextParallelGroup(group=self.ring_group, rank=self.rank // n, size=self.size // n, ranks=ranks)
 
 
 def local_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -324,6 +360,10 @@ def context_parallel_attention(
     Returns [b, s/cp, hq, d]. With cp size 1 this is plain (document-)causal attention. ``backend`` "triton":
     the flash kernel computes every block.
     """
+    if cp.a2a_size > 1:  # heads exchanged, then the ring (if any) across the all-to-all groups
+        q, k, v = exchange_qkv(q, k, v, cp.a2a_group, cp.a2a_size)
+        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend)
+        return sequence_from_heads(out, cp.a2a_group, cp.a2a_size)
     if cp.size == 1 and backend == "triton":
         return attention(q, k, v, True, backend="triton", documents=documents)
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))

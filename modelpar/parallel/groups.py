@@ -195,6 +195,27 @@ class ParallelGroups:
         cls._cache[key] = built
         return built
 
+    def context_split(self, a2a: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This rank's two sub-groups of its cp group for hybrid context parallelism: the ``a2a`` consecutive cp
+        ranks of its all-to-all group, and the ranks at its place in every such group (its ring).
+
+        Collective over the world whenever the sub-groups do not exist yet (every rank makes every sub-group,
+        in the same order, as ``build`` does); ``_new_group`` keeps them until ``release_groups``.
+        """
+        cp = self.layout.cp
+        if a2a < 1 or cp % a2a:
+            raise ValueError(f"an all-to-all group of {a2a} cp ranks must divide cp={cp}")
+        every = self.layout.all_cp_groups()
+        blocks = [ranks[i : i + a2a] for ranks in every for i in range(0, cp, a2a)]
+        rings = [ranks[j::a2a] for ranks in every for j in range(a2a)]
+        mine = {}
+        for kind, groups in (("cp_a2a", blocks), ("cp_ring", rings)):
+            for ranks in groups:
+                group = _new_group(kind, ranks)
+                if self.rank in ranks:
+                    mine[kind] = group
+        return mine["cp_a2a"], mine["cp_ring"]
+
 
 def _with_layout(groups: ParallelGroups, layout: ParallelLayout) -> ParallelGroups:
     """Same groups under a layout differing only in vpp (vpp changes no process group)."""

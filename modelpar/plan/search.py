@@ -23,6 +23,8 @@ from modelpar.plan.spec import (
 )
 from modelpar.plan.step_time import predict
 
+PLANNED_CP_COMMS = tuple(c for c in CP_COMMS if c != "hybrid")  # hybrid's group size is not searched
+
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -33,7 +35,7 @@ class SearchSpace:
     dp: int | None = None
     cp: int | None = None
     ep: int | None = None  # expert parallel degree (mixture-of-experts models; free: every divisor of dp x cp)
-    cp_comm: tuple[str, ...] = ("ring", "allgather")
+    cp_comm: tuple[str, ...] = ("ring", "allgather", "alltoall")
     max_vpp: int = 4
     max_micro_batch_size: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_MODES
@@ -105,9 +107,15 @@ def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_
                 for modules in choices or (("elementwise",),):
                     for zero in zero_stages(model, layout, space):
                         for sp in space.sp if layout.tp > 1 and seq_len % (layout.tp * layout.cp) == 0 else (False,):
-                            for comm in space.cp_comm if layout.cp > 1 else ("ring",):
+                            for comm in _cp_comms(model, layout, space) if layout.cp > 1 else ("ring",):
                                 extra = {"recompute_modules": modules} if modules else {}
                                 yield Strategy(chunked, b, m, recompute, zero, sp, comm, **extra)
+
+
+def _cp_comms(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[str, ...]:
+    """The cp exchanges to try: all-to-all only where cp splits the query heads of a tp rank."""
+    splits = (model.shape.heads // layout.tp) % layout.cp == 0
+    return tuple(c for c in space.cp_comm if c != "alltoall" or splits)
 
 
 def zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[int, ...]:
@@ -196,8 +204,8 @@ def check_inputs(*, gpus: int, global_batch: int, seq_len: int, space: SearchSpa
         want = getattr(space, name)
         if want is not None and (want < 1 or gpus % want):
             raise PlanError(f"{name}={want} does not divide gpus={gpus}; try {name} in {_divisors(gpus)}")
-    if not space.cp_comm or any(c not in CP_COMMS for c in space.cp_comm):
-        raise PlanError(f"cp_comm={list(space.cp_comm)} must list ways from {', '.join(CP_COMMS)}")
+    if not space.cp_comm or any(c not in PLANNED_CP_COMMS for c in space.cp_comm):
+        raise PlanError(f"cp_comm={list(space.cp_comm)} must list ways from {', '.join(PLANNED_CP_COMMS)}")
     bad = [r for r in space.recompute if r not in RECOMPUTE_MODES]
     if bad or not space.recompute:
         raise PlanError(f"recompute={list(space.recompute)} must list modes from {', '.join(RECOMPUTE_MODES)}")

@@ -122,7 +122,7 @@ class Strategy:
     recompute: str = "none"  # none | selective | full
     zero: int = 0  # optim.zero: 1 shards the optimizer state over dp x cp, 2 also gradients, 3 also weights
     sp: bool = False
-    cp_comm: str = "ring"  # ring | allgather, when layout.cp > 1
+    cp_comm: str = "ring"  # ring | allgather | alltoall, when layout.cp > 1
     recompute_modules: tuple[str, ...] = ("elementwise",)
     offload: bool = False  # parallel.offload_activations
     zero_group: int = 0

@@ -17,7 +17,9 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
     cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
                  as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
                  (4*b*(s/cp)*(s/2cp)*h FLOPs forward, 2.5x that backward) where it is shorter; all-gather: an
-                 all-gather of K/V forward, another and a reduce-scatter of dK/dV backward, exposed
+                 all-gather of K/V forward, another and a reduce-scatter of dK/dV backward, exposed; all-to-all
+                 (Ulysses): q, k, v (kv heads repeated up to a multiple of cp) and the output exchanged forward, their
+                 gradients backward, 4 all-to-alls each sending (cp-1)/cp of b*(s/cp)*heads*d, exposed
     ep_comm_s  = mixture of experts, per MoE layer per micro-batch: 4 all-to-alls (6 with full recompute), each
                  rank sending its k*b*(s/cp)/t routed rows of h, all but the 1/ep staying home, not overlapped
     bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
@@ -55,6 +57,7 @@ collective per rerun half; offload adds its copies over ``Hardware.host_bw`` (``
 from __future__ import annotations
 
 import functools
+import math
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.flops import training_flops_per_token
@@ -326,6 +329,13 @@ def cp_exposed_per_layer_s(
     bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
     kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
     forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
+    if strategy.cp_comm == "alltoall":  # q/k/v there and the output back, forward; their gradients, backward
+        d, kv = model.shape.head_dim, max(1, model.shape.kv_heads // t)
+        heads = model.shape.heads / t + 2 * kv * cp // math.gcd(kv, cp)  # q, and k, v with kv heads repeated
+        qkv = b * seq_len / cp * heads * d * hardware.weight_bytes
+        out = b * seq_len / cp * model.shape.heads / t * d * hardware.weight_bytes
+        exchange = sum(ring_all_gather_s(nbytes, cp, bw, hardware.latency_s) for nbytes in (qkv, out))
+        return (forwards + 1) * exchange
     if strategy.cp_comm == "allgather":  # gathered each forward, again in backward, then dK/dV reduce-scattered
         gather = ring_all_gather_s(kv_elements * cp * hardware.weight_bytes, cp, bw, hardware.latency_s)
         return (forwards + 2) * gather

@@ -102,6 +102,7 @@ def chunk_specs(cfg: TrainConfig, pp_rank: int, device: torch.device) -> list[Ch
             recompute=p.recompute,
             recompute_modules=tuple(p.recompute_modules),
             cp_comm=p.cp_comm,
+            cp_a2a=p.cp_a2a,
             device=device,
         )
         for c in partition.chunks_of(pp_rank)

@@ -59,7 +59,10 @@ class ParallelConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["elementwise"])
     offload_activations: bool = False  # saved activations of the blocks wait for backward in host memory
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 of 2*cp chunks each, load-balanced)
-    cp_comm: str = "ring"  # ring: K/V blocks passed around the cp ring, overlapped | allgather: K/V gathered
+    # ring: K/V blocks passed around the cp ring, overlapped | allgather: K/V gathered | alltoall: heads exchanged
+    # (Ulysses) | hybrid: all-to-all inside groups of cp_a2a consecutive cp ranks, ring across them
+    cp_comm: str = "ring"
+    cp_a2a: int = 0  # hybrid: the all-to-all group size, a divisor of cp (cp: plain alltoall, 1: plain ring)
     ep: int = 1  # expert parallel: the experts split over ep of the dp x cp ranks (modelpar/parallel/experts.py)
     etp: int = 1  # expert tensor parallel: only 1 (experts are replicated over tp, tokens split over it)
 
@@ -269,6 +272,7 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     if p.sp and p.tp > 1 and d.seq_len % (p.tp * p.cp):
         per_cp = f" / cp={p.cp} = {d.seq_len / p.cp:g} tokens per cp rank" if p.cp > 1 else ""
         raise RecipeError(f"parallel.sp=true needs data.seq_len={d.seq_len}{per_cp} divisible by parallel.tp={p.tp}")
+    _check_head_exchange(p, m)
     if p.cp > 1 and m.compile:
         raise RecipeError(
             f"parallel.cp={p.cp} with model.compile=true is not supported (the ring attention is not traced); "
@@ -342,6 +346,27 @@ def _check_choices(cfg: TrainConfig) -> None:
         raise RecipeError(
             f"trainer.max_restarts={cfg.trainer.max_restarts} restarts from the newest verified checkpoint of the run, "
             f"which trainer.resume={cfg.trainer.resume!r} does not read; use trainer.resume=auto"
+        )
+
+
+def _check_head_exchange(p: ParallelConfig, m: ModelConfig) -> None:
+    """alltoall / hybrid: the all-to-all group splits the query heads of each tp rank."""
+    fits = [n for n in range(1, p.cp + 1) if p.cp % n == 0]
+    if p.cp_comm != "hybrid" and p.cp_a2a:
+        raise RecipeError(f"parallel.cp_a2a={p.cp_a2a} applies only to parallel.cp_comm=hybrid; set parallel.cp_a2a=0")
+    if p.cp_comm == "hybrid" and (p.cp_a2a < 1 or p.cp % p.cp_a2a):
+        raise RecipeError(
+            f"parallel.cp_comm=hybrid needs parallel.cp_a2a (the all-to-all group size) dividing parallel.cp={p.cp}, "
+            f"got {p.cp_a2a}; try cp_a2a in {fits}"
+        )
+    n = p.cp if p.cp_comm == "alltoall" else p.cp_a2a if p.cp_comm == "hybrid" else 1
+    heads = m.heads // p.tp
+    if n > 1 and heads % n:
+        ok = [d for d in fits if heads % d == 0]
+        raise RecipeError(
+            f"parallel.cp_comm={p.cp_comm} splits the {heads} query heads per tp rank (model.heads={m.heads} / "
+            f"tp={p.tp}) over an all-to-all of {n} cp ranks, which does not divide them; use parallel.cp_comm=hybrid "
+            f"with parallel.cp_a2a in {ok}, or parallel.cp_comm=ring"
         )
 
 

@@ -12,9 +12,10 @@ def test_cp_specs_set_cp_and_the_exchange_and_read_back():
     assert (parse_layout("cp2", base).cp, parse_layout("cp2", base).cp_comm) == (2, "ring")
     got = parse_layout("tp2-cp2-allgather", base)
     assert (got.tp, got.cp, got.cp_comm) == (2, 2, "allgather")
-    for spec in ("cp2", "cp4-allgather", "tp2-cp2-pp2-1f1b-m4", "cp2-dp2"):
+    for spec in ("cp2", "cp4-allgather", "tp2-cp2-pp2-1f1b-m4", "cp2-dp2", "cp2-alltoall", "cp4-hybrid2"):
         parallel = parse_layout(spec, base)
         assert layout_name(parallel) == spec and parse_layout(layout_name(parallel), base) == parallel
+    assert (parse_layout("cp4-hybrid2", base).cp_comm, parse_layout("cp4-hybrid2", base).cp_a2a) == ("hybrid", 2)
 
 
 def test_cp_rows_hold_half_the_activations_and_count_the_kv_exchange(tmp_path):

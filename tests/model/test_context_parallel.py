@@ -63,11 +63,11 @@ def _inputs(seq, heads, kv_heads, with_documents):
     return q, k, v, dout, documents
 
 
-def cp_matches_full_attention(comm, seq, heads, kv_heads, with_documents):
+def cp_matches_full_attention(comm, seq, heads, kv_heads, with_documents, a2a=0):
     from modelpar.parallel.collectives import record_comm
 
     groups = current_groups()
-    cp = ContextParallelGroup.of(groups, comm)
+    cp = ContextParallelGroup.of(groups, comm, a2a)
     q, k, v, dout, documents = _inputs(seq, heads, kv_heads, with_documents)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = reference_attention(*full, documents)
@@ -79,6 +79,8 @@ def cp_matches_full_attention(comm, seq, heads, kv_heads, with_documents):
     torch.testing.assert_close(out, split_for_context(ref, cp), rtol=1e-10, atol=1e-10)
     for name, mine, whole in zip("qkv", local, full, strict=True):
         torch.testing.assert_close(mine.grad, split_for_context(whole.grad, cp), rtol=1e-10, atol=1e-10, msg=name)
+    if comm in ("alltoall", "hybrid"):
+        return log.count("all_to_all"), log.total_bytes("all_to_all"), log.count("send_recv")
     return log.count("send_recv"), log.total_bytes("send_recv"), log.count("all_gather"), log.count("reduce_scatter")
 
 
@@ -99,6 +101,35 @@ def test_cp2_attention_matches_full_attention(comm, with_documents):
 @pytest.mark.parametrize("comm", ["ring", "allgather"])
 def test_cp4_attention_matches_full_attention_with_documents(comm):
     run_on_ranks(4, cp_matches_full_attention, comm, 16, 2, 1, True, layout=ParallelLayout(cp=4))
+
+
+ULYSSES = [  # (cp, comm, a2a, heads, kv heads): kv heads split, repeated (kv < cp), a hybrid 2 x 2 ring
+    (2, "alltoall", 0, 4, 2),
+    (4, "alltoall", 0, 4, 2),
+    (4, "alltoall", 0, 4, 1),
+    (4, "hybrid", 2, 2, 1),
+    (4, "hybrid", 2, 4, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "cp, comm, a2a, heads, kv_heads", ULYSSES, ids=[f"cp{c}-{m}{a or ''}-h{h}kv{k}" for c, m, a, h, k in ULYSSES]
+)
+def test_head_exchange_attention_matches_full_attention_with_documents(cp, comm, a2a, heads, kv_heads):
+    """Outputs and dq/dk/dv equal the full attention's (fp64, 1e-10) with q/k/v exchanged to a head shard: GQA
+    with kv heads split or repeated, hybrid's ring across all-to-all groups; documents cross every chunk."""
+    seq, b, d = 16, 2, 8
+    results = run_on_ranks(
+        cp, cp_matches_full_attention, comm, seq, heads, kv_heads, True, a2a, layout=ParallelLayout(cp=cp)
+    )
+    n = cp if comm == "alltoall" else a2a
+    repeats = n // __import__("math").gcd(kv_heads, n)
+    local = b * (seq // cp) * d * 8  # one head of this rank's tokens, fp64 bytes
+    # forward: q, k, v out (one all-to-all), o back; backward the same two, each the whole local tensor
+    expected = 2 * local * (2 * heads + 2 * kv_heads * repeats)
+    for count, moved, sends in results:
+        assert (count, moved) == (4, expected)
+        assert sends == (0 if n == cp else 4)  # hybrid 2 x 2: the ring of 2 as at cp2, on the exchanged heads
 
 
 def ring_block_sizes():

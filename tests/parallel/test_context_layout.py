@@ -88,7 +88,19 @@ def _recipe(**changes) -> TrainConfig:
             dict(parallel=dict(cp=2, tp=4, sp=True), data=dict(seq_len=20)),
             "parallel.sp=true needs data.seq_len=20 / cp=2 = 10 tokens per cp rank divisible by parallel.tp=4",
         ),
-        (dict(parallel=dict(cp_comm="alltoall")), "parallel.cp_comm='alltoall' must be one of ring, allgather"),
+        (dict(parallel=dict(cp_comm="ulysses")), "parallel.cp_comm='ulysses' must be one of ring, allgather, alltoall"),
+        (
+            dict(parallel=dict(cp=4, cp_comm="alltoall", tp=2), model=dict(heads=4, kv_heads=2)),
+            "parallel.cp_comm=alltoall splits the 2 query heads per tp rank (model.heads=4 / tp=2) over an all-to-all "
+            "of 4 cp ranks, which does not divide them; use parallel.cp_comm=hybrid with parallel.cp_a2a in [1, 2]",
+        ),
+        (
+            dict(parallel=dict(cp=4, cp_comm="hybrid", cp_a2a=3)),
+            "parallel.cp_comm=hybrid needs parallel.cp_a2a (the all-to-all group size) dividing parallel.cp=4, got 3; "
+            "try cp_a2a in [1, 2, 4]",
+        ),
+        (dict(parallel=dict(cp_comm="hybrid")), "parallel.cp_comm=hybrid needs parallel.cp_a2a"),
+        (dict(parallel=dict(cp_a2a=2)), "parallel.cp_a2a=2 applies only to parallel.cp_comm=hybrid"),
         (dict(model=dict(compile=True)), "parallel.cp=2 with model.compile=true is not supported"),
         (dict(data=dict(eos_id=300)), "data.eos_id=300 is not a token id of model.vocab_size=256"),
         (dict(parallel=dict(cp=0)), "cp=0 must be >= 1"),

@@ -37,6 +37,25 @@ def test_allgather_exposes_its_communication_where_the_ring_hides_it():
     assert ring.cp_comm_s < gather.cp_comm_s  # long blocks hide the ring's transfers
 
 
+def test_alltoall_moves_q_k_v_and_o_once_each_way_and_is_searched_only_where_cp_splits_the_heads():
+    seq = 8192
+    gather = predict(cp_strategy(8, "allgather"), LLAMA_8B, H100, seq_len=seq)
+    a2a = predict(cp_strategy(8, "alltoall"), LLAMA_8B, H100, seq_len=seq)
+    # llama-8b, 32 heads / 8 kv heads over cp8 in one node: (2*32 + 2*8) heads' worth of this rank's tokens each
+    # way, 7/8 of it sent, against the all-gather's three passes over 7/8 of cp x its K/V (2*8 heads)
+    bsd = seq / 8 * LLAMA_8B.shape.head_dim * H100.weight_bytes
+    exchange = 7 / 8 * 80 * bsd / H100.intra_node_bw + 2 * 7 * H100.latency_s
+    layers_and_micro_batches = LLAMA_8B.shape.layers * 4
+    assert a2a.cp_comm_s == pytest.approx(layers_and_micro_batches * 2 * exchange, rel=1e-6)  # forward, backward
+    assert 0 < a2a.cp_comm_s < gather.cp_comm_s
+    from modelpar.plan.search import strategies
+
+    space = SearchSpace(cp_comm=("ring", "alltoall"))
+    for cp, searched in ((16, {"ring"}), (8, {"ring", "alltoall"})):  # 32 heads / tp4 = 8 per tp rank
+        found = strategies(LLAMA_8B, ParallelLayout(tp=4, cp=cp), 32, 16384, space)
+        assert {s.cp_comm for s in found} == searched, cp
+
+
 def test_ring_transfers_are_exposed_where_blocks_are_too_short_to_hide_them():
     short = predict(cp_strategy(8, "ring"), LLAMA_8B, H100, seq_len=2048)
     long = predict(cp_strategy(8, "ring"), LLAMA_8B, H100, seq_len=131072)

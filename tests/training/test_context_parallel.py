@@ -1,6 +1,6 @@
 """Context parallelism trains what the single-device run trains: losses, gradient norms and parameters after
-every step, with each sequence split over cp ranks (ring or all-gather attention), composed with tp (and sp),
-pp, dp and ZeRO-1, with and without document masking."""
+every step, with each sequence split over cp ranks (ring, all-gather, all-to-all or hybrid attention), composed
+with tp (and sp), pp, dp and ZeRO-1/3, with and without document masking."""
 
 import json
 from dataclasses import replace
@@ -71,6 +71,13 @@ LAYOUTS = [
     (dict(cp=2, recompute="selective"), True),  # elementwise ops rerun, attention and matmul outputs kept
     (dict(cp=2, recompute="selective", recompute_modules=["attention"]), True),  # the ring reruns in backward
     (dict(cp=2, offload_activations=True), False),
+    # heads exchanged by all-to-all (Ulysses), alone and with a ring across all-to-all pairs (hybrid)
+    (dict(cp=2, cp_comm="alltoall"), True),
+    (dict(cp=4, cp_comm="alltoall"), False),  # 2 kv heads repeated to one per cp rank
+    (dict(cp=4, cp_comm="hybrid", cp_a2a=2), True),
+    (dict(cp=2, cp_comm="alltoall", tp=2, sp=True), True),  # one kv head per tp rank, repeated
+    (dict(cp=2, cp_comm="alltoall", dp=2, zero_=3), False),
+    (dict(cp=2, cp_comm="alltoall", pp=2, recompute="full"), True),
 ]
 
 

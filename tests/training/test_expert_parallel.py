@@ -92,6 +92,7 @@ LAYOUTS = [
     ("softmax", dict(pp=2, dp=2, ep=2, microbatches=1)),
     ("softmax", dict(cp=2, ep=2, microbatches=1)),  # ep carved from cp: each rank holds 2 of 4 sequence chunks
     ("softmax", dict(cp=2, dp=2, ep=2, microbatches=1)),
+    ("softmax", dict(cp=2, ep=2, microbatches=1, cp_comm="alltoall")),  # attention's heads exchanged over cp
     ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="full")),
     ("softmax", dict(dp=2, ep=2, microbatches=1, recompute="selective", recompute_modules=["mlp", "elementwise"])),
     ("softmax", dict(dp=2, microbatches=1, zero_=1)),  # ZeRO with the experts replicated over dp (ep=1)
