@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modelpar.model.activations import DEFAULT_SELECTIVE, RecomputePolicy
+from modelpar.model.layers.fp8 import FP8_MODES
 from modelpar.parallel.context import CP_COMMS, ContextParallelGroup
 from modelpar.parallel.experts import ExpertParallelGroup
 from modelpar.parallel.regions import TensorParallelGroup
@@ -37,7 +38,9 @@ class ChunkSpec:
     ``"attention"`` half, so the chunk stays a contiguous piece of the model. ``sequence_parallel``: the
     residual stream sharded along the sequence over tp (a no-op at tp=1). ``recompute`` (none | selective |
     full) with ``recompute_modules`` (for selective). ``cp_comm`` (ring | allgather): how attention exchanges
-    K/V under context parallelism. ``device`` and ``dtype``: where the parameters live and their dtype (None:
+    K/V under context parallelism. ``fp8`` (off | rowwise | tensorwise): the attention and dense MLP projections'
+    GEMMs in FP8 (``modelpar.model.layers.fp8``; embedding, head, norms and MoE layers stay in the compute
+    dtype). ``device`` and ``dtype``: where the parameters live and their dtype (None:
     torch's defaults; the compute dtype of activations is the runtime's).
     """
 
@@ -49,6 +52,7 @@ class ChunkSpec:
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = DEFAULT_SELECTIVE
     cp_comm: str = "ring"
+    fp8: str = "off"
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -67,6 +71,8 @@ class ChunkSpec:
                     f"split_blocks={self.split_blocks}: only the first block may be an 'mlp' half and only the last "
                     f"an 'attention' half of layer_ids={ids}"
                 )
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"fp8={self.fp8!r} must be one of {FP8_MODES}")
         if self.cp_comm not in CP_COMMS:
             raise ValueError(f"cp_comm={self.cp_comm!r} must be one of {CP_COMMS}")
         self.recompute_policy()  # raises on an unknown mode or module
