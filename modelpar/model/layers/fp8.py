@@ -125,7 +125,9 @@ def fp8_matmul(
         scale_b=sb.reshape(1, -1) if sb.dim() else sb,
         out_dtype=out_dtype,
     )
-    return y[:m, :n], sa, sb
+    if y.shape != (m, n):
+        y = y[:m, :n].contiguous()  # a fresh tensor, not a view (a view out of an autograd Function is read-only)
+    return y, sa, sb
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -136,37 +138,35 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``x @ weight.T`` with the forward and both backward GEMMs in FP8 (module docstring). x: [..., K],
-    weight: [N, K] -> [..., N] in the compute dtype. The high-precision x and weight are saved for backward,
+    """``x @ weight.T`` with the forward and both backward GEMMs in FP8 (module docstring). x: [M, K],
+    weight: [N, K] -> [M, N] in the compute dtype. The high-precision x and weight are saved for backward,
     which quantizes each again along the dimension its GEMM contracts."""
 
     @staticmethod
     def forward(ctx, x, weight, scaling):
-        x2 = x.reshape(-1, x.shape[-1])
-        y, sx, sw = fp8_matmul(x2, (TOKENS, IN), weight, (OUT, IN), scaling, _compute_dtype(x))
+        y, sx, sw = fp8_matmul(x, (TOKENS, IN), weight, (OUT, IN), scaling, _compute_dtype(x))
         ctx.save_for_backward(x, weight, sx, sw)
         ctx.scaling, ctx.tag = scaling, current_tag()
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, sx, sw = ctx.saved_tensors
         scaling = ctx.scaling
         whole = scaling.mode == "tensorwise"  # one scale per tensor: the forward's serve the backward too
-        g = grad_y.reshape(-1, grad_y.shape[-1])
+        g = grad_y
         grad_x = grad_w = sg = None
         with comm_tag(ctx.tag):
             if ctx.needs_input_grad[0]:
                 dx, sg, _ = fp8_matmul(
                     g, (TOKENS, OUT), weight.t(), (IN, OUT), scaling, g.dtype, (None, sw if whole else None)
                 )
-                grad_x = dx.reshape(x.shape).to(x.dtype)
+                grad_x = dx.to(x.dtype)
             if ctx.needs_input_grad[1]:
-                x2 = x.reshape(-1, x.shape[-1])
                 dw, _, _ = fp8_matmul(
                     g.t(),
                     (OUT, TOKENS),
-                    x2.t(),
+                    x.t(),
                     (IN, TOKENS),
                     scaling,
                     g.dtype,
@@ -178,7 +178,8 @@ class _Fp8Linear(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scaling: Fp8Scaling) -> torch.Tensor:
     """``x @ weight.T`` with all three GEMMs in FP8 under ``scaling``. x: [..., K], weight: [N, K] -> [..., N]."""
-    return _Fp8Linear.apply(x, weight, scaling)
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, scaling)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 __all__ = ["FP8", "FP8_MAX", "FP8_MODES", "Fp8Scaling", "fp8_linear", "fp8_matmul", "quantize", "scale_of"]
