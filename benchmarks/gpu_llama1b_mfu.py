@@ -41,6 +41,7 @@ from modelpar.cli.args import positive_float, positive_int
 from modelpar.model.compile import compile_blocks
 from modelpar.model.config import ModelConfig
 from modelpar.model.flops import training_flops_per_token
+from modelpar.model.layers.fp8 import FP8_MODES
 from modelpar.model.transformer import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +110,7 @@ def make_step(model, optimizer, tokens: torch.Tensor, device: torch.device):
 
 def build_training(config: ModelConfig, args, device: torch.device):
     """The single-device model, fused AdamW (on CUDA) and random tokens [accum, micro_batch, seq + 1]."""
-    model = build_model(config, seed=0, device=device)
+    model = build_model(config, seed=0, device=device, fp8=config.fp8)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
@@ -158,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps: exercise every path")
     parser.add_argument("--compile", action="store_true", help="each block under torch.compile (compile_blocks)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    parser.add_argument("--fp8", choices=FP8_MODES, default="off", help="model.fp8: the projections' GEMMs in FP8")
     parser.add_argument("--micro-batch", type=positive_int, default=4)
     parser.add_argument("--seq", type=positive_int, default=2048)
     parser.add_argument("--accum", type=positive_int, default=2, help="micro-batches per optimizer step")
@@ -180,7 +182,7 @@ def model_and_device(args) -> tuple[torch.device, ModelConfig, str]:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_llama1b_mfu.py needs a CUDA GPU; use --smoke on CPU")
         device, config, name = torch.device("cuda", 0), llama_1b(), "llama-1b"
-    return device, replace(config, max_seq_len=max(config.max_seq_len, args.seq)), name
+    return device, replace(config, max_seq_len=max(config.max_seq_len, args.seq), fp8=args.fp8), name
 
 
 def measure(args, peak: float | None = None) -> dict:
@@ -217,7 +219,8 @@ def measure(args, peak: float | None = None) -> dict:
         "compiled_blocks": args.compile,
         "compile_backend": args.compile_backend if args.compile else None,
         "compile_s": run["compile_s"],
-        "precision": "fp32 params + AdamW state, bf16 autocast forward/backward",
+        "precision": "fp32 params + AdamW state, bf16 autocast forward/backward"
+        + (f", {config.fp8} FP8 projections" if config.fp8 != "off" else ""),
         "micro_batch": args.micro_batch,
         "seq_len": args.seq,
         "accum": args.accum,

@@ -5,7 +5,8 @@
 the FLOP counts work from. Parallelism lives in the layout, never here.
 
 A model's identity is the fields that change what its weights mean (``IDENTITY``): two configs that agree on
-them load each other's checkpoints. ``name``, ``kernels`` (how it runs), ``compile``, ``init_std`` (only the
+them load each other's checkpoints. ``name``, ``kernels`` (how it runs), ``compile``, ``fp8`` (the GEMMs'
+precision; the weights are the same fp32 masters), ``init_std`` (only the
 first draw) and ``max_seq_len`` (as long as the run's sequence fits) do not. A mixture of experts adds its
 ``moe`` shape (``MoEConfig.IDENTITY``) to the identity; a dense model's identity is unchanged by it.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from modelpar_kernels import BACKENDS
 
+from modelpar.model.layers.fp8 import FP8_MODES
 from modelpar.parallel.layout import LayoutError
 
 IDENTITY = (
@@ -134,6 +136,7 @@ class ModelConfig:
     init_std: float = 0.02
     kernels: str = "auto"  # auto | triton | torch: how the model runs, not what it is
     compile: bool = False  # each block under torch.compile
+    fp8: str = "off"  # off | rowwise | tensorwise: attention and MLP GEMMs in FP8 (modelpar/model/layers/fp8.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -162,10 +165,22 @@ class ModelConfig:
         if self.kernels not in BACKENDS:
             raise ModelConfigError(f"model.kernels={self.kernels!r} is not one of {BACKENDS}")
         self.moe.check(self.layers)
+        if self.fp8 not in FP8_MODES:
+            raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
+        if self.fp8 != "off" and self.moe.enabled:
+            raise ModelConfigError(
+                f"model.fp8={self.fp8} covers dense layers only (the experts' grouped GEMMs stay high precision); "
+                "set model.fp8=off or model.moe.experts=0"
+            )
 
     def check_layout(self, layout) -> None:
         """Raise ``LayoutError`` (one line, with a fix) if ``layout`` (a ``ParallelLayout``) cannot shard this model."""
         layout.check_model(layers=self.layers, heads=self.heads, kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden)
+        if self.fp8 != "off" and layout.tp > self.kv_heads:
+            raise LayoutError(
+                f"model.fp8={self.fp8} with tp={layout.tp} > model.kv_heads={self.kv_heads}: replicated k/v heads get "
+                "partial gradients, whose FP8 scales no rank sees whole; use tp <= kv_heads or model.fp8=off"
+            )
         ep = getattr(layout, "ep", 1)
         if self.moe.enabled and self.moe.experts % ep:
             raise LayoutError(

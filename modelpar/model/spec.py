@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modelpar.model.activations import DEFAULT_SELECTIVE, RecomputePolicy
+from modelpar.model.layers.fp8 import FP8_MODES
 from modelpar.parallel.context import CP_COMMS, ContextParallelGroup
 from modelpar.parallel.experts import ExpertParallelGroup
 from modelpar.parallel.regions import TensorParallelGroup
@@ -38,6 +39,8 @@ class ChunkSpec:
     residual stream sharded along the sequence over tp (a no-op at tp=1). ``recompute`` (none | selective |
     full) with ``recompute_modules`` (for selective). ``cp_comm`` (ring | allgather | alltoall | hybrid): how
     attention exchanges K/V (or heads) under context parallelism; ``cp_a2a``: hybrid's all-to-all group size.
+    ``fp8`` (off | rowwise | tensorwise): the attention and dense MLP projections' GEMMs in FP8
+    (``modelpar.model.layers.fp8``; embedding, head, norms and MoE layers stay in the compute dtype).
     ``device`` and ``dtype``: where the parameters live and their dtype (None: torch's defaults; the compute
     dtype of activations is the runtime's).
     """
@@ -51,6 +54,7 @@ class ChunkSpec:
     recompute_modules: tuple[str, ...] = DEFAULT_SELECTIVE
     cp_comm: str = "ring"
     cp_a2a: int = 0
+    fp8: str = "off"
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -69,6 +73,8 @@ class ChunkSpec:
                     f"split_blocks={self.split_blocks}: only the first block may be an 'mlp' half and only the last "
                     f"an 'attention' half of layer_ids={ids}"
                 )
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"fp8={self.fp8!r} must be one of {FP8_MODES}")
         if self.cp_comm not in CP_COMMS:
             raise ValueError(f"cp_comm={self.cp_comm!r} must be one of {CP_COMMS}")
         self.recompute_policy()  # raises on an unknown mode or module

@@ -78,6 +78,7 @@ class Block(nn.Module):
                 tp,
                 cp=groups.cp,
                 documents=documents,
+                fp8=spec.fp8,
                 **kw,
             )
         if half != "attention":
@@ -85,7 +86,7 @@ class Block(nn.Module):
             if config.moe.is_moe_layer(layer):
                 self.mlp = MoELayer(config, tp, groups.ep, **kw)
             else:
-                self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, **kw)
+                self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, fp8=spec.fp8, cp=groups.cp, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.half != "mlp":

@@ -77,6 +77,7 @@ class Hardware:
     kernels: str = "triton"  # what model.kernels=auto runs: triton on GPUs, the torch reference on CPU
     host_bw: float = 0.0  # bytes/s between the device and host memory (activation offload); 0: the device's
     #   memory is host memory (a CPU), where offload frees nothing
+    fp8_peak_flops: float = 0.0  # dense FP8 FLOP/s (model.fp8 GEMMs); 0: no FP8 units, they run at peak_flops
 
     @property
     def weight_bytes(self) -> int:

@@ -5,7 +5,8 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
     compute_s  = FLOPs on the busiest rank / (peak * efficiency)
                  + element-wise work tp repeats on every rank (``REPLICATED_PASSES`` [b, s, h] passes per
                  layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
-                 dispatch, which no parallelism shrinks)
+                 dispatch, which no parallelism shrinks); with model.fp8 the projections' FLOPs at the FP8 peak
+                 (``fp8_time_factor``: H100/H200 twice bf16)
     tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
                  ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node;
                  a MoE layer under SP 2 (its MLP has none), plus one all-reduce a step of the fp32 gradients
@@ -225,6 +226,17 @@ def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) 
     return training_flops_per_token(shape, seq_len) * tokens + shape.layers * extra
 
 
+def fp8_time_factor(shape: ModelConfig, hardware: Hardware, seq_len: int) -> float:
+    """Compute time with ``model.fp8`` over the time without: the attention and MLP projections' share ``f`` of
+    the training FLOPs runs at ``fp8_peak_flops``, the rest (scores, head) at ``peak_flops``:
+    ``1 - f + f * peak / fp8_peak``. 1 with fp8 off or on hardware without FP8 units."""
+    if shape.fp8 == "off" or hardware.fp8_peak_flops <= 0:
+        return 1.0
+    projections = 6.0 * shape.layers * shape.block_params()
+    share = projections / training_flops_per_token(shape, seq_len)
+    return 1.0 - share + share * hardware.peak_flops / hardware.fp8_peak_flops
+
+
 # -- prediction ----------------------------------------------------------------------------------------------
 
 
@@ -238,7 +250,9 @@ def predict(
     shape, b = model.shape, strategy.micro_batch_size
     rate = hardware.peak_flops * costs.efficiency
     cp = layout.cp
-    compute_s = m * stage_step_flops(model, strategy, seq_len) / t / cp / rate
+    compute_s = (
+        m * stage_step_flops(model, strategy, seq_len) / t / cp / rate * fp8_time_factor(shape, hardware, seq_len)
+    )
     compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
 
     act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation

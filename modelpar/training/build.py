@@ -103,6 +103,7 @@ def chunk_specs(cfg: TrainConfig, pp_rank: int, device: torch.device) -> list[Ch
             recompute_modules=tuple(p.recompute_modules),
             cp_comm=p.cp_comm,
             cp_a2a=p.cp_a2a,
+            fp8=cfg.model.fp8,
             device=device,
         )
         for c in partition.chunks_of(pp_rank)

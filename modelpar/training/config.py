@@ -278,6 +278,8 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"parallel.cp={p.cp} with model.compile=true is not supported (the ring attention is not traced); "
             "set model.compile=false or parallel.cp=1"
         )
+    if m.fp8 != "off" and m.compile:
+        raise RecipeError(f"model.fp8={m.fp8} with model.compile=true is untested; set model.compile=false")
     if d.document_mask and m.compile:
         raise RecipeError("data.document_mask=true with model.compile=true is not supported; set model.compile=false")
     if d.eos_id >= m.vocab_size:

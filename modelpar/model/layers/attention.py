@@ -71,6 +71,8 @@ class ParallelAttention(nn.Module):
 
     Under context parallelism (``cp``) x holds this cp rank's two chunks of the sequence
     (``modelpar.parallel.context``): RoPE uses their global positions and attention runs over the cp group.
+    ``fp8`` (off | rowwise | tensorwise): the qkv and output projections' GEMMs in FP8 (attention itself stays
+    in the compute dtype).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ParallelAttention(nn.Module):
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
         documents: DocumentIds | None = None,
+        fp8: str = "off",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -104,7 +107,7 @@ class ParallelAttention(nn.Module):
             for name in ("k_proj.weight", "v_proj.weight")
         ]
         parts = [ColumnPart.even("q_proj.weight", heads * d, tp.rank, tp.size), *kv]
-        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
         self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
 

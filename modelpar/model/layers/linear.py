@@ -8,10 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelpar.model.layers.fp8 import Fp8Scaling, fp8_linear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo, load_full_weights
+from modelpar.parallel.context import ContextParallelGroup
 from modelpar.parallel.regions import (
     TensorParallelGroup,
     column_parallel_matmul,
+    copy_to_tp_region,
     gather_from_sequence_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
@@ -41,6 +44,10 @@ class ColumnParallelLinear(nn.Module):
           +----------+     +----------+     +----------+            +----------+
                                                                     |   v_r    |     y_r: [b, s, (q + 2k)/t]
                                                                     +----------+
+
+    ``fp8`` (rowwise | tensorwise): the matmul and both of its backward GEMMs in FP8 (``modelpar.model.layers.fp8``),
+    the input gathered (or entered through f) first, scales reduced over tp (the output features) and ``cp``
+    (the tokens).
     """
 
     def __init__(
@@ -51,10 +58,13 @@ class ColumnParallelLinear(nn.Module):
         *,
         name: str = "weight",
         sequence_parallel: bool = False,
+        fp8: str = "off",
+        cp: ContextParallelGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        self.fp8 = None if fp8 == "off" else Fp8Scaling(fp8, tokens=cp, outputs=tp)
         if isinstance(out_features, int):
             if out_features % tp.size:
                 raise ValueError(f"{name}: {out_features} output features do not split over tp={tp.size}")
@@ -71,6 +81,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, in] (or [b, s/t, in] with sequence parallel) -> [b, s, local out]."""
+        if self.fp8 is not None:
+            x = gather_from_sequence_region(x, self.tp) if self.sequence_parallel else copy_to_tp_region(x, self.tp)
+            return fp8_linear(x, self.weight, self.fp8)
         if self.sequence_parallel:
             return F.linear(gather_from_sequence_region(x, self.tp), self.weight)
         return column_parallel_matmul(x, self.weight, self.tp)
@@ -109,6 +122,9 @@ class RowParallelLinear(nn.Module):
        r0       r1             g: reduce_from_tp_region  (all-reduce fwd, identity bwd) -> y [b, s, out]
                                or reduce_scatter_to_sequence_region (reduce-scatter fwd, all-gather bwd)
                                   -> y [b, s/t, out] with sequence parallel
+
+    ``fp8`` (rowwise | tensorwise): the partial matmul and its backward GEMMs in FP8, scales reduced over tp (the
+    input features) and ``cp`` (the tokens).
     """
 
     def __init__(
@@ -119,10 +135,13 @@ class RowParallelLinear(nn.Module):
         *,
         name: str = "weight",
         sequence_parallel: bool = False,
+        fp8: str = "off",
+        cp: ContextParallelGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        self.fp8 = None if fp8 == "off" else Fp8Scaling(fp8, tokens=cp, inputs=tp)
         if in_features % tp.size:
             raise ValueError(f"{name}: {in_features} input features do not split over tp={tp.size}")
         self.in_features, self.out_features, self.name = in_features, out_features, name
@@ -132,7 +151,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, in/t] -> [b, s, out] (or [b, s/t, out] with sequence parallel), summed over tp."""
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, self.fp8)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(y, self.tp)
         return reduce_from_tp_region(y, self.tp)

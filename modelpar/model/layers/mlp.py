@@ -8,6 +8,7 @@ from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.parallel.context import ContextParallelGroup
 from modelpar.parallel.regions import TensorParallelGroup
 
 
@@ -17,6 +18,8 @@ class ParallelSwiGLU(nn.Module):
 
         x [b, s, h] --f--> gate_up_proj [2f/t, h] -> gate_r, up_r [b, s, f/t] -> silu(gate_r) * up_r
                     --> down_proj [h, f/t] --g--> [b, s, h]
+
+    ``fp8`` (off | rowwise | tensorwise): both projections' GEMMs in FP8, scales reduced over tp and ``cp``.
     """
 
     def __init__(
@@ -27,13 +30,15 @@ class ParallelSwiGLU(nn.Module):
         *,
         sequence_parallel: bool = False,
         backend: str = "torch",
+        fp8: str = "off",
+        cp: ContextParallelGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.backend = backend
         parts = [ColumnPart.even(name, ffn_hidden, tp.rank, tp.size) for name in ("gate_proj.weight", "up_proj.weight")]
-        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=cp, device=device, dtype=dtype)
         self.gate_up_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
         self.down_proj = RowParallelLinear(ffn_hidden, hidden, tp, name="down_proj.weight", **kw)
 
