@@ -45,16 +45,22 @@ def _new_group(kind: str, ranks: Sequence[int]) -> dist.ProcessGroup:
     return _groups[key]
 
 
+def _member(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is a group this rank belongs to (torch marks the others with an int)."""
+    return group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+
+
 def held_groups() -> int:
-    """How many groups this rank belongs to that ``ParallelGroups.build`` created and did not release."""
-    return sum(g not in (None, dist.GroupMember.NON_GROUP_MEMBER) for g in _groups.values())
+    """How many groups this rank belongs to that ``ParallelGroups.build`` created and ``release_groups`` would
+    destroy (kept groups do not count: releasing cannot lower them)."""
+    return sum(_member(g) and id(g) not in _kept for g in _groups.values())
 
 
 def keep_group(group: dist.ProcessGroup | None) -> None:
     """Exempt ``group`` from ``release_groups``: a DeviceMesh was made of it. DTensor caches sharding results by
     mesh, and meshes compare equal by ranks alone, so a later mesh of the same ranks must find this group alive
     (the next build of the same (kind, ranks) returns it)."""
-    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+    if _member(group):
         _kept.add(id(group))
 
 
@@ -71,7 +77,7 @@ def release_groups() -> None:
     ParallelGroups._cache.clear()
     collectives.forget_sizes()
     for group in released.values():
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        if _member(group):
             dist.destroy_process_group(group)
 
 
