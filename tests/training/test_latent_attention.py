@@ -28,7 +28,8 @@ def token_path(tmp_path_factory):
 
 def configure(tmp_path, **layout):
     cfg = make_config(tmp_path, **layout)
-    return replace(cfg, model=MODEL, optim=replace(cfg.optim, eps=1e-6))  # eps: see tests/training/test_context_parallel
+    # eps: see tests/training/test_context_parallel
+    return replace(cfg, model=MODEL, optim=replace(cfg.optim, eps=1e-6))
 
 
 @pytest.fixture(scope="module")
