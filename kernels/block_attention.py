@@ -1,14 +1,15 @@
 """One block of attention with its log-sum-exp, on each backend: what context parallelism merges block by block.
 
 A block is queries q [b, hq, sq, d] against keys and values k, v [b, hkv, sk, d] (the sequence-second layout of
-the engine's attention; ``hq`` a multiple of ``hkv``), masked by a ``BlockMask``. Forward returns the block's
+the engine's attention; ``hq`` a multiple of ``hkv``; on the torch paths v's head dim may differ from q's and
+k's, as in latent attention), masked by a ``BlockMask``. Forward returns the block's
 output and its natural-log lse (fp32 or wider), so partial blocks can be merged; backward takes the rows'
 *merged* output and lse (FlashAttention-2's backward needs nothing else of the other blocks) and returns the
 block's share of dq, dk, dv. Three ways to compute it, chosen by ``backend``:
 
 - "triton": the flash kernel of ``modelpar_kernels.attention`` (document masks as ids, no boolean mask);
 - "torch" on CPU: aten's flash attention for CPU, which returns the lse with the output;
-- "torch" elsewhere: plain matmuls in the accumulation dtype.
+- "torch" elsewhere, or when v's head dim differs: plain matmuls in the accumulation dtype.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def block_attention_forward(q, k, v, mask: BlockMask, backend: str = "torch"):
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     keep, causal = mask.keep, mask.causal and mask.keep is None
     scale = q.shape[-1] ** -0.5
-    if q.device.type == "cpu":  # the aten flash op returns the lse on CPU
+    if _cpu_flash(q, v):  # the aten flash op returns the lse on CPU
         additive = None if keep is None else _additive(keep, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=additive, scale=scale
@@ -83,12 +84,18 @@ def block_attention_backward(dout, q, k, v, out, lse, mask: BlockMask, backend: 
 def _block_backward_torch(dout, q, k, v, out, lse, mask: BlockMask):
     keep, causal = mask.keep, mask.causal and mask.keep is None
     scale = q.shape[-1] ** -0.5
-    if q.device.type == "cpu":
+    if _cpu_flash(q, v):
         additive = None if keep is None else _additive(keep, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=additive, scale=scale
         )
     return _block_backward_math(dout, q, k, v, out, lse, keep, causal)
+
+
+def _cpu_flash(q, v) -> bool:
+    """aten's CPU flash op, which returns the lse, takes one head dim for q, k and v; v's may differ (latent
+    attention), which the plain matmuls take."""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
 def _block_forward_math(q, k, v, keep, causal):

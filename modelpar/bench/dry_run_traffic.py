@@ -37,7 +37,7 @@ from modelpar.plan.activations import activation_bytes
 from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
 from modelpar.plan.states import shard_group_size, stage_units, state_bytes
-from modelpar.plan.step_time import _kv_width, rerun_halves
+from modelpar.plan.step_time import cp_exchange_width, rerun_halves
 
 
 def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> dict:
@@ -76,7 +76,7 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
             out["pp send"] += m * p2p * ((c != last) + (c != first))
             out["pp recv"] += m * p2p * ((c != last) + (c != first))
     if cp > 1 and halves["attention"]:
-        kv = 2 * b * seq_len / cp * _kv_width(model, t)
+        kv = b * seq_len / cp * cp_exchange_width(model, t)
         forwards = 2 if "attention" in rerun else 1
         per_layer = (forwards + 1) * (cp - 1) * kv * e + cp * kv * GRAD_BYTES
         out["cp send"] += m * halves["attention"] * per_layer

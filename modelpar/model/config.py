@@ -8,7 +8,8 @@ A model's identity is the fields that change what its weights mean (``IDENTITY``
 them load each other's checkpoints. ``name``, ``kernels`` (how it runs), ``compile``, ``fp8`` (the GEMMs'
 precision; the weights are the same fp32 masters), ``init_std`` (only the
 first draw) and ``max_seq_len`` (as long as the run's sequence fits) do not. A mixture of experts adds its
-``moe`` shape (``MoEConfig.IDENTITY``) to the identity; a dense model's identity is unchanged by it.
+``moe`` shape (``MoEConfig.IDENTITY``) to the identity, multi-head latent attention its ``mla`` shape
+(``MLAConfig.IDENTITY``); a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
 """
 
 from __future__ import annotations
@@ -118,6 +119,59 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, ``modelpar.model.layers.latent_attention``) in place of GQA;
+    ``kv_lora_rank=0``: off (plain GQA attention).
+
+    Keys and values of every head are expanded from one per-token latent of ``kv_lora_rank`` (RMSNormed) by
+    ``kv_b_proj``, into a ``qk_nope_head_dim`` key part and a ``v_head_dim`` value per head; the RoPE key part
+    (``qk_rope_head_dim``) is one more per-token vector shared by every head. Queries go through a
+    ``q_lora_rank`` latent (RMSNormed) when it is > 0, else straight through ``q_proj`` (DeepSeek-V2-Lite).
+    The qk head dim is ``qk_nope_head_dim + qk_rope_head_dim``; scores are scaled by its inverse square root.
+    """
+
+    IDENTITY = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def check(self) -> None:
+        if self.kv_lora_rank < 0:
+            raise ModelConfigError(f"model.mla.kv_lora_rank={self.kv_lora_rank} must be >= 0 (0: GQA attention)")
+        if not self.enabled:
+            others = [n for n in self.IDENTITY[1:] if getattr(self, n)]
+            if others:
+                raise ModelConfigError(
+                    f"model.mla.{others[0]}={getattr(self, others[0])} needs latent attention; set "
+                    "model.mla.kv_lora_rank > 0 or leave it 0"
+                )
+            return
+        if self.q_lora_rank < 0:
+            raise ModelConfigError(f"model.mla.q_lora_rank={self.q_lora_rank} must be >= 0 (0: q_proj directly)")
+        for name in ("qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"model.mla.{name}={getattr(self, name)} must be >= 1")
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            raise ModelConfigError(
+                f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even and >= 2 (RoPE rotates pairs)"
+            )
+
+    def identity(self) -> dict:
+        return {name: getattr(self, name) for name in self.IDENTITY}
+
+
+@dataclass
 class ModelConfig:
     """A Llama-style decoder: ``layers`` blocks of GQA attention (``heads`` query heads sharing ``kv_heads``
     key/value heads, RoPE) and a SwiGLU MLP of width ``ffn_hidden``, over a ``vocab_size`` embedding."""
@@ -138,10 +192,13 @@ class ModelConfig:
     compile: bool = False  # each block under torch.compile
     fp8: str = "off"  # off | rowwise | tensorwise: attention and MLP GEMMs in FP8 (modelpar/model/layers/fp8.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
 
     def check(self) -> None:
         """Raise ``ModelConfigError`` (one line) if no model has this shape. Called by the recipe's ``validate``
@@ -149,11 +206,14 @@ class ModelConfig:
         for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
-        if self.hidden % self.heads:
+        self.mla.check()
+        if self.mla.enabled:
+            self._check_latent_attention()
+        elif self.hidden % self.heads:
             raise ModelConfigError(
                 f"model.hidden={self.hidden} is not a multiple of heads={self.heads}; change hidden or heads"
             )
-        if self.head_dim % 2:
+        elif self.head_dim % 2:
             raise ModelConfigError(
                 f"head dim hidden/heads={self.head_dim} must be even for RoPE; change model.hidden or model.heads"
             )
@@ -171,6 +231,19 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.fp8={self.fp8} covers dense layers only (the experts' grouped GEMMs stay high precision); "
                 "set model.fp8=off or model.moe.experts=0"
+            )
+
+    def _check_latent_attention(self) -> None:
+        """MLA's head dims are its own (``hidden`` need not divide by ``heads``); every head has its own key and
+        value, so kv_heads is heads; its projections stay in the compute dtype."""
+        if self.kv_heads != self.heads:
+            raise ModelConfigError(
+                f"model.kv_heads={self.kv_heads} with latent attention (model.mla.kv_lora_rank > 0): every head has "
+                f"its own key and value; set model.kv_heads={self.heads}"
+            )
+        if self.fp8 != "off":
+            raise ModelConfigError(
+                f"model.fp8={self.fp8} covers GQA attention only; set model.fp8=off or model.mla.kv_lora_rank=0"
             )
 
     def check_layout(self, layout) -> None:
@@ -206,13 +279,30 @@ class ModelConfig:
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
         identity = {name: getattr(self, name) for name in IDENTITY}
-        return identity | {"moe": self.moe.identity()} if self.moe.enabled else identity
+        if self.moe.enabled:
+            identity |= {"moe": self.moe.identity()}
+        if self.mla.enabled:
+            identity |= {"mla": self.mla.identity()}
+        return identity
 
     # -- parameter counts (matmul weights; norms are negligible) ------------------------------------------
 
     def attention_params(self) -> int:
-        """Matmul weights of a block's attention half: the q, k, v and o projections."""
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        """Matmul weights of a block's attention half: the q, k, v and o projections (latent attention: q_a, q_b
+        or q_proj, kv_a_proj_with_mqa, kv_b_proj and o_proj)."""
+        m, h, n = self.mla, self.hidden, self.heads
+        if not m.enabled:
+            return h * self.head_dim * (2 * n + 2 * self.kv_heads)
+        q = m.q_lora_rank * (h + n * m.qk_head_dim) if m.q_lora_rank else h * n * m.qk_head_dim
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + n * m.v_head_dim * h
+
+    def attention_score_dims(self) -> tuple[int, int]:
+        """Per head, the dims of the score matmul (q.k) and of the value matmul (p.v): (d, d) for GQA,
+        (qk_nope + qk_rope, v_head_dim) for latent attention."""
+        if self.mla.enabled:
+            return self.mla.qk_head_dim, self.mla.v_head_dim
+        return self.head_dim, self.head_dim
 
     def mlp_params(self, layer: int | None = None) -> int:
         """Matmul weights of a block's MLP half that a token goes through: gate, up and down of the SwiGLU; in

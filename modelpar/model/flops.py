@@ -7,7 +7,9 @@ Training FLOPs per token (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B)
 ``N`` counts the parameters that take part in matmuls: every transformer block's attention and MLP weights and
 the output head (the embedding lookup is not a matmul and is excluded; a tied head still counts, because the
 head matmul runs). ``12 * L * h * s`` is attention's score and value matmuls, forward and backward, at full
-(non-causal) cost as the convention counts it. Recomputation is not counted: this is *model* FLOPs. In a
+(non-causal) cost as the convention counts it; with latent attention (qk head dim dk, v head dim dv per head)
+``h`` there is ``heads * (dk + dv) / 2`` (``attention_width``), the widths the score and value matmuls run at.
+Recomputation is not counted: this is *model* FLOPs. In a
 mixture of experts ``N`` counts active parameters only: the router and the top-k routed (plus any shared)
 experts a token goes through, never the experts it skips.
 MFU = achieved model FLOP/s / peak FLOP/s.
@@ -18,14 +20,23 @@ from __future__ import annotations
 from modelpar.model.config import ModelConfig
 
 
+def attention_width(shape: ModelConfig) -> float:
+    """The ``h`` of attention's ``12 * h * s``: ``hidden`` for GQA (heads x head dim), ``heads * (dk + dv) / 2``
+    for latent attention, whose score (q.k) and value (p.v) matmuls run at different head dims."""
+    if not shape.mla.enabled:
+        return shape.hidden
+    dk, dv = shape.attention_score_dims()
+    return shape.heads * (dk + dv) / 2
+
+
 def training_flops_per_token(shape: ModelConfig, seq_len: int) -> float:
-    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.hidden * seq_len
+    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * attention_width(shape) * seq_len
 
 
 def half_block_training_flops(shape: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:
     """Training FLOPs per token of a block's attention half (projections and scores) and of its MLP half (of
     block ``layer``: dense or MoE; None: the mean over the blocks)."""
-    return 6.0 * shape.attention_params() + 12.0 * shape.hidden * seq_len, 6.0 * shape.mlp_params(layer)
+    return 6.0 * shape.attention_params() + 12.0 * attention_width(shape) * seq_len, 6.0 * shape.mlp_params(layer)
 
 
 def head_training_flops(shape: ModelConfig) -> float:

@@ -28,6 +28,7 @@ from modelpar.model.layers import (
     ColumnParallelLinear,
     ColumnPart,
     DocumentIds,
+    LatentAttention,
     ParallelAttention,
     ParallelSwiGLU,
     RMSNorm,
@@ -70,17 +71,7 @@ class Block(nn.Module):
         kw = dict(sequence_parallel=spec.sequence_parallel, backend=backend, device=spec.device, dtype=spec.dtype)
         if half != "mlp":
             self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
-            self.self_attn = ParallelAttention(
-                config.hidden,
-                config.heads,
-                config.kv_heads,
-                config.rope_theta,
-                tp,
-                cp=groups.cp,
-                documents=documents,
-                fp8=spec.fp8,
-                **kw,
-            )
+            self.self_attn = _attention(config, spec, groups, documents, kw)
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             if config.moe.is_moe_layer(layer):
@@ -110,6 +101,37 @@ class Block(nn.Module):
             shards |= self.post_attention_layernorm.logical_shards(prefix + "post_attention_layernorm.")
             shards |= self.mlp.logical_shards(prefix + "mlp.")
         return shards
+
+
+def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, documents, kw) -> nn.Module:
+    """GQA attention, or multi-head latent attention when ``config.mla`` is on."""
+    m = config.mla
+    if m.enabled:
+        return LatentAttention(
+            config.hidden,
+            config.heads,
+            q_lora_rank=m.q_lora_rank,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+            rope_theta=config.rope_theta,
+            tp=groups.tp,
+            cp=groups.cp,
+            documents=documents,
+            **kw,
+        )
+    return ParallelAttention(
+        config.hidden,
+        config.heads,
+        config.kv_heads,
+        config.rope_theta,
+        groups.tp,
+        cp=groups.cp,
+        documents=documents,
+        fp8=spec.fp8,
+        **kw,
+    )
 
 
 Fetch = Callable[[str, ShardInfo], torch.Tensor]

@@ -183,16 +183,18 @@ class _Blocks:
     """This cp rank's queries against the K/V of every cp rank, one source block at a time (ring and all-gather
     share it): the forward's running (out, lse) merge, and each block's share of the backward."""
 
-    def __init__(self, q, cp, documents, backend):
+    def __init__(self, q, cp, documents, backend, value_dim: int | None = None):
         self.q, self.cp, self.documents, self.backend = q, cp, documents, backend
-        b, hq, self.local, _ = q.shape
+        b, hq, self.local, d = q.shape
         self.positions = [local_positions(self.local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
         self.acc = accumulation_dtype(q.dtype)
-        self.out = torch.zeros(q.shape, dtype=self.acc, device=q.device)
+        # the output has the values' head dim (latent attention's differs from the queries')
+        self.out = torch.zeros((b, hq, self.local, value_dim or d), dtype=self.acc, device=q.device)
         self.lse = torch.full((b, hq, self.local), float("-inf"), dtype=self.acc, device=q.device)
 
-    def forward(self, source: int, kv: torch.Tensor) -> None:
-        """Merge the block of ``source``'s K/V (kv: [2, b, hkv, L, d]) into the running output."""
+    def forward(self, source: int, kv) -> None:
+        """Merge the block of ``source``'s K/V (kv: [2, b, hkv, L, d], or a pair k, v whose head dims differ)
+        into the running output."""
         blk, mask = _block_and_mask(self.cp.rank, source, self.local, self.positions, self.documents, self.backend)
         if mask is None:  # a block no query sees is skipped
             return
@@ -205,7 +207,7 @@ class _Blocks:
         )
 
     def backward(self, source, kv, dout, out, lse, dq, dkv) -> None:
-        """Add the block's dq into ``dq`` and write its dK/dV into ``dkv`` [2, b, hkv, L, d] (zeros where unseen);
+        """Add the block's dq into ``dq`` and its dK/dV into ``dkv`` [2, b, hkv, L, d] (or a pair, as ``kv``);
         ``out``, ``lse``: the merged forward's."""
         blk, mask = _block_and_mask(self.cp.rank, source, self.local, self.positions, self.documents, self.backend)
         if mask is None:
@@ -222,8 +224,8 @@ class _Blocks:
             self.backend,
         )
         dq[:, :, rows] += dq_blk.to(dq.dtype)
-        dkv[0, :, :, blk.cols] += dk_blk.to(dkv.dtype)
-        dkv[1, :, :, blk.cols] += dv_blk.to(dkv.dtype)
+        dkv[0][:, :, blk.cols] += dk_blk.to(dkv[0].dtype)
+        dkv[1][:, :, blk.cols] += dv_blk.to(dkv[1].dtype)
 
 
 def _save(ctx, q, k, v, out, lse, documents, cp, backend):

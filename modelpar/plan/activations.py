@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from modelpar.model.config import MLAConfig
 from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.pipeline.partition import Partition
 from modelpar.plan.chunks import (
@@ -128,6 +129,25 @@ def kernels(model: ModelSpec, hardware: Hardware) -> str:
 
 
 @dataclass(frozen=True)
+class _LatentDims:
+    """``MLAConfig``'s sizes, hashable (``_Dims`` keys the planner's memo)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def of(cls, mla: MLAConfig) -> _LatentDims:
+        return cls(*(getattr(mla, name) for name in cls.__dataclass_fields__))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class _Dims:
     T: float  # tokens of the micro-batch on this rank
     Ts: float  # tokens of the residual stream (T/t under SP)
@@ -141,6 +161,7 @@ class _Dims:
     e: int
     cp: int
     tp: int
+    mla: _LatentDims | None = None  # latent attention's (None: GQA)
 
 
 def _dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> _Dims:
@@ -160,14 +181,60 @@ def _dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware
         e=activation_bytes(hardware),
         cp=cp,
         tp=t,
+        mla=_LatentDims.of(shape.mla) if shape.mla.enabled else None,
     )
 
 
 # -- saved tensors of each piece (the module docstring's tables) ----------------------------------------------
 
 
+def latent_attention_saved(x: _Dims, kernels: str) -> list[Saved]:
+    """The latent attention half without recompute (``modelpar.model.layers.latent_attention``), derived from
+    what its ops save: the fused down-projection's output whole (the latent norms keep views of it), the
+    RMSNorms of the q and kv latents, the rotated latent [c_kv | k_pe] (kv_b_proj's input), q, and, at cp = 1,
+    the expanded k and v attention keeps (v zero-padded to dk for the Triton kernel). The torch reference
+    computes dk != dv attention in plain matmuls and keeps the probabilities, [hq, s, s] per sequence. Under cp
+    the exchange keeps q, the latent, its output and lse only: the expanded K/V are rebuilt in backward."""
+    m, T, Ts, e, h = x.mla, x.T, x.Ts, x.e, x.h
+    hq, dk, dv, rank = x.hq, m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
+    latent = rank + m.qk_rope_head_dim
+    q_rows = m.q_lora_rank or hq * dk
+    torch_kernels = kernels == "torch"
+    norm = e * Ts * h
+    out = [Saved("attention: x (RMSNorm)", norm, moved=2 * norm if torch_kernels else None)]
+    if torch_kernels:
+        out.append(Saved("attention: x * 1/rms (RMSNorm)", norm))
+    out += [
+        Saved("attention: 1/rms (RMSNorm)", 4 * Ts),
+        Saved("attention: down_proj input", e * T * h),
+        Saved("attention: down_proj output (q | c_kv | k_pe)", e * T * (q_rows + latent)),
+        Saved("attention: latent norms' 1/rms", 4 * T * (2 if m.q_lora_rank else 1)),
+        Saved("attention: latent [c_kv | k_pe] (kv_b_proj input)", e * T * latent),
+        Saved("attention: q after RoPE", e * T * hq * dk),
+        Saved("attention: output", e * T * hq * (dk if kernels == "triton" else dv)),
+        Saved("attention: log-sum-exp", 4 * T * hq),
+        Saved("attention: o_proj input", e * T * hq * dv),
+    ]
+    if m.q_lora_rank:
+        out.append(Saved("attention: q latent normed (q_b_proj input)", e * T * m.q_lora_rank))
+        if torch_kernels:
+            out.append(Saved("attention: q latent * 1/rms", e * T * m.q_lora_rank))
+    if torch_kernels:
+        out.append(Saved("attention: c_kv * 1/rms", e * T * rank))
+    if x.cp == 1:
+        out += [
+            Saved("attention: k (expanded)", e * T * hq * dk),
+            Saved("attention: v (expanded)", e * T * hq * (dk if kernels == "triton" else dv)),
+        ]
+        if torch_kernels:
+            out.append(Saved("attention: probabilities (plain matmuls)", e * T * hq * x.s))
+    return out
+
+
 def attention_saved(x: _Dims, kernels: str) -> list[Saved]:
     """The attention half without recompute."""
+    if x.mla is not None:
+        return latent_attention_saved(x, kernels)
     T, Ts, e, h, d = x.T, x.Ts, x.e, x.h, x.d
     torch_kernels = kernels == "torch"
     norm = e * Ts * h
@@ -249,7 +316,7 @@ def moe_saved(model: ModelSpec, x: _Dims, kernels: str, tp: int, ep: int = 1) ->
     return out
 
 
-def sac_saved(x: _Dims, half: str, moe=None) -> list[Saved]:
+def sac_saved(x: _Dims, half: str, moe=None, kernels: str = "torch") -> list[Saved]:
     """``elementwise`` selective recompute: the half's input, and the matmul/attention outputs it caches. In
     a mixture-of-experts half only the router's matmul is one of them (the experts' grouped GEMMs are rerun)."""
     e, h, T = x.e, x.h, x.T
@@ -259,6 +326,28 @@ def sac_saved(x: _Dims, half: str, moe=None) -> list[Saved]:
         if moe.shared_experts:
             fs = moe.shared_experts * (moe.ffn_hidden or x.f * x.tp) / x.tp
             out.append(Saved("moe: shared experts' gate|up, down outputs (cached)", e * T * (2 * fs + h), hooked=False))
+        return out
+    if half == "attention" and x.mla is not None:  # the matmul outputs of latent attention, and its attention's
+        m = x.mla
+        q_rows = m.q_lora_rank or x.hq * m.qk_head_dim
+        q_b = x.hq * m.qk_head_dim if m.q_lora_rank else 0
+        out += [
+            Saved(
+                "attention: down_proj output (cached)",
+                e * T * (q_rows + m.kv_lora_rank + m.qk_rope_head_dim),
+                hooked=False,
+            ),
+            Saved(
+                "attention: q_b_proj, kv_b_proj outputs (cached)",
+                e * T * (q_b + x.hq * (m.qk_nope_head_dim + m.v_head_dim)),
+                hooked=False,
+            ),
+            Saved("attention: output (cached)", e * T * x.hq * m.v_head_dim, hooked=False),
+            Saved("attention: log-sum-exp (cached)", 4 * T * x.hq, hooked=False),
+            Saved("attention: o_proj output (cached)", e * T * h, hooked=False),
+        ]
+        if x.cp == 1 and kernels == "torch":  # dk != dv attention in plain matmuls: its scores are a bmm's output
+            out.append(Saved("attention: scores (cached, plain matmuls)", e * T * x.hq * x.s, hooked=False))
         return out
     if half == "attention":
         out += [
@@ -305,7 +394,7 @@ def half_saved(model: ModelSpec, strategy: Strategy, x: _Dims, kern: str, half: 
         return [Saved(f"{half}: input (checkpoint)", x.e * x.Ts * x.h)]
     if "elementwise" in modules:
         moe = model.shape.moe
-        return sac_saved(x, half, moe if half == "mlp" and moe.is_moe_layer(layer) else None)
+        return sac_saved(x, half, moe if half == "mlp" and moe.is_moe_layer(layer) else None, kern)
     if half == "attention":
         return attention_saved(x, kern)
     if model.shape.moe.is_moe_layer(layer):

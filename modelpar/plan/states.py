@@ -33,6 +33,13 @@ def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) ->
     """(rows, cols) of each parameter tensor of one block half on one rank (its tp shard; experts whole)."""
     shape, layout = model.shape, strategy.layout
     t, h, d = layout.tp, shape.hidden, shape.head_dim
+    if half == "attention" and shape.mla.enabled:  # the parameters of LatentAttention, in its order
+        m, hq = shape.mla, shape.heads // t
+        q_rows = m.q_lora_rank or hq * m.qk_head_dim  # q_a_proj (replicated) or q_proj (split over heads)
+        down = (q_rows + m.kv_lora_rank + m.qk_rope_head_dim, h)  # fused with kv_a_proj_with_mqa (replicated)
+        q = [(m.q_lora_rank, 1), (hq * m.qk_head_dim, m.q_lora_rank)] if m.q_lora_rank else []  # norm, q_b_proj
+        kv = [(m.kv_lora_rank, 1), (hq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)]  # norm, kv_b_proj
+        return [(h, 1), down, *q, *kv, (h, hq * m.v_head_dim)]
     if half == "attention":
         hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
         return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d)]  # norm, qkv_proj, o_proj

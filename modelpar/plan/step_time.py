@@ -61,7 +61,7 @@ import functools
 import math
 
 from modelpar.model.config import ModelConfig
-from modelpar.model.flops import training_flops_per_token
+from modelpar.model.flops import attention_width, training_flops_per_token
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.plan.activations import offloaded_per_micro_batch
 from modelpar.plan.memory import layers_per_chunk, peak_memory, stage_params
@@ -72,6 +72,15 @@ def _kv_width(model: ModelSpec, tp: int) -> float:
     """K (or V) elements per token on one tp rank: its kv heads (one, replicated, when kv_heads < tp) x d."""
     shape = model.shape
     return max(1.0, shape.kv_heads / tp) * shape.head_dim
+
+
+def cp_exchange_width(model: ModelSpec, tp: int) -> float:
+    """Elements per token one tp rank sends in a cp exchange of one layer: its K and V (2 x ``_kv_width``), or
+    latent attention's per-token latent ``kv_lora_rank + qk_rope_head_dim`` (the same on every tp rank)."""
+    mla = model.shape.mla
+    if mla.enabled:
+        return float(mla.kv_lora_rank + mla.qk_rope_head_dim)
+    return 2 * _kv_width(model, tp)
 
 
 def rerun_halves(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
@@ -114,7 +123,7 @@ def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, s
         return 4.0 * tokens * shape.hidden * seq_len
     modules, extra = set(strategy.recompute_modules), 0.0
     if "attention" in modules:
-        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len
+        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * seq_len
     if "mlp" in modules:
         extra += 2.0 * tokens * shape.mlp_params()
     return extra
@@ -154,7 +163,7 @@ def group_bandwidth(hardware: Hardware, span: int) -> float:
 
 def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
     """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
-    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
+    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * attention_width(shape) * seq_len
 
 
 # Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
@@ -199,7 +208,9 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     head = 6.0 * tokens * shape.vocab_size * shape.hidden
     if layout.pp == 1:
         return shape.layers * block + head
-    attention_share = (2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len) / forward
+    attention_share = (
+        2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * seq_len
+    ) / forward
     return block * _busiest_rank_blocks(
         shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
     )
@@ -341,7 +352,7 @@ def cp_exposed_per_layer_s(
     if cp == 1:
         return 0.0
     bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
-    kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
+    kv_elements = b * seq_len / cp * cp_exchange_width(model, t)  # this rank's K and V (or latent)
     forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
     if strategy.cp_comm == "alltoall":  # q/k/v there and the output back, forward; their gradients, backward
         d, kv = model.shape.head_dim, max(1, model.shape.kv_heads // t)
@@ -355,7 +366,7 @@ def cp_exposed_per_layer_s(
         return (forwards + 2) * gather
     send = kv_elements * hardware.weight_bytes / bw + hardware.latency_s
     send_grad = kv_elements * GRAD_BYTES / bw + hardware.latency_s
-    block_forward = 4 * b * (seq_len / cp) * (seq_len / (2 * cp)) * model.shape.hidden / t / rate
+    block_forward = 4 * b * (seq_len / cp) * (seq_len / (2 * cp)) * attention_width(model.shape) / t / rate
     forward = (cp - 1) * max(0.0, send - block_forward)
     backward = (cp - 1) * max(0.0, send + send_grad - 2.5 * block_forward) + send_grad  # the last dK/dV: home
     return forwards * forward + backward

@@ -362,6 +362,11 @@ def _check_head_exchange(p: ParallelConfig, m: ModelConfig) -> None:
             f"got {p.cp_a2a}; try cp_a2a in {fits}"
         )
     n = p.cp if p.cp_comm == "alltoall" else p.cp_a2a if p.cp_comm == "hybrid" else 1
+    if n > 1 and m.mla.enabled:
+        raise RecipeError(
+            f"parallel.cp_comm={p.cp_comm} exchanges heads; latent attention (model.mla) sends its shared latent "
+            "instead: use parallel.cp_comm=ring or allgather"
+        )
     heads = m.heads // p.tp
     if n > 1 and heads % n:
         ok = [d for d in fits if heads % d == 0]

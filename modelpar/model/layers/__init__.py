@@ -2,6 +2,7 @@
 
 from modelpar.model.layers.attention import DocumentIds, ParallelAttention
 from modelpar.model.layers.embedding import VocabParallelEmbedding, padded_vocab_size, vocab_range
+from modelpar.model.layers.latent_attention import LatentAttention
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.loss import IGNORE_INDEX, VocabParallelCrossEntropy, vocab_parallel_loss
 from modelpar.model.layers.mlp import ParallelSwiGLU
@@ -13,6 +14,7 @@ __all__ = [
     "ColumnParallelLinear",
     "ColumnPart",
     "DocumentIds",
+    "LatentAttention",
     "ParallelAttention",
     "ParallelSwiGLU",
     "RMSNorm",
