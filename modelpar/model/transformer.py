@@ -78,6 +78,7 @@ class Block(nn.Module):
                 tp,
                 cp=groups.cp,
                 documents=documents,
+                window=config.window(layer),
                 fp8=spec.fp8,
                 **kw,
             )
