@@ -36,6 +36,11 @@ IDENTITY = (
 )
 
 
+# What the model computes but not what its weights mean: a checkpoint's values are what evaluating it uses
+# unless the run overrides them (``modelpar.cli.eval``), but another value may resume or fine-tune it.
+ATTENTION_VARIANT = ("sliding_window", "window_layers")
+
+
 class ModelConfigError(ValueError):
     """A model shape that cannot exist; the message is one line naming the field and a fix."""
 
