@@ -61,7 +61,7 @@ import functools
 import math
 
 from modelpar.model.config import ModelConfig
-from modelpar.model.flops import training_flops_per_token
+from modelpar.model.flops import attention_keys, training_flops_per_token
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.plan.activations import offloaded_per_micro_batch
 from modelpar.plan.memory import layers_per_chunk, peak_memory, stage_params
@@ -111,10 +111,10 @@ def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, s
     if strategy.recompute != "selective":
         return 0.0
     if model.block == "gpt":
-        return 4.0 * tokens * shape.hidden * seq_len
+        return 4.0 * tokens * shape.hidden * attention_keys(shape, seq_len)
     modules, extra = set(strategy.recompute_modules), 0.0
     if "attention" in modules:
-        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len
+        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * attention_keys(shape, seq_len)
     if "mlp" in modules:
         extra += 2.0 * tokens * shape.mlp_params()
     return extra
@@ -154,7 +154,7 @@ def group_bandwidth(hardware: Hardware, span: int) -> float:
 
 def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
     """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
-    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
+    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * attention_keys(shape, seq_len)
 
 
 # Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
@@ -199,7 +199,9 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     head = 6.0 * tokens * shape.vocab_size * shape.hidden
     if layout.pp == 1:
         return shape.layers * block + head
-    attention_share = (2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len) / forward
+    attention_share = (
+        2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * attention_keys(shape, seq_len)
+    ) / forward
     return block * _busiest_rank_blocks(
         shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
     )

@@ -149,3 +149,19 @@ def test_ring_computes_only_the_chunk_pairs_the_window_reaches():
         assert calls == [(c, c)] * len(want), rank  # one c x c block per chosen pair, nothing else
         total += len(want)
     assert total == 8 + 7  # the 8 chunks with themselves and chunks 1..7 with the one before: 15 of 64 pairs
+
+
+def test_flops_count_only_the_pairs_a_window_attends():
+    """Window 5 on layer 0 of 16 tokens: the convention's 16 keys per token (twice the causal pairs per token)
+    become twice the window's pairs per token on that layer; the global layer and the projections are unchanged."""
+    from modelpar.model.flops import attention_keys, half_block_training_flops, training_flops_per_token
+
+    pairs = sum(min(i + 1, 5) for i in range(16))  # the causal window's attended pairs, brute force
+    assert attention_keys(CONFIG, 16, 0) == pytest.approx(2 * pairs / 16)
+    assert attention_keys(CONFIG, 16, 1) == 16 and attention_keys(CONFIG, 4, 0) == 4  # a window >= s is full
+    full = ModelConfig(**{**CONFIG.__dict__, "sliding_window": 0, "window_layers": []})
+    saved = 12 * CONFIG.hidden * (16 - 2 * pairs / 16)
+    assert training_flops_per_token(full, 16) - training_flops_per_token(CONFIG, 16) == pytest.approx(saved)
+    assert half_block_training_flops(full, 16, 0)[0] - half_block_training_flops(CONFIG, 16, 0)[0] == pytest.approx(
+        saved
+    )
