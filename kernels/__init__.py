@@ -62,14 +62,15 @@ def swiglu(gate, up, *, backend: str = "torch"):
     return swiglu_reference(gate, up)
 
 
-def attention(q, k, v, causal: bool = True, *, backend: str = "torch", documents=None):
-    """See ``attention.attention_reference`` for shapes; ``documents`` [b, s] (Triton only: the torch path of
-    document masking is the engine's)."""
+def attention(q, k, v, causal: bool = True, *, backend: str = "torch", documents=None, window: int = 0, scale=None):
+    """See ``attention.attention_reference`` for shapes (v's head dim may differ from q's and k's); ``window``
+    W > 0: each query sees the W latest positions up to its own; ``documents`` [b, s] (Triton only: the torch
+    path of document masking is the engine's); ``scale``: of the scores, 1/sqrt(d) unless given."""
     if resolve_backend(backend, q.device) == "triton":
-        return attention_triton(q, k, v, causal, documents)
+        return attention_triton(q, k, v, causal, documents, window, scale)
     if documents is not None:
         raise ValueError("attention(documents=...) runs on the triton backend; the torch reference takes none")
-    return attention_reference(q, k, v, causal)
+    return attention_reference(q, k, v, causal, window, scale)
 
 
 def vocab_parallel_cross_entropy(logits, targets, *, backend: str = "torch", **kwargs):

@@ -121,7 +121,6 @@ def _meta(*shape, dtype):
 def engine_launches(dtype: torch.dtype, arch: Arch, presets=tuple(PRESETS), tp_sizes=TP_SIZES) -> list[Launch]:
     """Every launch of every op's forward and backward at the presets' widths (tp shards included)."""
     from modelpar_kernels import grid
-    from modelpar_kernels.attention import attention_backward, attention_forward
     from modelpar_kernels.cross_entropy import cross_entropy_forward_in_place
     from modelpar_kernels.rmsnorm import rms_norm_backward, rms_norm_forward
     from modelpar_kernels.rope import rope_rotate
@@ -154,14 +153,34 @@ def engine_launches(dtype: torch.dtype, arch: Arch, presets=tuple(PRESETS), tp_s
                     logits, targets = _meta(SEQ, local_vocab, dtype=dtype), _meta(SEQ, dtype=torch.int64)
                     cross_entropy_forward_in_place(logits, targets, 0, p.vocab_size, None, -100, lambda t, *_, **__: t)
                 hq, hkv = p.heads // tp, max(p.kv_heads // tp, 1)
-                for causal, docs in ((True, False), (True, True), (False, False), (False, True)):
-                    variant = ("causal" if causal else "cp block") + (", documents" if docs else "")
-                    with _recording(launches, "attention", variant, f"{shard} hq{hq} hkv{hkv} d{d}"):
-                        q, k = _meta(1, SEQ, hq, d, dtype=dtype), _meta(1, SEQ, hkv, d, dtype=dtype)
-                        ids = _meta(1, SEQ, dtype=torch.int32) if docs else None
-                        out, lse = attention_forward(q, k, k, causal, ids, ids)
-                        attention_backward(out, q, k, k, out, lse, causal, ids, ids)
+                _attention_launches(launches, dtype, f"{shard} hq{hq} hkv{hkv} d{d}", hq, hkv, d, d)
+        for tp in tp_sizes:  # multi-head latent attention's heads after decompression: qk 192, v 128
+            hq, (d, dv) = LATENT_HEADS // tp, LATENT_HEAD_DIMS
+            _attention_launches(launches, dtype, f"latent tp{tp} hq{hq} d{d}/{dv}", hq, hq, d, dv)
     return launches
+
+
+LATENT_HEADS, LATENT_HEAD_DIMS = 128, (192, 128)  # DeepSeek-V3's attention heads and their qk / v head dims
+# (causal, documents, window): the diagonal and the cp block of earlier keys, each with and without documents
+# and a sliding window (its offset: a block W/2 back, so the window's edge crosses it)
+ATTENTION_VARIANTS = [(c, docs, w) for w in (False, True) for c in (True, False) for docs in (False, True)]
+WINDOW = 4096
+
+
+def attention_variant(causal: bool, docs: bool, window: bool) -> str:
+    return ", ".join(["causal" if causal else "cp block"] + ["documents"] * docs + ["window"] * window)
+
+
+def _attention_launches(launches, dtype, width, hq, hkv, d, dv) -> None:
+    from modelpar_kernels.attention import attention_backward, attention_forward
+
+    for causal, docs, window in ATTENTION_VARIANTS:
+        with _recording(launches, "attention", attention_variant(causal, docs, window), width):
+            q, k, v = (_meta(1, SEQ, h, e, dtype=dtype) for h, e in ((hq, d), (hkv, d), (hkv, dv)))
+            ids = _meta(1, SEQ, dtype=torch.int32) if docs else None
+            w, offset = (WINDOW, 0 if causal else WINDOW // 2) if window else (0, 0)
+            out, lse = attention_forward(q, k, v, causal, ids, ids, w, offset)
+            attention_backward(out, q, k, v, out, lse, causal, ids, ids, w, offset)
 
 
 ATTENTION_KERNELS = {

@@ -1,15 +1,15 @@
 """One block of attention with its log-sum-exp, on each backend: what context parallelism merges block by block.
 
-A block is queries q [b, hq, sq, d] against keys and values k, v [b, hkv, sk, d] (the sequence-second layout of
-the engine's attention; ``hq`` a multiple of ``hkv``; on the torch paths v's head dim may differ from q's and
-k's, as in latent attention), masked by a ``BlockMask``. Forward returns the block's
+A block is queries q [b, hq, sq, d] against keys k [b, hkv, sk, d] and values v [b, hkv, sk, dv] (the
+sequence-second layout of the engine's attention; ``hq`` a multiple of ``hkv``; ``dv`` may differ from ``d``),
+masked by a ``BlockMask``. Forward returns the block's
 output and its natural-log lse (fp32 or wider), so partial blocks can be merged; backward takes the rows'
 *merged* output and lse (FlashAttention-2's backward needs nothing else of the other blocks) and returns the
 block's share of dq, dk, dv. Three ways to compute it, chosen by ``backend``:
 
 - "triton": the flash kernel of ``modelpar_kernels.attention`` (document masks as ids, no boolean mask);
-- "torch" on CPU: aten's flash attention for CPU, which returns the lse with the output;
-- "torch" elsewhere, or when v's head dim differs: plain matmuls in the accumulation dtype.
+- "torch" on CPU: aten's flash attention for CPU, which returns the lse with the output (equal head dims);
+- "torch" elsewhere, or with ``dv != d``: plain matmuls in the accumulation dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from einops import rearrange
-from modelpar_kernels.attention import attention_block_backward, attention_block_forward
+from modelpar_kernels.attention import attention_block_backward, attention_block_forward, window_keep
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -33,12 +33,23 @@ def _additive(keep: torch.Tensor, dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class BlockMask:
     """How one block is masked: ``keep`` (boolean, broadcast to [b, h, sq, sk]) for the torch paths, or the
-    rows' and columns' document ids for the Triton kernel; ``causal``: the block on the diagonal (sq == sk)."""
+    rows' and columns' document ids for the Triton kernel; ``causal``: the block on the diagonal (sq == sk);
+    ``window`` W > 0: a query sees keys less than W positions back, ``offset`` being the block's first query
+    position minus its first key position (both backends; on the torch paths it is and-ed into ``keep``)."""
 
     causal: bool
     keep: torch.Tensor | None = None
     q_docs: torch.Tensor | None = None
     k_docs: torch.Tensor | None = None
+    window: int = 0
+    offset: int = 0
+
+    def torch_keep(self, sq: int, sk: int, device) -> torch.Tensor | None:
+        """The boolean mask of the torch paths: ``keep`` and the window (None: plain causal or all visible)."""
+        if not self.window:
+            return self.keep
+        keep = window_keep(sq, sk, self.causal, self.window, self.offset, device)[None, None]
+        return keep if self.keep is None else self.keep & keep
 
 
 def block_attention_forward(q, k, v, mask: BlockMask, backend: str = "torch"):
@@ -46,12 +57,13 @@ def block_attention_forward(q, k, v, mask: BlockMask, backend: str = "torch"):
     log, fp32 or wider). Rows with no visible key get lse = -inf and a zero output."""
     if backend == "triton":
         out, lse = attention_block_forward(
-            *(t.transpose(1, 2) for t in (q, k, v)), mask.causal, mask.q_docs, mask.k_docs
+            *(t.transpose(1, 2) for t in (q, k, v)), mask.causal, mask.q_docs, mask.k_docs, mask.window, mask.offset
         )
         return out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    keep, causal = mask.keep, mask.causal and mask.keep is None
+    keep = mask.torch_keep(q.shape[2], k.shape[2], q.device)
+    causal = mask.causal and keep is None
     scale = q.shape[-1] ** -0.5
     if _cpu_flash(q, v):  # the aten flash op returns the lse on CPU
         additive = None if keep is None else _additive(keep, q.dtype)
@@ -67,12 +79,13 @@ def block_attention_forward(q, k, v, mask: BlockMask, backend: str = "torch"):
 
 
 def block_attention_backward(dout, q, k, v, out, lse, mask: BlockMask, backend: str = "torch"):
-    """Gradients (dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) of one block, given the rows' *merged* output and
-    lse (FlashAttention-2's backward, one block of it)."""
+    """Gradients (dq [b, hq, sq, d], dk [b, hkv, sk, d], dv [b, hkv, sk, dv]) of one block, given the rows'
+    *merged* output and lse (FlashAttention-2's backward, one block of it)."""
     if backend == "triton":
         dq, dk, dv = attention_block_backward(
-            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.float(), mask.causal, mask.q_docs, mask.k_docs
-        )
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.float(), mask.causal, mask.q_docs, mask.k_docs,
+            mask.window, mask.offset,
+        )  # fmt: skip
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     group = q.shape[1] // k.shape[1]
     dq, dk, dv = _block_backward_torch(
@@ -82,7 +95,8 @@ def block_attention_backward(dout, q, k, v, out, lse, mask: BlockMask, backend: 
 
 
 def _block_backward_torch(dout, q, k, v, out, lse, mask: BlockMask):
-    keep, causal = mask.keep, mask.causal and mask.keep is None
+    keep = mask.torch_keep(q.shape[2], k.shape[2], q.device)
+    causal = mask.causal and keep is None
     scale = q.shape[-1] ** -0.5
     if _cpu_flash(q, v):
         additive = None if keep is None else _additive(keep, q.dtype)

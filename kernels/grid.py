@@ -187,6 +187,8 @@ def attention_defaults(head_dim: int, dtype: torch.dtype, arch: int) -> dict[str
     # earlier forward (128 x 64, 4 warps, 3 stages) and dk/dv (32 x 128, 4 warps) tiles reached 255 registers and
     # spilled 40 and up to 128 bytes per thread; 8 warps on 128 x 64 and 32 x 64 keep them at 128 and 123.
     c = ATTENTION_CANDIDATES
+    if head_dim > 128:  # multi-head latent attention's 192 (a 256 tile): 32 x 64 dk/dv spilled 8-16 bytes
+        return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][4], "backward_q": c["backward_q"][1]}
     if head_dim <= 64:
         return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][0]}
     return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][1]}

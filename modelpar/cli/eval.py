@@ -35,7 +35,7 @@ from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError, default_corpus, eval_split, open_dataset
-from modelpar.model.config import IDENTITY, ModelConfig, MoEConfig
+from modelpar.model.config import ATTENTION_VARIANT, IDENTITY, ModelConfig, MoEConfig
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
@@ -72,7 +72,8 @@ def eval_config(cfg: TrainConfig, microbatches_set: bool = True) -> TrainConfig:
 
 def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, str], ckpt: Path) -> ModelConfig:
     """The model to evaluate: the checkpoint's shape (its ``IDENTITY`` fields, those of its ``moe`` section,
-    and ``max_seq_len`` if the run's sequence fits), except fields the user set on the command line
+    ``max_seq_len`` if the run's sequence fits, and the attention variant ``ATTENTION_VARIANT``: its sliding
+    window), except fields the user set on the command line
     (``overridden``: key -> value, e.g. ``model.hidden`` or the group choice ``model``), which must then agree
     with it; every field that differs is named, with the override that set it. How the model runs
     (``kernels``, ``compile``), ``init_std`` and the MoE training settings come from the recipe."""
@@ -105,6 +106,9 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
         )
     if "max_seq_len" in saved and "model.max_seq_len" not in overridden and group is None:
         taken["max_seq_len"] = max(saved["max_seq_len"], cfg.data.seq_len)
+    for name in ATTENTION_VARIANT:  # the function the checkpoint computes, though not its weights' identity
+        if name in saved and f"model.{name}" not in overridden and group is None:
+            taken[name] = saved[name]
     if "name" in saved:
         taken["name"] = saved["name"]
     if moe_taken:

@@ -7,9 +7,12 @@ the FLOP counts work from. Parallelism lives in the layout, never here.
 A model's identity is the fields that change what its weights mean (``IDENTITY``): two configs that agree on
 them load each other's checkpoints. ``name``, ``kernels`` (how it runs), ``compile``, ``fp8`` (the GEMMs'
 precision; the weights are the same fp32 masters), ``init_std`` (only the
-first draw) and ``max_seq_len`` (as long as the run's sequence fits) do not. A mixture of experts adds its
-``moe`` shape (``MoEConfig.IDENTITY``) to the identity, multi-head latent attention its ``mla`` shape
-(``MLAConfig.IDENTITY``); a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
+first draw), ``max_seq_len`` (as long as the run's sequence fits) and the sliding window (``sliding_window``,
+``window_layers``: which keys a query attends to, not what any weight means; a checkpoint trained with one
+window loads with another or none, as Mistral-style checkpoints are evaluated at other windows, and checkpoints
+written before the window existed load unchanged) do not. A mixture of experts adds its ``moe`` shape
+(``MoEConfig.IDENTITY``) to the identity, multi-head latent attention its ``mla`` shape (``MLAConfig.IDENTITY``);
+a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ IDENTITY = (
     "norm_eps",
     "tie_embeddings",
 )
+
+
+# What the model computes but not what its weights mean: a checkpoint's values are what evaluating it uses
+# unless the run overrides them (``modelpar.cli.eval``), but another value may resume or fine-tune it.
+ATTENTION_VARIANT = ("sliding_window", "window_layers")
 
 
 class ModelConfigError(ValueError):
@@ -174,7 +182,13 @@ class MLAConfig:
 @dataclass
 class ModelConfig:
     """A Llama-style decoder: ``layers`` blocks of GQA attention (``heads`` query heads sharing ``kv_heads``
-    key/value heads, RoPE) and a SwiGLU MLP of width ``ffn_hidden``, over a ``vocab_size`` embedding."""
+    key/value heads, RoPE) and a SwiGLU MLP of width ``ffn_hidden``, over a ``vocab_size`` embedding.
+
+    ``sliding_window`` W > 0: the attention of the windowed layers lets the token at position i see positions
+    ``i-W+1 .. i`` only (``i - j < W``, transformers' sliding-window mask); 0: full causal attention.
+    ``window_layers``: the layer ids that use the window (local), the others attending to all earlier tokens
+    (global), as GPT-OSS and Gemma alternate them; empty: every layer (Mistral). ``window(layer)`` says which.
+    """
 
     name: str = "custom"
     vocab_size: int = 256
@@ -193,6 +207,8 @@ class ModelConfig:
     fp8: str = "off"  # off | rowwise | tensorwise: attention and MLP GEMMs in FP8 (modelpar/model/layers/fp8.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
+    sliding_window: int = 0  # 0: full causal attention
+    window_layers: list[int] = field(default_factory=list)  # the windowed layers; empty: all of them
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
@@ -225,6 +241,25 @@ class ModelConfig:
         if self.kernels not in BACKENDS:
             raise ModelConfigError(f"model.kernels={self.kernels!r} is not one of {BACKENDS}")
         self.moe.check(self.layers)
+        if self.sliding_window < 0:
+            raise ModelConfigError(
+                f"model.sliding_window={self.sliding_window} must be >= 0 (0: full causal attention)"
+            )
+        bad = [i for i in self.window_layers if not 0 <= i < self.layers]
+        if bad or len(set(self.window_layers)) != len(self.window_layers):
+            raise ModelConfigError(
+                f"model.window_layers={list(self.window_layers)} must be distinct layer ids in 0..{self.layers - 1}"
+            )
+        if self.window_layers and not self.sliding_window:
+            raise ModelConfigError(
+                f"model.window_layers={list(self.window_layers)} needs model.sliding_window > 0; set the window or "
+                "window_layers=[]"
+            )
+        if self.sliding_window and self.mla.enabled:
+            raise ModelConfigError(
+                f"model.sliding_window={self.sliding_window} is for GQA attention; latent attention (model.mla) "
+                "attends every earlier token: set model.sliding_window=0"
+            )
         if self.fp8 not in FP8_MODES:
             raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
         if self.fp8 != "off" and self.moe.enabled:
@@ -267,6 +302,12 @@ class ModelConfig:
         """The ep values that split this model's experts over ranks carved from ``dp_cp`` = dp x cp ranks: the
         divisors of both (every value a hint offers passes every check)."""
         return [d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0 and dp_cp % d == 0]
+
+    def window(self, layer: int) -> int:
+        """The sliding window of block ``layer``'s attention; 0: full causal."""
+        if not self.sliding_window or (self.window_layers and layer not in self.window_layers):
+            return 0
+        return self.sliding_window
 
     @property
     def head_dim(self) -> int:

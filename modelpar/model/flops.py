@@ -12,6 +12,9 @@ head matmul runs). ``12 * L * h * s`` is attention's score and value matmuls, fo
 Recomputation is not counted: this is *model* FLOPs. In a
 mixture of experts ``N`` counts active parameters only: the router and the top-k routed (plus any shared)
 experts a token goes through, never the experts it skips.
+A sliding-window layer (window W < s) counts only the pairs it attends, at the same doubling: the convention's
+``s`` keys per token is twice the causal pairs per token ((s+1)/2 ~ s/2), and a window attends
+``W - W(W-1)/(2s)`` per token, so it is counted at ``2W - W(W-1)/s`` keys (``attention_keys``).
 MFU = achieved model FLOP/s / peak FLOP/s.
 """
 
@@ -29,14 +32,28 @@ def attention_width(shape: ModelConfig) -> float:
     return shape.heads * (dk + dv) / 2
 
 
+def attention_keys(shape: ModelConfig, seq_len: int, layer: int | None = None) -> float:
+    """Keys per token the FLOP convention counts for block ``layer`` (None: the mean over the blocks): ``seq_len``,
+    or under a window W < seq_len ``2W - W(W-1)/seq_len`` (twice the pairs it attends per token)."""
+    if layer is None:
+        if not shape.sliding_window:
+            return float(seq_len)
+        return sum(attention_keys(shape, seq_len, i) for i in range(shape.layers)) / shape.layers
+    w = shape.window(layer)
+    if not w or w >= seq_len:
+        return float(seq_len)
+    return 2.0 * w - w * (w - 1) / seq_len
+
+
 def training_flops_per_token(shape: ModelConfig, seq_len: int) -> float:
-    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * attention_width(shape) * seq_len
+    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * attention_width(shape) * attention_keys(shape, seq_len)
 
 
 def half_block_training_flops(shape: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:
     """Training FLOPs per token of a block's attention half (projections and scores) and of its MLP half (of
     block ``layer``: dense or MoE; None: the mean over the blocks)."""
-    return 6.0 * shape.attention_params() + 12.0 * attention_width(shape) * seq_len, 6.0 * shape.mlp_params(layer)
+    scores = 12.0 * attention_width(shape) * attention_keys(shape, seq_len, layer)
+    return 6.0 * shape.attention_params() + scores, 6.0 * shape.mlp_params(layer)
 
 
 def head_training_flops(shape: ModelConfig) -> float:

@@ -1,5 +1,8 @@
-"""Hugging Face Llama and Mixtral interoperability: import a ``LlamaForCausalLM`` or ``MixtralForCausalLM``
-directory into a model chunk at any tp (and ep), and export one back to a directory that transformers loads.
+"""Hugging Face Llama, Mistral and Mixtral interoperability: import a ``LlamaForCausalLM``,
+``MistralForCausalLM`` or ``MixtralForCausalLM`` directory into a model chunk at any tp (and ep), and export one
+back to a directory that transformers loads. Mistral is Llama with a ``sliding_window`` (ours: every layer's
+window); a config's ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives
+``window_layers``.
 
 Only ``config.json`` and ``model.safetensors`` are read (safetensors, never pickle); each rank reads just the
 slices it holds. Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name),
@@ -41,8 +44,8 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a Llama checkpoint; refuse features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    if kind not in ("llama", "mixtral"):
-        raise ValueError(f"{path}: model_type={kind!r}, only 'llama' and 'mixtral' are supported")
+    if kind not in ("llama", "mistral", "mixtral"):
+        raise ValueError(f"{path}: model_type={kind!r}, only 'llama', 'mistral' and 'mixtral' are supported")
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     unsupported = {
@@ -54,10 +57,7 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     }
     moe = MoEConfig()
     if kind == "mixtral":
-        unsupported |= {
-            "sliding_window": hf.get("sliding_window") is not None,
-            "router_jitter_noise": bool(hf.get("router_jitter_noise", 0.0)),
-        }
+        unsupported |= {"router_jitter_noise": bool(hf.get("router_jitter_noise", 0.0))}
         moe = MoEConfig(
             experts=hf["num_local_experts"],
             top_k=hf["num_experts_per_tok"],
@@ -81,14 +81,45 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02),
         moe=moe,
+        **_window_from_hf(hf, path),
     )
 
 
+def _window_from_hf(hf: dict, path) -> dict:
+    """``sliding_window`` and ``window_layers`` of a Mistral/Mixtral config (a Llama has neither)."""
+    window = hf.get("sliding_window") if hf.get("model_type") != "llama" else None
+    if window is None:
+        return {}
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{path}: sliding_window={window!r} must be a positive integer or null")
+    types = hf.get("layer_types")
+    if types is None or all(t == "sliding_attention" for t in types):
+        return {"sliding_window": window}
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != hf["num_hidden_layers"]:
+        raise ValueError(f"{path}: layer_types={types} must give sliding_attention or full_attention per layer")
+    local = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return {"sliding_window": window, "window_layers": local} if local else {}
+
+
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """``config.json`` contents for ``LlamaForCausalLM``, or ``MixtralForCausalLM`` for a mixture of experts
-    that Mixtral can express (raises ``ValueError``, one line, for one it cannot)."""
+    """``config.json`` contents for ``LlamaForCausalLM``, ``MistralForCausalLM`` for a sliding window, or
+    ``MixtralForCausalLM`` for a mixture of experts that Mixtral can express (raises ``ValueError``, one line,
+    for one it cannot)."""
+    if config.sliding_window and config.window_layers:
+        raise ValueError(
+            f"Mistral and Mixtral give every layer the window; model.window_layers={list(config.window_layers)} "
+            "(local and global layers) cannot be exported: set model.window_layers=[]"
+        )
     if config.moe.enabled:
         return _mixtral_config(config, dtype)
+    if config.sliding_window:
+        plain = config_to_hf(ModelConfig(**{**config.__dict__, "sliding_window": 0}), dtype)
+        return plain | {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "sliding_window": config.sliding_window,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -125,7 +156,7 @@ def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
             f"Mixtral cannot express this model ({', '.join(bad)}); export needs a softmax router in every "
             "layer and no shared experts"
         )
-    hf = config_to_hf(ModelConfig(**{**config.__dict__, "moe": MoEConfig()}), dtype)
+    hf = config_to_hf(ModelConfig(**{**config.__dict__, "moe": MoEConfig(), "sliding_window": 0}), dtype)
     del hf["mlp_bias"]
     return hf | {
         "architectures": ["MixtralForCausalLM"],
@@ -136,7 +167,7 @@ def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
         "router_aux_loss_coef": moe.aux_loss_coef,
         "output_router_logits": moe.aux_loss_coef > 0,
         "router_jitter_noise": 0.0,
-        "sliding_window": None,
+        "sliding_window": config.sliding_window or None,
     }
 
 

@@ -71,7 +71,7 @@ class Block(nn.Module):
         kw = dict(sequence_parallel=spec.sequence_parallel, backend=backend, device=spec.device, dtype=spec.dtype)
         if half != "mlp":
             self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
-            self.self_attn = _attention(config, spec, groups, documents, kw)
+            self.self_attn = _attention(config, spec, groups, documents, kw, layer)
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             if config.moe.is_moe_layer(layer):
@@ -103,8 +103,9 @@ class Block(nn.Module):
         return shards
 
 
-def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, documents, kw) -> nn.Module:
-    """GQA attention, or multi-head latent attention when ``config.mla`` is on."""
+def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, documents, kw, layer: int) -> nn.Module:
+    """GQA attention (with block ``layer``'s sliding window, if any), or multi-head latent attention when
+    ``config.mla`` is on."""
     m = config.mla
     if m.enabled:
         return LatentAttention(
@@ -129,6 +130,7 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
         groups.tp,
         cp=groups.cp,
         documents=documents,
+        window=config.window(layer),
         fp8=spec.fp8,
         **kw,
     )

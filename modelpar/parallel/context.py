@@ -26,6 +26,13 @@ earlier key, four ways (``parallel.cp_comm``):
 
 All compute exactly the attention of the whole sequence (with document masking: only earlier tokens of the
 same document, ``documents`` being per-token document ids of the whole sequence).
+
+A sliding ``window`` W (a query at global position i sees positions ``i-W+1 .. i``) is applied in global
+positions: the ring and the all-gather then cut each (queries x visiting K/V) block into its four chunk pairs
+(contiguous positions each, so the kernel's window needs one offset) and compute only the pairs some query of
+which sees some key; a pair wholly outside the window, or wholly after the queries, is never computed. The
+ring still passes every K/V block (and its dK/dV) around: with the balanced split a rank's two chunks have
+neighbours on both sides of the ring, so no transfer can be dropped, only compute.
 """
 
 from __future__ import annotations
@@ -140,9 +147,13 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 # -- masks and merging of blocks (each block is computed by modelpar_kernels.block_attention) ----------------
 
 
-def _visible(q_pos, k_pos, q_doc, k_doc) -> torch.Tensor:
-    """Boolean [b or 1, 1, sq, sk]: key visible to query (earlier or same position, same document)."""
-    keep = (k_pos[None, :] <= q_pos[:, None])[None, None]
+def _visible(q_pos, k_pos, q_doc, k_doc, window: int = 0) -> torch.Tensor:
+    """Boolean [b or 1, 1, sq, sk]: key visible to query (earlier or same position, less than ``window`` back
+    if one is given, same document)."""
+    keep = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        keep = keep & (q_pos[:, None] - k_pos[None, :] < window)
+    keep = keep[None, None]
     if q_doc is not None:
         keep = keep & (k_doc[:, None, None, :] == q_doc[:, None, :, None])
     return keep
@@ -179,12 +190,28 @@ def _ring_block(rank: int, source: int, local: int) -> _Block:
     return _Block(slice(half, local), slice(0, local), False)  # only the local late chunk sees it, all of it
 
 
+def _window_pairs(rank: int, source: int, local: int, cp: int, window: int) -> list[tuple[_Block, int]]:
+    """Under a window: the chunk pairs of (queries of ``rank``) x (K/V of ``source``) that some query sees some
+    key of, each with its offset (first query position minus first key position); a pair wholly after its
+    queries or wholly outside the window is left out."""
+    c = local // 2
+    q_chunks, k_chunks = (rank, 2 * cp - 1 - rank), (source, 2 * cp - 1 - source)
+    pairs = []
+    for i, qc in enumerate(q_chunks):
+        for j, kc in enumerate(k_chunks):
+            offset = (qc - kc) * c
+            if kc > qc or offset - (c - 1) >= window:  # after every query, or before every query's window
+                continue
+            pairs.append((_Block(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), kc == qc), offset))
+    return pairs
+
+
 class _Blocks:
     """This cp rank's queries against the K/V of every cp rank, one source block at a time (ring and all-gather
     share it): the forward's running (out, lse) merge, and each block's share of the backward."""
 
-    def __init__(self, q, cp, documents, backend, value_dim: int | None = None):
-        self.q, self.cp, self.documents, self.backend = q, cp, documents, backend
+    def __init__(self, q, cp, documents, backend, window=0, value_dim: int | None = None):
+        self.q, self.cp, self.documents, self.backend, self.window = q, cp, documents, backend, window
         b, hq, self.local, d = q.shape
         self.positions = [local_positions(self.local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
         self.acc = accumulation_dtype(q.dtype)
@@ -192,44 +219,46 @@ class _Blocks:
         self.out = torch.zeros((b, hq, self.local, value_dim or d), dtype=self.acc, device=q.device)
         self.lse = torch.full((b, hq, self.local), float("-inf"), dtype=self.acc, device=q.device)
 
+    def _masked(self, source: int):
+        return _blocks_and_masks(
+            self.cp.rank, source, self.local, self.positions, self.documents, self.backend, self.window
+        )
+
     def forward(self, source: int, kv) -> None:
-        """Merge the block of ``source``'s K/V (kv: [2, b, hkv, L, d], or a pair k, v whose head dims differ)
+        """Merge the block(s) of ``source``'s K/V (kv: [2, b, hkv, L, d], or a pair k, v whose head dims differ)
         into the running output."""
-        blk, mask = _block_and_mask(self.cp.rank, source, self.local, self.positions, self.documents, self.backend)
-        if mask is None:  # a block no query sees is skipped
-            return
-        rows = blk.rows
-        part_out, part_lse = block_attention_forward(
-            self.q[:, :, rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], mask, self.backend
-        )
-        self.out[:, :, rows], self.lse[:, :, rows] = merge_partial(
-            self.out[:, :, rows], self.lse[:, :, rows], part_out, part_lse
-        )
+        for blk, mask in self._masked(source):
+            rows = blk.rows
+            part_out, part_lse = block_attention_forward(
+                self.q[:, :, rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], mask, self.backend
+            )
+            self.out[:, :, rows], self.lse[:, :, rows] = merge_partial(
+                self.out[:, :, rows], self.lse[:, :, rows], part_out, part_lse
+            )
 
     def backward(self, source, kv, dout, out, lse, dq, dkv) -> None:
         """Add the block's dq into ``dq`` and its dK/dV into ``dkv`` [2, b, hkv, L, d] (or a pair, as ``kv``);
         ``out``, ``lse``: the merged forward's."""
-        blk, mask = _block_and_mask(self.cp.rank, source, self.local, self.positions, self.documents, self.backend)
-        if mask is None:
-            return
-        rows = blk.rows
-        dq_blk, dk_blk, dv_blk = block_attention_backward(
-            dout[:, :, rows].contiguous(),
-            self.q[:, :, rows].contiguous(),
-            kv[0][:, :, blk.cols].contiguous(),
-            kv[1][:, :, blk.cols].contiguous(),
-            out[:, :, rows].contiguous(),
-            lse[:, :, rows].contiguous(),
-            mask,
-            self.backend,
-        )
-        dq[:, :, rows] += dq_blk.to(dq.dtype)
-        dkv[0][:, :, blk.cols] += dk_blk.to(dkv[0].dtype)
-        dkv[1][:, :, blk.cols] += dv_blk.to(dkv[1].dtype)
+        for blk, mask in self._masked(source):
+            rows = blk.rows
+            dq_blk, dk_blk, dv_blk = block_attention_backward(
+                dout[:, :, rows].contiguous(),
+                self.q[:, :, rows].contiguous(),
+                kv[0][:, :, blk.cols].contiguous(),
+                kv[1][:, :, blk.cols].contiguous(),
+                out[:, :, rows].contiguous(),
+                lse[:, :, rows].contiguous(),
+                mask,
+                self.backend,
+            )
+            dq[:, :, rows] += dq_blk.to(dq.dtype)
+            dkv[0][:, :, blk.cols] += dk_blk.to(dkv[0].dtype)
+            dkv[1][:, :, blk.cols] += dv_blk.to(dkv[1].dtype)
 
 
-def _save(ctx, q, k, v, out, lse, documents, cp, backend):
+def _save(ctx, q, k, v, out, lse, documents, cp, backend, window):
     ctx.cp, ctx.tag, ctx.backend, ctx.has_documents = cp, current_tag(), backend, documents is not None
+    ctx.window = window
     ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
 
 
@@ -242,8 +271,8 @@ class _RingAttention(torch.autograd.Function):
     """q [b, hq, L, d], k, v [b, hkv, L, d] of this cp rank (L = s/cp) -> out [b, hq, L, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, documents, backend):
-        blocks = _Blocks(q, cp, documents, backend)
+    def forward(ctx, q, k, v, cp, documents, backend, window):
+        blocks = _Blocks(q, cp, documents, backend, window)
         kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, L, d]: what travels
         for step in range(cp.size):
             pending = _pass_on(kv, cp) if step < cp.size - 1 else None  # overlapped with this block
@@ -251,14 +280,14 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         out = blocks.out.to(q.dtype)
-        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend)
+        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, documents = _saved(ctx)
         cp = ctx.cp
-        blocks = _Blocks(q, cp, documents, ctx.backend)
+        blocks = _Blocks(q, cp, documents, ctx.backend, ctx.window)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -275,7 +304,7 @@ class _RingAttention(torch.autograd.Function):
                 if pending is not None:
                     kv = pending.wait()
             dkv = arriving.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -283,20 +312,20 @@ class _AllGatherAttention(torch.autograd.Function):
     same blocks as the ring computed on them; backward reduce-scatters the gathered dK/dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, documents, backend):
-        blocks = _Blocks(q, cp, documents, backend)
+    def forward(ctx, q, k, v, cp, documents, backend, window):
+        blocks = _Blocks(q, cp, documents, backend, window)
         gathered = all_gather(torch.stack([k, v]).unsqueeze(0), cp.group)  # [cp, 2, b, hkv, L, d]
         for source in range(cp.size):
             blocks.forward(source, gathered[source])
         out = blocks.out.to(q.dtype)
-        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend)
+        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, documents = _saved(ctx)
         cp = ctx.cp
-        blocks = _Blocks(q, cp, documents, ctx.backend)
+        blocks = _Blocks(q, cp, documents, ctx.backend, ctx.window)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
         with comm_tag(ctx.tag):
@@ -305,25 +334,41 @@ class _AllGatherAttention(torch.autograd.Function):
             for source in range(cp.size):
                 blocks.backward(source, gathered[source], dout, out, lse, dq, dkv[source])
             mine = reduce_scatter(dkv, cp.group)[0]  # [2, b, hkv, L, d]
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
 
 
-def _block_and_mask(rank, source, local, positions, documents, backend):
-    """The block of (this rank's queries) x (``source``'s K/V) and its mask; None for the mask when no query
-    of the block sees any of its keys (documents that do not meet), so the block is skipped. Deciding that
-    reads the device: on an accelerator no block is skipped (the step keeps its one host sync) and the
-    kernel's mask gives such a block's rows lse -inf, which merges as nothing."""
-    blk = _ring_block(rank, source, local)
-    if documents is None:
-        return blk, BlockMask(blk.causal)
-    q_pos, k_pos = positions[rank][blk.rows], positions[source][blk.cols]
-    q_docs, k_docs = documents[:, q_pos], documents[:, k_pos]
-    decide = documents.device.type == "cpu" and not blk.causal  # the diagonal block always has its own tokens
-    if backend == "triton":
-        meet = not decide or any(bool(torch.isin(qd, kd).any()) for qd, kd in zip(q_docs, k_docs, strict=True))
-        return blk, BlockMask(blk.causal, q_docs=q_docs, k_docs=k_docs) if meet else None
-    keep = _visible(q_pos, k_pos, q_docs, k_docs)
-    return blk, BlockMask(blk.causal, keep=keep) if not decide or bool(keep.any()) else None
+def _blocks_and_masks(rank, source, local, positions, documents, backend, window=0):
+    """The blocks of (this rank's queries) x (``source``'s K/V) to compute, each with its mask: one block
+    (``_ring_block``) without a window, its chunk pairs that meet the window with one (``_window_pairs``). A
+    block no query of which sees any of its keys (documents that do not meet) is left out. Deciding that reads
+    the device: on an accelerator no block is left out for documents (the step keeps its one host sync) and
+    the kernel's mask gives such a block's rows lse -inf, which merges as nothing; the window's pairs are
+    decided from positions alone."""
+    if window:
+        cp = len(positions)
+        blocks = _window_pairs(rank, source, local, cp, window)
+    else:
+        blocks = [(_ring_block(rank, source, local), 0)]
+    chosen = []
+    for blk, offset in blocks:
+        if documents is None and (backend == "triton" or not window):
+            chosen.append((blk, BlockMask(blk.causal, window=window, offset=offset)))
+            continue
+        q_pos, k_pos = positions[rank][blk.rows], positions[source][blk.cols]
+        if documents is None:  # the torch paths take the window as a boolean mask
+            chosen.append((blk, BlockMask(blk.causal, keep=_visible(q_pos, k_pos, None, None, window))))
+            continue
+        q_docs, k_docs = documents[:, q_pos], documents[:, k_pos]
+        decide = documents.device.type == "cpu" and not blk.causal  # the diagonal block always has its own tokens
+        if backend == "triton":
+            meet = not decide or any(bool(torch.isin(qd, kd).any()) for qd, kd in zip(q_docs, k_docs, strict=True))
+            if meet:
+                chosen.append((blk, BlockMask(blk.causal, q_docs=q_docs, k_docs=k_docs, window=window, offset=offset)))
+            continue
+        keep = _visible(q_pos, k_pos, q_docs, k_docs, window)
+        if not decide or bool(keep.any()):
+            chosen.append((blk, BlockMask(blk.causal, keep=keep)))
+    return chosen
 
 
 class _Transfer:
@@ -354,34 +399,36 @@ def context_parallel_attention(
     cp: ContextParallelGroup,
     documents: torch.Tensor | None = None,
     backend: str = "torch",
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole sequence.
 
     q: [b, s/cp, hq, d]; k, v: [b, s/cp, hkv, d] (this rank's two chunks, see ``split_for_context``);
     ``documents``: None, or document ids [b, s] of the whole sequence (a query sees only its own document).
-    Returns [b, s/cp, hq, d]. With cp size 1 this is plain (document-)causal attention. ``backend`` "triton":
-    the flash kernel computes every block.
+    ``window`` W > 0: a query at global position i sees positions ``i-W+1 .. i`` only. Returns [b, s/cp, hq, dv]
+    (v's head dim). With cp size 1 this is plain (document-, window-)causal attention. ``backend`` "triton": the
+    flash kernel computes every block.
     """
     if cp.a2a_size > 1:  # heads exchanged, then the ring (if any) across the all-to-all groups
         q, k, v = exchange_qkv(q, k, v, cp.a2a_group, cp.a2a_size)
-        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend)
+        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend, window)
         return sequence_from_heads(out, cp.a2a_group, cp.a2a_size)
     if cp.size == 1 and backend == "triton":
-        return attention(q, k, v, True, backend="triton", documents=documents)
+        return attention(q, k, v, True, backend="triton", documents=documents, window=window)
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
     if cp.size == 1:
-        out = _local_attention(q, k, v, documents)
+        out = _local_attention(q, k, v, documents, window)
     else:
         function = _RingAttention if cp.comm == "ring" else _AllGatherAttention
-        out = function.apply(q, k, v, cp, documents, backend)
+        out = function.apply(q, k, v, cp, documents, backend, window)
     return rearrange(out, "b h s d -> b s h d")
 
 
-def _local_attention(q, k, v, documents):
+def _local_attention(q, k, v, documents, window=0):
     keep = None
-    if documents is not None:
+    if documents is not None or window:
         pos = torch.arange(q.shape[2], device=q.device)
-        keep = _visible(pos, pos, documents, documents)
+        keep = _visible(pos, pos, documents, documents, window)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=keep, is_causal=keep is None, enable_gqa=q.shape[1] != k.shape[1]
     )

@@ -38,7 +38,7 @@ class _LatentAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, latent, weight, expand, value_dim, cp, documents, backend):
-        blocks = _Blocks(q, cp, documents, backend, value_dim)
+        blocks = _Blocks(q, cp, documents, backend, value_dim=value_dim)
         latent = latent.contiguous()
         if cp.comm == "ring":
             block = latent
@@ -63,7 +63,7 @@ class _LatentAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, latent, weight, out, lse, documents = ctx.saved_tensors
         cp = ctx.cp
-        blocks = _Blocks(q, cp, documents if ctx.has_documents else None, ctx.backend, ctx.value_dim)
+        blocks = _Blocks(q, cp, documents if ctx.has_documents else None, ctx.backend, value_dim=ctx.value_dim)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
         dweight = torch.zeros(weight.shape, dtype=blocks.acc, device=weight.device)

@@ -61,7 +61,7 @@ import functools
 import math
 
 from modelpar.model.config import ModelConfig
-from modelpar.model.flops import attention_width, training_flops_per_token
+from modelpar.model.flops import attention_keys, attention_width, training_flops_per_token
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.plan.activations import offloaded_per_micro_batch
 from modelpar.plan.memory import layers_per_chunk, peak_memory, stage_params
@@ -120,10 +120,12 @@ def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, s
     if strategy.recompute != "selective":
         return 0.0
     if model.block == "gpt":
-        return 4.0 * tokens * shape.hidden * seq_len
+        return 4.0 * tokens * shape.hidden * attention_keys(shape, seq_len)
     modules, extra = set(strategy.recompute_modules), 0.0
     if "attention" in modules:
-        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * seq_len
+        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * attention_keys(
+            shape, seq_len
+        )
     if "mlp" in modules:
         extra += 2.0 * tokens * shape.mlp_params()
     return extra
@@ -163,7 +165,7 @@ def group_bandwidth(hardware: Hardware, span: int) -> float:
 
 def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
     """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
-    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * attention_width(shape) * seq_len
+    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * attention_width(shape) * attention_keys(shape, seq_len)
 
 
 # Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
@@ -209,7 +211,7 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     if layout.pp == 1:
         return shape.layers * block + head
     attention_share = (
-        2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * seq_len
+        2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * attention_keys(shape, seq_len)
     ) / forward
     return block * _busiest_rank_blocks(
         shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)

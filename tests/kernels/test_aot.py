@@ -2,8 +2,9 @@
 
 The compile check really compiles (Triton's compiler and the bundled ptxas; its cache, keyed by the kernel
 source, target and options, spares a rerun the unchanged kernels); it covers the default configs of every op at
-llama-8b's tp8 shard widths (head dim 128, the shipped presets' widest). The full table, both arches and dtypes,
-every config, is ``benchmarks/results/kernels_aot.md``.
+llama-8b's tp8 shard widths (head dim 128, the shipped presets' widest) and multi-head latent attention's heads
+(qk head dim 192, v 128), each attention kernel with and without documents and a sliding window. The full table,
+both arches and dtypes, every config, is ``benchmarks/results/kernels_aot.md``.
 """
 
 import json
@@ -49,7 +50,10 @@ def test_every_kernel_compiles_for_sm90a_without_spills_or_shared_memory_overflo
     assert all(r["status"] == "compiled" and r["default"] for r in rows)
     assert all(r["spill_bytes"] == 0 and r["regs"] <= 255 and r["blocks_per_sm"] >= 1 for r in rows)
     attention = {r["variant"] for r in rows if r["op"] == "attention"}
-    assert attention == {"causal", "causal, documents", "cp block", "cp block, documents"}
+    plain = {"causal", "causal, documents", "cp block", "cp block, documents"}
+    assert attention == plain | {f"{v}, window" for v in plain}
+    latent = [r for r in rows if "BLOCK_DV" in r["config"] and r["widths"][0].startswith("latent")]  # qk 192, v 128
+    assert {r["config"]["BLOCK_D"] for r in latent} == {256} and {r["config"]["BLOCK_DV"] for r in latent} == {128}
 
 
 def test_a_default_config_that_spills_fails_the_check():

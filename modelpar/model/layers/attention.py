@@ -1,5 +1,6 @@
-"""Tensor-parallel causal self-attention with RoPE and grouped-query heads, context-parallel over the sequence
-and optionally document-causal (a token sees only earlier tokens of its own document)."""
+"""Tensor-parallel causal self-attention with RoPE and grouped-query heads, context-parallel over the sequence,
+optionally document-causal (a token sees only earlier tokens of its own document) and sliding-window (only the
+``window`` latest positions up to its own)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ class ParallelAttention(nn.Module):
     Under context parallelism (``cp``) x holds this cp rank's two chunks of the sequence
     (``modelpar.parallel.context``): RoPE uses their global positions and attention runs over the cp group.
     ``fp8`` (off | rowwise | tensorwise): the qkv and output projections' GEMMs in FP8 (attention itself stays
-    in the compute dtype).
+    in the compute dtype). ``window`` W > 0: the token at global position i attends to positions ``i-W+1 .. i``
+    (composed with the document mask); a window as long as the sequence is full causal attention.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class ParallelAttention(nn.Module):
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
         documents: DocumentIds | None = None,
+        window: int = 0,
         fp8: str = "off",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -94,6 +97,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.cp = cp or ContextParallelGroup()
         self.documents = documents
+        self.window = window
         self.head_dim = d = hidden // heads
         self.rope_theta, self.backend = rope_theta, backend
         self.heads = heads // tp.size
@@ -125,10 +129,11 @@ class ParallelAttention(nn.Module):
             cos, sin = cos[positions], sin[positions]
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
         documents = self.documents.current() if self.documents is not None else None
+        window = self.window if self.window < seq else 0  # a window spanning the sequence masks nothing
         if cp.size == 1 and documents is None:
-            out = attention(q, k, v, causal=True, backend=self.backend)
+            out = attention(q, k, v, causal=True, backend=self.backend, window=window)
         else:
-            out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend)
+            out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend, window=window)
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
