@@ -39,17 +39,14 @@ LATENT_NORM_EPS = 1e-6
 
 
 def expand_latent(
-    latent: torch.Tensor, weight: torch.Tensor, *, kv_lora_rank: int, nope: int, value_dim: int, pad_value_to: int = 0
+    latent: torch.Tensor, weight: torch.Tensor, *, kv_lora_rank: int, nope: int, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [b, L, kv_lora_rank + dr] (normed c_kv, rotated k_pe), ``weight`` kv_b_proj's [n*(nope+dv), r]
-    -> k [b, n, L, nope + dr], v [b, n, L, dv] (zero-padded to ``pad_value_to`` columns when that is larger:
-    for a kernel that takes one head dim)."""
+    -> k [b, n, L, nope + dr], v [b, n, L, dv]."""
     c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
     kv = rearrange(F.linear(c_kv, weight), "b l (n d) -> b n l d", d=nope + value_dim)
     k_nope, v = kv.split([nope, value_dim], dim=-1)
     k = torch.cat([k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-    if pad_value_to > value_dim:
-        v = F.pad(v, (0, pad_value_to - value_dim))
     return k, v.contiguous()
 
 
@@ -130,11 +127,8 @@ class LatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * v_head_dim, hidden, tp, name="o_proj.weight", **kw)
 
     def _expand(self):
-        # Triton's flash kernel takes one head dim for q, k and v: v is zero-padded to dk for it, the padding
-        # sliced off the output
-        pad = self.qk_dim if self.backend == "triton" else 0
         return functools.partial(
-            expand_latent, kv_lora_rank=self.kv_lora_rank, nope=self.nope, value_dim=self.value_dim, pad_value_to=pad
+            expand_latent, kv_lora_rank=self.kv_lora_rank, nope=self.nope, value_dim=self.value_dim
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,9 +154,8 @@ class LatentAttention(nn.Module):
         documents = self.documents.current() if self.documents is not None else None
         if cp.size > 1:
             q = rearrange(q, "b s n d -> b n s d")
-            value_dim = self.qk_dim if self.backend == "triton" else self.value_dim
             out = latent_context_attention(
-                q, latent, self.kv_b_proj.weight, expand, value_dim, cp, documents, self.backend
+                q, latent, self.kv_b_proj.weight, expand, self.value_dim, cp, documents, self.backend
             )
             out = rearrange(out, "b n s d -> b s n d")
         else:
@@ -171,7 +164,6 @@ class LatentAttention(nn.Module):
                 out = attention(q, k, v, causal=True, backend=self.backend)
             else:
                 out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend)
-        out = out[..., : self.value_dim]
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
