@@ -8,7 +8,9 @@ A model's identity is the fields that change what its weights mean (``IDENTITY``
 them load each other's checkpoints. ``name``, ``kernels`` (how it runs), ``compile``, ``fp8`` (the GEMMs'
 precision; the weights are the same fp32 masters), ``init_std`` (only the
 first draw) and ``max_seq_len`` (as long as the run's sequence fits) do not. A mixture of experts adds its
-``moe`` shape (``MoEConfig.IDENTITY``) to the identity; a dense model's identity is unchanged by it.
+``moe`` shape (``MoEConfig.IDENTITY``) to the identity; a dense model's identity is unchanged by it. ``head_dim``
+and ``qk_norm`` are identity fields that a checkpoint written before they existed does not hold: reading one,
+their defaults (hidden/heads, no QK-norm) are what its weights mean.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ IDENTITY = (
     "rope_theta",
     "norm_eps",
     "tie_embeddings",
+    "head_dim",
+    "qk_norm",
 )
 
 
@@ -51,13 +55,14 @@ class MoEConfig:
     ``E * sum_i f_i * P_i``, over the tokens of the whole global batch (``aux_loss_scope=global_batch``: needs
     every micro-batch's forward before the first backward, so GPipe or one micro-batch) or of each global
     micro-batch (``micro_batch``, any schedule; the whole batch at one micro-batch); ``z_loss_coef``: the
-    router z-loss (a mean over tokens, the same either way).
+    router z-loss (a mean over tokens, the same either way). ``norm_topk_prob``: the top-k routing weights are
+    renormalised to sum to 1 (Mixtral, Qwen3-30B-A3B); false: each is its score as the router gave it.
     ``capacity_factor`` 0 is dropless; > 0 caps each expert at ``ceil(factor * tokens * top_k / experts)`` of a
     rank's tokens per micro-batch, the rest dropped (their MLP output is zero; the dropped fraction is reported).
     MoE layers: ``layers`` if given, else every layer ``i`` with ``i % every == 0``.
     """
 
-    IDENTITY = ("experts", "top_k", "ffn_hidden", "shared_experts", "router", "every", "layers")
+    IDENTITY = ("experts", "top_k", "ffn_hidden", "shared_experts", "router", "every", "layers", "norm_topk_prob")
 
     experts: int = 0
     top_k: int = 2
@@ -72,6 +77,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0
     grouped_gemm: bool = True  # torch's grouped matmul where the shapes allow; false: one matmul per expert
+    norm_topk_prob: bool = True  # top-k weights renormalised to sum to 1
 
     @property
     def enabled(self) -> bool:
@@ -120,7 +126,13 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     """A Llama-style decoder: ``layers`` blocks of GQA attention (``heads`` query heads sharing ``kv_heads``
-    key/value heads, RoPE) and a SwiGLU MLP of width ``ffn_hidden``, over a ``vocab_size`` embedding."""
+    key/value heads, RoPE) and a SwiGLU MLP of width ``ffn_hidden``, over a ``vocab_size`` embedding.
+
+    ``head_dim``: each head's width ``d`` (0: hidden/heads, Llama's), so q is [heads*d] wide whatever ``hidden``
+    is (Qwen3: hidden 2048, 32 heads of 128); ``head_size`` is the width in use. ``qk_norm``: an RMSNorm over
+    each q and k head (weights ``q_norm``, ``k_norm`` [d], shared by the heads) after the projections and
+    before RoPE, as Qwen3 and OLMo-2 do; ``norm_eps`` is its epsilon too.
+    """
 
     name: str = "custom"
     vocab_size: int = 256
@@ -133,6 +145,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int = 0  # 0: hidden / heads
+    qk_norm: bool = False
     init_std: float = 0.02
     kernels: str = "auto"  # auto | triton | torch: how the model runs, not what it is
     compile: bool = False  # each block under torch.compile
@@ -149,13 +163,19 @@ class ModelConfig:
         for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
-        if self.hidden % self.heads:
+        if (self.head_dim or 0) < 0:
+            raise ModelConfigError(f"model.head_dim={self.head_dim} must be >= 0 (0: hidden/heads)")
+        if not self.head_dim and self.hidden % self.heads:
             raise ModelConfigError(
-                f"model.hidden={self.hidden} is not a multiple of heads={self.heads}; change hidden or heads"
+                f"model.hidden={self.hidden} is not a multiple of heads={self.heads}; change hidden or heads, or "
+                "set model.head_dim"
             )
-        if self.head_dim % 2:
+        if self.head_size % 2:
+            if self.head_dim:
+                raise ModelConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
             raise ModelConfigError(
-                f"head dim hidden/heads={self.head_dim} must be even for RoPE; change model.hidden or model.heads"
+                f"head dim hidden/heads={self.head_size} must be even for RoPE; change model.hidden or model.heads, "
+                "or set model.head_dim"
             )
         if self.heads % self.kv_heads:
             raise ModelConfigError(
@@ -196,8 +216,15 @@ class ModelConfig:
         return [d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0 and dp_cp % d == 0]
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, or hidden/heads when it is 0."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of q and of attention's output, ``heads * d``: what the score and value matmuls run over (hidden
+        when d = hidden/heads)."""
+        return self.heads * self.head_size
 
     @property
     def expert_ffn_hidden(self) -> int:
@@ -205,14 +232,14 @@ class ModelConfig:
 
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
-        identity = {name: getattr(self, name) for name in IDENTITY}
+        identity = {name: getattr(self, name) for name in IDENTITY} | {"head_dim": self.head_size}
         return identity | {"moe": self.moe.identity()} if self.moe.enabled else identity
 
     # -- parameter counts (matmul weights; norms are negligible) ------------------------------------------
 
     def attention_params(self) -> int:
-        """Matmul weights of a block's attention half: the q, k, v and o projections."""
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        """Matmul weights of a block's attention half: the q, k, v and o projections (h x d per head)."""
+        return self.hidden * self.head_size * (2 * self.heads + 2 * self.kv_heads)
 
     def mlp_params(self, layer: int | None = None) -> int:
         """Matmul weights of a block's MLP half that a token goes through: gate, up and down of the SwiGLU; in

@@ -2,12 +2,13 @@
 
 Training FLOPs per token (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B):
 
-    6 * N  +  12 * L * h * s
+    6 * N  +  12 * L * a * s
 
 ``N`` counts the parameters that take part in matmuls: every transformer block's attention and MLP weights and
 the output head (the embedding lookup is not a matmul and is excluded; a tied head still counts, because the
-head matmul runs). ``12 * L * h * s`` is attention's score and value matmuls, forward and backward, at full
-(non-causal) cost as the convention counts it. Recomputation is not counted: this is *model* FLOPs. In a
+head matmul runs). ``12 * L * a * s`` is attention's score and value matmuls, forward and backward, at full
+(non-causal) cost as the convention counts it, over ``a = heads * head_dim`` (the hidden size h unless
+``model.head_dim`` sets another width). Recomputation is not counted: this is *model* FLOPs. In a
 mixture of experts ``N`` counts active parameters only: the router and the top-k routed (plus any shared)
 experts a token goes through, never the experts it skips.
 MFU = achieved model FLOP/s / peak FLOP/s.
@@ -19,13 +20,13 @@ from modelpar.model.config import ModelConfig
 
 
 def training_flops_per_token(shape: ModelConfig, seq_len: int) -> float:
-    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.hidden * seq_len
+    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.attention_width * seq_len
 
 
 def half_block_training_flops(shape: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:
     """Training FLOPs per token of a block's attention half (projections and scores) and of its MLP half (of
     block ``layer``: dense or MoE; None: the mean over the blocks)."""
-    return 6.0 * shape.attention_params() + 12.0 * shape.hidden * seq_len, 6.0 * shape.mlp_params(layer)
+    return 6.0 * shape.attention_params() + 12.0 * shape.attention_width * seq_len, 6.0 * shape.mlp_params(layer)
 
 
 def head_training_flops(shape: ModelConfig) -> float:

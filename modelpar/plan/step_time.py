@@ -71,7 +71,7 @@ from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Predi
 def _kv_width(model: ModelSpec, tp: int) -> float:
     """K (or V) elements per token on one tp rank: its kv heads (one, replicated, when kv_heads < tp) x d."""
     shape = model.shape
-    return max(1.0, shape.kv_heads / tp) * shape.head_dim
+    return max(1.0, shape.kv_heads / tp) * shape.head_size
 
 
 def rerun_halves(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
@@ -114,7 +114,7 @@ def recompute_extra_flops(model: ModelSpec, strategy: Strategy, tokens: float, s
         return 4.0 * tokens * shape.hidden * seq_len
     modules, extra = set(strategy.recompute_modules), 0.0
     if "attention" in modules:
-        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len
+        extra += 2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.attention_width * seq_len
     if "mlp" in modules:
         extra += 2.0 * tokens * shape.mlp_params()
     return extra
@@ -154,7 +154,7 @@ def group_bandwidth(hardware: Hardware, span: int) -> float:
 
 def layer_forward_flops(shape: ModelConfig, tokens: int, seq_len: int) -> float:
     """One block's forward: matmul weights plus attention's score and value matmuls (as in modelpar.model.flops)."""
-    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.hidden * seq_len
+    return 2.0 * tokens * shape.block_params() + 4.0 * tokens * shape.attention_width * seq_len
 
 
 # Element-wise passes over a [b, s, h] activation per layer per micro-batch that tensor parallelism does not
@@ -199,7 +199,9 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
     head = 6.0 * tokens * shape.vocab_size * shape.hidden
     if layout.pp == 1:
         return shape.layers * block + head
-    attention_share = (2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.hidden * seq_len) / forward
+    attention_share = (
+        2.0 * tokens * shape.attention_params() + 4.0 * tokens * shape.attention_width * seq_len
+    ) / forward
     return block * _busiest_rank_blocks(
         shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
     )
@@ -344,7 +346,7 @@ def cp_exposed_per_layer_s(
     kv_elements = 2 * b * seq_len / cp * _kv_width(model, t)  # this rank's K and V
     forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
     if strategy.cp_comm == "alltoall":  # q/k/v there and the output back, forward; their gradients, backward
-        d, kv = model.shape.head_dim, max(1, model.shape.kv_heads // t)
+        d, kv = model.shape.head_size, max(1, model.shape.kv_heads // t)
         heads = model.shape.heads / t + 2 * kv * cp // math.gcd(kv, cp)  # q, and k, v with kv heads repeated
         qkv = b * seq_len / cp * heads * d * hardware.weight_bytes
         out = b * seq_len / cp * model.shape.heads / t * d * hardware.weight_bytes
