@@ -13,6 +13,8 @@ window loads with another or none, as Mistral-style checkpoints are evaluated at
 written before the window existed load unchanged) do not. A mixture of experts adds its ``moe`` shape
 (``MoEConfig.IDENTITY``) to the identity, multi-head latent attention its ``mla`` shape (``MLAConfig.IDENTITY``);
 a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
+``head_dim`` and ``qk_norm`` are identity fields that a checkpoint written before they existed does not hold:
+reading one, their defaults (hidden/heads, no QK-norm) are what its weights mean.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ IDENTITY = (
     "rope_theta",
     "norm_eps",
     "tie_embeddings",
+    "head_dim",
+    "qk_norm",
 )
 
 
@@ -60,13 +64,14 @@ class MoEConfig:
     ``E * sum_i f_i * P_i``, over the tokens of the whole global batch (``aux_loss_scope=global_batch``: needs
     every micro-batch's forward before the first backward, so GPipe or one micro-batch) or of each global
     micro-batch (``micro_batch``, any schedule; the whole batch at one micro-batch); ``z_loss_coef``: the
-    router z-loss (a mean over tokens, the same either way).
+    router z-loss (a mean over tokens, the same either way). ``norm_topk_prob``: the top-k routing weights are
+    renormalised to sum to 1 (Mixtral, Qwen3-30B-A3B); false: each is its score as the router gave it.
     ``capacity_factor`` 0 is dropless; > 0 caps each expert at ``ceil(factor * tokens * top_k / experts)`` of a
     rank's tokens per micro-batch, the rest dropped (their MLP output is zero; the dropped fraction is reported).
     MoE layers: ``layers`` if given, else every layer ``i`` with ``i % every == 0``.
     """
 
-    IDENTITY = ("experts", "top_k", "ffn_hidden", "shared_experts", "router", "every", "layers")
+    IDENTITY = ("experts", "top_k", "ffn_hidden", "shared_experts", "router", "every", "layers", "norm_topk_prob")
 
     experts: int = 0
     top_k: int = 2
@@ -81,6 +86,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0
     grouped_gemm: bool = True  # torch's grouped matmul where the shapes allow; false: one matmul per expert
+    norm_topk_prob: bool = True  # top-k weights renormalised to sum to 1
 
     @property
     def enabled(self) -> bool:
@@ -188,6 +194,11 @@ class ModelConfig:
     ``i-W+1 .. i`` only (``i - j < W``, transformers' sliding-window mask); 0: full causal attention.
     ``window_layers``: the layer ids that use the window (local), the others attending to all earlier tokens
     (global), as GPT-OSS and Gemma alternate them; empty: every layer (Mistral). ``window(layer)`` says which.
+
+    ``head_dim``: each head's width ``d`` (0: hidden/heads, Llama's), so q is [heads*d] wide whatever ``hidden``
+    is (Qwen3: hidden 2048, 32 heads of 128); ``head_size`` is the width in use. ``qk_norm``: an RMSNorm over
+    each q and k head (weights ``q_norm``, ``k_norm`` [d], shared by the heads) after the projections and
+    before RoPE, as Qwen3 and OLMo-2 do; ``norm_eps`` is its epsilon too.
     """
 
     name: str = "custom"
@@ -201,6 +212,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int = 0  # 0: hidden / heads
+    qk_norm: bool = False
     init_std: float = 0.02
     kernels: str = "auto"  # auto | triton | torch: how the model runs, not what it is
     compile: bool = False  # each block under torch.compile
@@ -223,15 +236,21 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
         self.mla.check()
+        if (self.head_dim or 0) < 0:
+            raise ModelConfigError(f"model.head_dim={self.head_dim} must be >= 0 (0: hidden/heads)")
         if self.mla.enabled:
             self._check_latent_attention()
-        elif self.hidden % self.heads:
+        elif not self.head_dim and self.hidden % self.heads:
             raise ModelConfigError(
-                f"model.hidden={self.hidden} is not a multiple of heads={self.heads}; change hidden or heads"
+                f"model.hidden={self.hidden} is not a multiple of heads={self.heads}; change hidden or heads, or "
+                "set model.head_dim"
             )
-        elif self.head_dim % 2:
+        elif self.head_size % 2:
+            if self.head_dim:
+                raise ModelConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
             raise ModelConfigError(
-                f"head dim hidden/heads={self.head_dim} must be even for RoPE; change model.hidden or model.heads"
+                f"head dim hidden/heads={self.head_size} must be even for RoPE; change model.hidden or model.heads, "
+                "or set model.head_dim"
             )
         if self.heads % self.kv_heads:
             raise ModelConfigError(
@@ -280,6 +299,12 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.fp8={self.fp8} covers GQA attention only; set model.fp8=off or model.mla.kv_lora_rank=0"
             )
+        for name in ("head_dim", "qk_norm"):
+            if getattr(self, name):
+                raise ModelConfigError(
+                    f"model.{name}={getattr(self, name)} is for GQA attention; latent attention has its own head dims "
+                    f"(model.mla.*): set model.{name}={0 if name == 'head_dim' else 'false'}"
+                )
 
     def check_layout(self, layout) -> None:
         """Raise ``LayoutError`` (one line, with a fix) if ``layout`` (a ``ParallelLayout``) cannot shard this model."""
@@ -310,8 +335,15 @@ class ModelConfig:
         return self.sliding_window
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, or hidden/heads when it is 0."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of q and of attention's output, ``heads * d``: what the score and value matmuls run over (hidden
+        when d = hidden/heads)."""
+        return self.heads * self.head_size
 
     @property
     def expert_ffn_hidden(self) -> int:
@@ -319,7 +351,7 @@ class ModelConfig:
 
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
-        identity = {name: getattr(self, name) for name in IDENTITY}
+        identity = {name: getattr(self, name) for name in IDENTITY} | {"head_dim": self.head_size}
         if self.moe.enabled:
             identity |= {"moe": self.moe.identity()}
         if self.mla.enabled:
@@ -330,10 +362,10 @@ class ModelConfig:
 
     def attention_params(self) -> int:
         """Matmul weights of a block's attention half: the q, k, v and o projections (latent attention: q_a, q_b
-        or q_proj, kv_a_proj_with_mqa, kv_b_proj and o_proj)."""
+        or q_proj, kv_a_proj_with_mqa, kv_b_proj and o_proj; h x d per head for GQA)."""
         m, h, n = self.mla, self.hidden, self.heads
         if not m.enabled:
-            return h * self.head_dim * (2 * n + 2 * self.kv_heads)
+            return h * self.head_size * (2 * n + 2 * self.kv_heads)
         q = m.q_lora_rank * (h + n * m.qk_head_dim) if m.q_lora_rank else h * n * m.qk_head_dim
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
         return q + kv + n * m.v_head_dim * h
@@ -343,7 +375,7 @@ class ModelConfig:
         (qk_nope + qk_rope, v_head_dim) for latent attention."""
         if self.mla.enabled:
             return self.mla.qk_head_dim, self.mla.v_head_dim
-        return self.head_dim, self.head_dim
+        return self.head_size, self.head_size
 
     def mlp_params(self, layer: int | None = None) -> int:
         """Matmul weights of a block's MLP half that a token goes through: gate, up and down of the SwiGLU; in

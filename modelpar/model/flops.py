@@ -2,13 +2,14 @@
 
 Training FLOPs per token (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B):
 
-    6 * N  +  12 * L * h * s
+    6 * N  +  12 * L * a * s
 
 ``N`` counts the parameters that take part in matmuls: every transformer block's attention and MLP weights and
 the output head (the embedding lookup is not a matmul and is excluded; a tied head still counts, because the
-head matmul runs). ``12 * L * h * s`` is attention's score and value matmuls, forward and backward, at full
-(non-causal) cost as the convention counts it; with latent attention (qk head dim dk, v head dim dv per head)
-``h`` there is ``heads * (dk + dv) / 2`` (``attention_width``), the widths the score and value matmuls run at.
+head matmul runs). ``12 * L * a * s`` is attention's score and value matmuls, forward and backward, at full
+(non-causal) cost as the convention counts it, over ``a = heads * head_dim`` (the hidden size h unless
+``model.head_dim`` sets another width); with latent attention (qk head dim dk, v head dim dv per head) ``a`` is
+``heads * (dk + dv) / 2`` (``attention_width``), the widths the score and value matmuls run at.
 Recomputation is not counted: this is *model* FLOPs. In a
 mixture of experts ``N`` counts active parameters only: the router and the top-k routed (plus any shared)
 experts a token goes through, never the experts it skips.
@@ -24,10 +25,11 @@ from modelpar.model.config import ModelConfig
 
 
 def attention_width(shape: ModelConfig) -> float:
-    """The ``h`` of attention's ``12 * h * s``: ``hidden`` for GQA (heads x head dim), ``heads * (dk + dv) / 2``
-    for latent attention, whose score (q.k) and value (p.v) matmuls run at different head dims."""
+    """The ``a`` of attention's ``12 * a * s``: heads x head dim for GQA (``hidden`` unless ``model.head_dim``),
+    ``heads * (dk + dv) / 2`` for latent attention, whose score (q.k) and value (p.v) matmuls run at different
+    head dims."""
     if not shape.mla.enabled:
-        return shape.hidden
+        return shape.attention_width
     dk, dv = shape.attention_score_dims()
     return shape.heads * (dk + dv) / 2
 

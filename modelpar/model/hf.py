@@ -1,15 +1,21 @@
-"""Hugging Face Llama, Mistral and Mixtral interoperability: import a ``LlamaForCausalLM``,
-``MistralForCausalLM`` or ``MixtralForCausalLM`` directory into a model chunk at any tp (and ep), and export one
-back to a directory that transformers loads. Mistral is Llama with a ``sliding_window`` (ours: every layer's
-window); a config's ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives
-``window_layers``.
+"""Hugging Face Llama, Mistral, Mixtral, Qwen3 and Qwen3-MoE interoperability: import a ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` directory into a
+model chunk at any tp (and ep), and export one back to a directory that transformers loads (Qwen3's configs:
+``modelpar.model.hf_qwen``). Mistral is Llama with a ``sliding_window`` (ours: every layer's window); a config's
+``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
 
 Only ``config.json`` and ``model.safetensors`` are read (safetensors, never pickle); each rank reads just the
 slices it holds. Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name),
 and HF's q/k projections already use the rotate-half RoPE layout of our kernels, so no permutation is needed.
 A Mixtral's MoE tensors are ``layers.<i>.mlp.gate.weight`` and ``layers.<i>.mlp.experts.<e>.w1|w2|w3.weight``
-for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file (what transformers writes and
-reads).
+for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a Qwen3-MoE's experts are
+``model.layers.<i>.mlp.experts.<e>.gate_proj|up_proj|down_proj.weight`` (what transformers 5.x's
+``save_pretrained`` writes, one tensor per expert). A file holding the experts fused as transformers keeps them
+in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows first, and ``mlp.experts.down_proj`` [E, h, f])
+is read too.
+
+Which family a model exports as: a QK-norm model as Qwen3 (Qwen3-MoE with experts), any other as Llama
+(Mixtral with experts).
 """
 
 from __future__ import annotations
@@ -24,35 +30,54 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from modelpar.model.config import ModelConfig, MoEConfig
+from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.transformer import ModelChunk
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def hf_name(logical: str) -> str:
+def hf_name(logical: str, model_type: str = "llama") -> str:
     """HF state-dict key of a logical tensor: ``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``; a
-    Mixtral router or expert ``layers.0.mlp.experts.5.w1.weight`` -> ``model.layers.0.block_sparse_moe...``."""
+    Mixtral router or expert ``layers.0.mlp.experts.5.w1.weight`` -> ``model.layers.0.block_sparse_moe...``, a
+    Qwen3-MoE expert -> ``model.layers.0.mlp.experts.5.gate_proj.weight``."""
     if logical == "lm_head.weight":
         return logical
-    for moe_part in (".mlp.gate.", ".mlp.experts."):
-        logical = logical.replace(moe_part, moe_part.replace(".mlp.", ".block_sparse_moe."))
+    if model_type == "mixtral":
+        for moe_part in (".mlp.gate.", ".mlp.experts."):
+            logical = logical.replace(moe_part, moe_part.replace(".mlp.", ".block_sparse_moe."))
+    elif model_type == "qwen3_moe" and ".mlp.experts." in logical:
+        logical = qwen_expert_name(logical)
     return f"model.{logical}"
 
 
+def fused_expert(logical: str) -> tuple[str, int, str] | None:
+    """Where an expert tensor sits among fused experts: (HF key, expert, ``gate`` | ``up`` | ``down``), or None
+    for a tensor that is not an expert's."""
+    head, sep, tail = logical.partition(".mlp.experts.")
+    if not sep:
+        return None
+    expert, ours, _ = tail.split(".")
+    part = {"w1": "gate", "w3": "up", "w2": "down"}[ours]
+    return f"model.{head}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}", int(expert), part
+
+
 def config_from_hf(path: str | os.PathLike) -> ModelConfig:
-    """Read ``config.json`` of a Llama checkpoint; refuse features this model does not implement."""
+    """Read ``config.json`` of a Llama, Mixtral, Qwen3 or Qwen3-MoE checkpoint; refuse, in one line naming the
+    fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    if kind not in ("llama", "mistral", "mixtral"):
-        raise ValueError(f"{path}: model_type={kind!r}, only 'llama', 'mistral' and 'mixtral' are supported")
+    if kind not in ("llama", "mistral", "mixtral", *QWEN_TYPES):
+        raise ValueError(
+            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen3' and 'qwen3_moe' are supported"
+        )
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     unsupported = {
         "attention_bias": hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "head_dim": (hf.get("head_dim") or hf["hidden_size"] // heads) != hf["hidden_size"] // heads,
         "rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
     }
     moe = MoEConfig()
@@ -64,10 +89,14 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
             ffn_hidden=hf["intermediate_size"],
             aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
         )
+    if kind in QWEN_TYPES:
+        unsupported |= qwen_unsupported(hf)
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
-        family = kind.capitalize()
+        family = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}.get(kind, kind.capitalize())
         raise ValueError(f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}")
+    if kind == "qwen3_moe":
+        moe = qwen_moe_config(hf, hf["num_hidden_layers"])
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],
@@ -79,6 +108,8 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
+        head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,
+        qk_norm=kind in QWEN_TYPES,
         init_std=hf.get("initializer_range", 0.02),
         moe=moe,
         **_window_from_hf(hf, path),
@@ -86,8 +117,9 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
 
 
 def _window_from_hf(hf: dict, path) -> dict:
-    """``sliding_window`` and ``window_layers`` of a Mistral/Mixtral config (a Llama has neither)."""
-    window = hf.get("sliding_window") if hf.get("model_type") != "llama" else None
+    """``sliding_window`` and ``window_layers`` of a Mistral/Mixtral config (a Llama has neither; Qwen3's
+    ``use_sliding_window`` is refused by ``modelpar.model.hf_qwen``)."""
+    window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral") else None
     if window is None:
         return {}
     if not isinstance(window, int) or window < 1:
@@ -104,17 +136,25 @@ def _window_from_hf(hf: dict, path) -> dict:
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """``config.json`` contents for ``LlamaForCausalLM``, ``MistralForCausalLM`` for a sliding window, or
-    ``MixtralForCausalLM`` for a mixture of experts that Mixtral can express (raises ``ValueError``, one line,
-    for one it cannot)."""
+    ``MixtralForCausalLM`` for a mixture of experts that Mixtral can express; a QK-norm model's for
+    ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``. Raises ``ValueError`` (one line) for a model the family
+    cannot express."""
     if config.sliding_window and config.window_layers:
         raise ValueError(
             f"Mistral and Mixtral give every layer the window; model.window_layers={list(config.window_layers)} "
             "(local and global layers) cannot be exported: set model.window_layers=[]"
         )
+    if config.qk_norm:
+        if config.sliding_window:
+            raise ValueError(
+                f"a QK-norm model exports as Qwen3, which modelpar writes without a window; "
+                f"model.sliding_window={config.sliding_window} cannot be exported: set model.sliding_window=0"
+            )
+        return qwen_config_to_hf(config, config_to_hf(_plain(config, qk_norm=False, moe=MoEConfig()), dtype))
     if config.moe.enabled:
         return _mixtral_config(config, dtype)
     if config.sliding_window:
-        plain = config_to_hf(ModelConfig(**{**config.__dict__, "sliding_window": 0}), dtype)
+        plain = config_to_hf(_plain(config, sliding_window=0), dtype)
         return plain | {
             "architectures": ["MistralForCausalLM"],
             "model_type": "mistral",
@@ -128,7 +168,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "num_hidden_layers": config.layers,
         "num_attention_heads": config.heads,
         "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
+        "head_dim": config.head_size,
         "intermediate_size": config.ffn_hidden,
         "max_position_embeddings": config.max_seq_len,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
@@ -149,14 +189,15 @@ def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
         "MoE in only some layers": not every_layer,
         f"router={moe.router}": moe.router != "softmax",
         "shared experts": moe.shared_experts > 0,
+        "top-k weights not renormalised": not moe.norm_topk_prob,
     }
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
         raise ValueError(
             f"Mixtral cannot express this model ({', '.join(bad)}); export needs a softmax router in every "
-            "layer and no shared experts"
+            "layer, no shared experts and renormalised top-k weights"
         )
-    hf = config_to_hf(ModelConfig(**{**config.__dict__, "moe": MoEConfig(), "sliding_window": 0}), dtype)
+    hf = config_to_hf(_plain(config, moe=MoEConfig(), sliding_window=0), dtype)
     del hf["mlp_bias"]
     return hf | {
         "architectures": ["MixtralForCausalLM"],
@@ -171,16 +212,29 @@ def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
     }
 
 
+def _plain(config: ModelConfig, **fields) -> ModelConfig:
+    return ModelConfig(**{**config.__dict__, **fields})
+
+
 def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
-    """Load this rank's slices of every logical tensor of ``chunk`` from ``path/model.safetensors``."""
+    """Load this rank's slices of every logical tensor of ``chunk`` from ``path/model.safetensors`` (named as
+    ``path/config.json``'s ``model_type`` names them; experts one tensor each or fused)."""
+    kind = json.loads((Path(path) / CONFIG_NAME).read_text()).get("model_type", "llama")
     with safe_open(Path(path) / WEIGHTS_NAME, framework="pt") as f:
         keys = set(f.keys())
 
         def fetch(name, shard):
-            key = hf_name(name)
-            if key not in keys:
+            key = hf_name(name, kind)
+            for candidate in (key, hf_name(name)):  # a fused Mixtral's router is under mlp., not block_sparse_moe.
+                if candidate in keys:
+                    return f.get_slice(candidate)[shard.index]
+            fused = fused_expert(name)
+            if fused is None or fused[0] not in keys:
                 raise KeyError(f"{path}: {key} is missing from {WEIGHTS_NAME}")
-            return f.get_slice(key)[shard.index]
+            key, expert, part = fused
+            rows = f.get_slice(key).get_shape()[1] // (1 if part == "down" else 2)
+            start = rows if part == "up" else 0
+            return f.get_slice(key)[expert : expert + 1, start : start + rows][0]
 
         chunk.load_logical(fetch)
 
@@ -191,7 +245,8 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, to
     dtype = next(iter(state.values())).dtype
     hf_config = config_to_hf(config, dtype)  # a model HF cannot express is refused before anything is written
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(name): t.detach().cpu().contiguous() for name, t in state.items()}
+    kind = hf_config["model_type"]
+    tensors = {hf_name(name, kind): t.detach().cpu().contiguous() for name, t in state.items()}
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(tensors, path / WEIGHTS_NAME, metadata={"format": "pt"})
     # safetensors creates its file owner-only; both files of the directory get the mode the umask gives

@@ -3,6 +3,7 @@ DeepSeek-V3), with the experts split over an expert-parallel group::
 
     x [b, s, h] -> tokens [T, h] (under tp without SP: this tp rank's T/t of them)
       -> router: logits [T, E] -> softmax (or sigmoid + balancing bias) -> top-k experts and weights [T, k]
+         (renormalised to sum to 1 unless ``norm_topk_prob`` is off)
       -> permute: the T*k (token, expert) rows sorted by expert, once (dropped rows last, under a capacity)
       -> dispatch: all-to-all over ep, rows to the rank holding their expert, then sorted by local expert
       -> grouped GEMM: SwiGLU of each expert on its contiguous rows (w1 gate, w3 up, w2 down, as Mixtral)
@@ -219,8 +220,9 @@ class MoELayer(nn.Module):
         else:
             scores = logits.sigmoid()
             chosen = (scores + self.score_bias).topk(k, dim=-1).indices  # the bias chooses, never weighs
-        weights = scores.gather(1, chosen)
-        weights = weights / weights.sum(-1, keepdim=True)  # [T, k]
+        weights = scores.gather(1, chosen)  # [T, k]
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
 
         expert_of_row = chosen.reshape(-1)  # row t*k + j: token t's j-th expert
         counts = torch.bincount(expert_of_row, minlength=n_experts)  # [E], routed rows before any drop

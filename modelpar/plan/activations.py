@@ -16,6 +16,7 @@ sequence parallelism, else ``T``), ``e`` bytes of the compute dtype (4 fp32, 2 b
       the norm's output (all-gathered with SP)               qkv_proj                       e*T*h
       qkv output, whole (SDPA keeps v, a view of it)         SDPA                           e*T*(hq+2hkv)*d
       q and k after RoPE                                     SDPA                           e*T*(hq+hkv)*d
+      (qk_norm) q, k times 1/rms of each head; 1/rms         q_norm, k_norm                 (e*d + 4)*T*(hq+hkv)
       attention output (o_proj's input: the same storage)    SDPA, o_proj                   e*T*hq*d
       log-sum-exp (SDPA keeps no s x s scores)               SDPA                           4*T*hq
       cos, sin rows of this rank's positions (cp > 1)        RoPE                           4*(s/cp)*d
@@ -31,7 +32,8 @@ sequence parallelism, else ``T``), ``e`` bytes of the compute dtype (4 fp32, 2 b
 bench-tiny (h=256, 8 heads, f=688, tp=1, fp32): 22.79 s*b*h fp32 elements per layer, 22.85 with the shared
 tables, as ``benchmarks/activation_memory.py`` measures. Triton kernels (the GPU default; derived from what
 their autograd functions save, not measured here): RMSNorm keeps x and r only, RoPE only its tables, SwiGLU
-gate|up (not silu(gate)); the rest as above.
+gate|up (not silu(gate)); the rest as above (QK-norm keeps its rows of q and k, a copy of the qkv output's
+strided view, and 1/rms).
 
 Recompute (``parallel.recompute``): ``full`` keeps each block's input (``e*Ts*h``; a half block's, where a
 pipeline cut splits it). ``selective`` per half: a half named in ``recompute_modules`` keeps its input only;
@@ -157,6 +159,7 @@ class _Dims:
     hkv: float
     d: int
     f: float
+    qk_norm: bool
     vt: int
     e: int
     cp: int
@@ -175,8 +178,9 @@ def _dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware
         h=shape.hidden,
         hq=shape.heads / t,
         hkv=max(1.0, shape.kv_heads / t),
-        d=shape.head_dim,
+        d=shape.head_size,
         f=shape.ffn_hidden / t,
+        qk_norm=shape.qk_norm,
         vt=padded_vocab_size(shape.vocab_size, t) // t,
         e=activation_bytes(hardware),
         cp=cp,
@@ -248,6 +252,7 @@ def attention_saved(x: _Dims, kernels: str) -> list[Saved]:
         Saved("attention: qkv output", e * T * (x.hq + 2 * x.hkv) * d, moved=e * T * x.hkv * d),
         Saved("attention: q after RoPE", e * T * x.hq * d),
         Saved("attention: k after RoPE", e * T * x.hkv * d),
+        *qk_norm_saved(x, kernels),
         # SDPA's output and o_proj's input: one storage, two saved views (under cp two storages, below)
         Saved("attention: output (o_proj input)", e * T * x.hq * d, moved=(1 if x.cp > 1 else 2) * e * T * x.hq * d),
         Saved("attention: log-sum-exp", 4 * T * x.hq),
@@ -260,6 +265,18 @@ def attention_saved(x: _Dims, kernels: str) -> list[Saved]:
         table = 2.0 * x.s * d
         out.append(Saved("attention: cos, sin (shared tables)", 0.0, moved=8 * table, storage=table))
     return out
+
+
+def qk_norm_saved(x: _Dims, kernels: str) -> list[Saved]:
+    """QK-norm's per-head RMSNorms of q and k (nothing without it): each keeps a row tensor of its heads (torch:
+    x times 1/rms; Triton: x, copied out of the qkv output's strided view) and 1/rms per head."""
+    if not x.qk_norm:
+        return []
+    what = "x * 1/rms" if kernels == "torch" else "x rows"
+    return [
+        Saved(f"attention: {name} {what}, 1/rms ({name}_norm)", (x.e * x.d + 4) * x.T * heads)
+        for name, heads in (("q", x.hq), ("k", x.hkv))
+    ]
 
 
 def mlp_saved(x: _Dims, kernels: str, ffn: float | None = None, tokens: float | None = None) -> list[Saved]:
@@ -483,7 +500,7 @@ def shared_tables_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hard
         return 0.0
     if strategy.recompute == "selective" and {"attention", "elementwise"} & set(strategy.recompute_modules):
         return 0.0
-    table = 2.0 * seq_len * model.shape.head_dim  # one of the two [s, d/2] fp32 tables
+    table = 2.0 * seq_len * model.shape.head_size  # one of the two [s, d/2] fp32 tables
     return 0.0 if strategy.offload and table >= OFFLOAD_MIN_BYTES else 2 * table
 
 

@@ -27,7 +27,17 @@ def trainer_flops_partition(shape, seq_len: int, pp: int, vpp: int) -> Partition
         return Partition(1, 1, (float(shape.layers),))
     moe = shape.moe.enabled
     mlp = tuple(shape.mlp_params(i) for i in range(shape.layers)) if moe else shape.mlp_params(0)
-    key = (shape.layers, shape.attention_params(), shape.hidden, mlp, shape.vocab_size, seq_len, pp, vpp)
+    key = (
+        shape.layers,
+        shape.attention_params(),
+        shape.attention_width,
+        shape.hidden,
+        mlp,
+        shape.vocab_size,
+        seq_len,
+        pp,
+        vpp,
+    )
     return _flops_partition(key, shape)
 
 

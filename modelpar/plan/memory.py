@@ -70,7 +70,8 @@ def recompute_working_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, 
 def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
     """Parameters stored on a rank of pipeline stage ``stage`` (its tp shard)."""
     shape, t = model.shape, layout.tp
-    layer = stored_block_params(shape, layout) + 2 * shape.hidden  # norms are replicated over tp
+    norms = 2 * shape.hidden + (2 * shape.head_size if shape.qk_norm else 0)  # replicated over tp
+    layer = stored_block_params(shape, layout) + norms
     params = layers_per_chunk(shape.layers, layout) * layout.vpp * layer
     embedding = shape.vocab_size * shape.hidden / t
     first, last = stage == 0, stage == layout.pp - 1

@@ -32,7 +32,7 @@ from modelpar.plan.spec import ModelSpec, Strategy
 def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) -> list[tuple[int, int]]:
     """(rows, cols) of each parameter tensor of one block half on one rank (its tp shard; experts whole)."""
     shape, layout = model.shape, strategy.layout
-    t, h, d = layout.tp, shape.hidden, shape.head_dim
+    t, h, d = layout.tp, shape.hidden, shape.head_size
     if half == "attention" and shape.mla.enabled:  # the parameters of LatentAttention, in its order
         m, hq = shape.mla, shape.heads // t
         q_rows = m.q_lora_rank or hq * m.qk_head_dim  # q_a_proj (replicated) or q_proj (split over heads)
@@ -42,7 +42,8 @@ def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) ->
         return [(h, 1), down, *q, *kv, (h, hq * m.v_head_dim)]
     if half == "attention":
         hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
-        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d)]  # norm, qkv_proj, o_proj
+        qk_norm = [(d, 1), (d, 1)] if shape.qk_norm else []  # q_norm, k_norm
+        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d), *qk_norm]  # norm, qkv_proj, o_proj
     if not shape.moe.is_moe_layer(layer):
         f = shape.ffn_hidden // t
         return [(h, 1), (2 * f, h), (h, f)]  # norm, gate_up_proj, down_proj

@@ -71,7 +71,7 @@ from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Predi
 def _kv_width(model: ModelSpec, tp: int) -> float:
     """K (or V) elements per token on one tp rank: its kv heads (one, replicated, when kv_heads < tp) x d."""
     shape = model.shape
-    return max(1.0, shape.kv_heads / tp) * shape.head_dim
+    return max(1.0, shape.kv_heads / tp) * shape.head_size
 
 
 def cp_exchange_width(model: ModelSpec, tp: int) -> float:
@@ -357,7 +357,7 @@ def cp_exposed_per_layer_s(
     kv_elements = b * seq_len / cp * cp_exchange_width(model, t)  # this rank's K and V (or latent)
     forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
     if strategy.cp_comm == "alltoall":  # q/k/v there and the output back, forward; their gradients, backward
-        d, kv = model.shape.head_dim, max(1, model.shape.kv_heads // t)
+        d, kv = model.shape.head_size, max(1, model.shape.kv_heads // t)
         heads = model.shape.heads / t + 2 * kv * cp // math.gcd(kv, cp)  # q, and k, v with kv heads repeated
         qkv = b * seq_len / cp * heads * d * hardware.weight_bytes
         out = b * seq_len / cp * model.shape.heads / t * d * hardware.weight_bytes

@@ -38,3 +38,17 @@ def test_a_model_group_choice_is_named_with_every_field_it_changes():
     assert "hidden=64" in message and "ffn_hidden=176" in message
     assert "but model=bench-tiny gives hidden=128, ffn_hidden=688;" in message
     assert "drop model=bench-tiny " in message
+
+
+def test_a_qwen3_checkpoint_brings_its_head_dim_and_qk_norm_and_an_older_one_means_neither():
+    qwen3 = ModelConfig(hidden=48, heads=4, head_dim=16, qk_norm=True, moe=MoEConfig(experts=4, norm_topk_prob=False))
+    got = model_of_checkpoint(TrainConfig(), asdict(qwen3), {}, CKPT)
+    assert (got.head_size, got.qk_norm, got.moe.norm_topk_prob) == (16, True, False)
+    older = {k: v for k, v in asdict(MOE).items() if k not in ("head_dim", "qk_norm")}  # written before they existed
+    older["moe"] = {k: v for k, v in older["moe"].items() if k != "norm_topk_prob"}
+    got = model_of_checkpoint(TrainConfig(), older, {}, CKPT)
+    assert got.identity() == MOE.identity() and (got.head_size, got.qk_norm, got.moe.norm_topk_prob) == (
+        12,
+        False,
+        True,
+    )

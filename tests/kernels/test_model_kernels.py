@@ -24,6 +24,10 @@ CONFIGS = {
     "gqa4-untied": ModelConfig(
         vocab_size=53, hidden=64, layers=2, heads=4, kv_heads=1, ffn_hidden=20, max_seq_len=16, init_std=0.2
     ),
+    "qknorm-hd24": ModelConfig(  # Qwen3-style: per-head RMSNorm of q and k (the RMSNorm kernel over d), d != h/heads
+        vocab_size=61, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=24, qk_norm=True, ffn_hidden=40,
+        max_seq_len=16, init_std=0.2,
+    ),
 }  # fmt: skip
 
 

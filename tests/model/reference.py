@@ -41,6 +41,19 @@ CONFIGS = {
         init_std=0.2,
         tie_embeddings=True,
     ),
+    # Qwen3-style: QK-norm and a head width of its own (12, not hidden/heads = 4); one kv head, replicated at tp > 1
+    "qknorm-hd12-kv1": ModelConfig(
+        vocab_size=53,
+        hidden=16,
+        layers=2,
+        heads=4,
+        kv_heads=1,
+        head_dim=12,
+        qk_norm=True,
+        ffn_hidden=20,
+        max_seq_len=16,
+        init_std=0.2,
+    ),
 }
 
 

@@ -138,7 +138,7 @@ def test_replicated_kv_heads_add_one_gradient_allreduce_and_nothing_per_layer():
     bsh = BATCH * SEQ * config.hidden
     assert _count(forward)[("layer", "all_reduce", bsh)] == 2 * config.layers
     assert _count(backward)[("layer", "all_reduce", bsh)] == 2 * config.layers
-    kv = 2 * config.layers * config.kv_heads * config.head_dim * config.hidden  # k and v of every layer, in full
+    kv = 2 * config.layers * config.kv_heads * config.head_size * config.hidden  # k and v of every layer, in full
     assert _count(grad_sync) == {("grad_sync", "all_reduce", kv): 1}
 
 

@@ -31,7 +31,7 @@ def test_a_second_forward_builds_no_table(builds):
     model = build_model(CONFIG, seed=0)
     ids, _ = batch(CONFIG)
     model(ids)
-    assert builds == [(ids.shape[1], CONFIG.head_dim, CONFIG.rope_theta)]  # one table for both layers
+    assert builds == [(ids.shape[1], CONFIG.head_size, CONFIG.rope_theta)]  # one table for both layers
     model(ids)
     assert len(builds) == 1
 
@@ -42,8 +42,8 @@ def test_a_new_sequence_length_gets_its_own_tables_equal_to_fresh_ones(builds):
     model(ids)
     model(ids[:, :5])
     assert [seq_len for seq_len, _, _ in builds] == [ids.shape[1], 5]
-    cached = attention.cached_rope_tables(5, CONFIG.head_dim, CONFIG.rope_theta, torch.device("cpu"))
-    fresh = rope_tables(5, CONFIG.head_dim, CONFIG.rope_theta)
+    cached = attention.cached_rope_tables(5, CONFIG.head_size, CONFIG.rope_theta, torch.device("cpu"))
+    fresh = rope_tables(5, CONFIG.head_size, CONFIG.rope_theta)
     assert all(torch.equal(c, f) for c, f in zip(cached, fresh, strict=True))
 
 

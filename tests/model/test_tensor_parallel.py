@@ -59,14 +59,21 @@ def test_logits_and_every_gradient_match_the_single_device_model(tp, sp, case):
     assert all(r["padding_grad"] == 0.0 for r in results), "padded vocab rows received gradient"
 
 
-@pytest.mark.parametrize(("tp", "sp", "case"), [(2, True, "mha-untied"), (4, False, "gqa-kv1-untied")])
-def test_partial_gradients_are_wrong_until_reduced_over_tp(tp, sp, case):
-    """Sequence-parallel norms and replicated kv heads only hold a partial gradient before the reduction."""
+PARTIAL = [
+    (2, True, "mha-untied", "layers.0.input_layernorm.weight"),
+    (4, False, "gqa-kv1-untied", "layers.0.self_attn.k_proj.weight"),
+    (2, False, "qknorm-hd12-kv1", "layers.0.self_attn.q_norm.weight"),  # each tp rank normalises its own heads
+]
+
+
+@pytest.mark.parametrize(("tp", "sp", "case", "partial_name"), PARTIAL, ids=[p[3].split(".")[-2] for p in PARTIAL])
+def test_partial_gradients_are_wrong_until_reduced_over_tp(tp, sp, case, partial_name):
+    """Sequence-parallel norms, replicated kv heads and QK-norm weights only hold a partial gradient before the
+    reduction."""
     config = CONFIGS[case]
     ref, _, _ = _reference(config)
     grads = {name: shard.grad for name, shard in ref.logical_shards().items()}
     results = run_on_ranks(4, _sharded_forward_backward, config, sp, layout=layout_for(tp))[:tp]
-    partial_name = "layers.0.input_layernorm.weight" if sp else "layers.0.self_attn.k_proj.weight"
     index, _, partial = results[0]["partial_grads"][partial_name]
     assert rel_err(partial, grads[partial_name][index], scale=grads[partial_name]) > 1e-2
     check_pieces([r["grads"] for r in results], grads, TOL)

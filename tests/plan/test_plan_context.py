@@ -43,7 +43,7 @@ def test_alltoall_moves_q_k_v_and_o_once_each_way_and_is_searched_only_where_cp_
     a2a = predict(cp_strategy(8, "alltoall"), LLAMA_8B, H100, seq_len=seq)
     # llama-8b, 32 heads / 8 kv heads over cp8 in one node: (2*32 + 2*8) heads' worth of this rank's tokens each
     # way, 7/8 of it sent, against the all-gather's three passes over 7/8 of cp x its K/V (2*8 heads)
-    bsd = seq / 8 * LLAMA_8B.shape.head_dim * H100.weight_bytes
+    bsd = seq / 8 * LLAMA_8B.shape.head_size * H100.weight_bytes
     exchange = 7 / 8 * 80 * bsd / H100.intra_node_bw + 2 * 7 * H100.latency_s
     layers_and_micro_batches = LLAMA_8B.shape.layers * 4
     assert a2a.cp_comm_s == pytest.approx(layers_and_micro_batches * 2 * exchange, rel=1e-6)  # forward, backward

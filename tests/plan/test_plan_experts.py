@@ -88,3 +88,39 @@ def test_the_overrides_of_an_ep_plan_name_ep_and_an_aux_loss_the_schedule_can_ru
     assert (layout.tp, layout.pp, layout.dp, layout.ep) == (2, 4, 8, 8)
     one = Strategy(ParallelLayout(tp=2, pp=4, dp=8, ep=8), 32, 1, "none", 0, True)
     assert "model.moe.aux_loss_scope=micro_batch" not in trainer_overrides(one, 4096, mixtral)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe():
+    return load_model("qwen3-30b-a3b")
+
+
+def test_qwen3_30b_a3b_has_its_published_parameter_counts(qwen3_moe):
+    """30.5B parameters, 3.3B active (embedding included): head_dim 128 is not hidden/heads = 64, so attention
+    counts 2048 x 128 per head; 8 of 128 experts per token."""
+    shape = qwen3_moe.shape
+    assert (shape.head_size, shape.attention_width) == (128, 4096)
+    total = stage_params(qwen3_moe, ParallelLayout(), 0)  # one rank holding everything
+    assert 30.4e9 < total < 30.6e9
+    assert 3.25e9 < shape.matmul_params() + shape.vocab_size * shape.hidden < 3.4e9
+    assert stage_params(qwen3_moe, ParallelLayout(pp=2, dp=4, ep=4), 0) < total / 2 / 3  # experts / ep
+
+
+def test_shipped_qwen3_recipe_is_the_planners_first_choice_with_ep8(qwen3_moe):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.training.config import register_schema, validate
+    from tests.helpers import RECIPES
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="qwen3-30b-a3b-64gpu", overrides=["trainer.out_dir=unused"]))
+    validate(cfg)
+    assert cfg.model.identity() == qwen3_moe.shape.identity()
+    space = SearchSpace(ep=8, cp=1, max_vpp=1)
+    best = plan(qwen3_moe, H100, gpus=64, global_batch=256, seq_len=4096, space=space)[0]
+    p, s = cfg.parallel, best.strategy
+    got = (p.tp, p.pp, p.dp, p.ep, p.sp, p.microbatches, p.recompute)
+    assert got == (s.layout.tp, s.layout.pp, s.layout.dp, s.layout.ep, s.sp, s.micro_batches, s.recompute)
+    assert best.prediction.fits

@@ -12,6 +12,7 @@ from modelpar_kernels import apply_rope, attention, rope_tables
 from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from modelpar.model.layers.norm import RMSNorm
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
 from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, local_positions
 from modelpar.parallel.regions import TensorParallelGroup
@@ -61,7 +62,12 @@ class ParallelAttention(nn.Module):
     """Heads split over the tp ranks: q, k, v fused in one column-parallel weight, output row-parallel::
 
         x [b, s, h] --f--> qkv_proj [(hq + 2*hkv_local)*d / t, h] -> q [b, s, hq/t, d], k, v [b, s, hkv_local, d]
+                    [--> q_norm(q), k_norm(k): RMSNorm over d of each head]
                     --> RoPE(q, k), causal attention per head --> o_proj [h, hq*d/t] --g--> [b, s, h]
+
+    ``head_dim`` (d; None: hidden/heads) need not be hidden/heads. ``qk_norm``: the per-head RMSNorms (weights
+    [d], shared by the heads, replicated over tp); each tp rank normalises only its own heads, so their
+    gradients are partial over tp (``ShardInfo.grad_is_partial``) whatever the sequence parallelism.
 
     Key/value heads (grouped-query attention, hkv heads shared by groups of hq/hkv query heads):
 
@@ -85,6 +91,9 @@ class ParallelAttention(nn.Module):
         rope_theta: float,
         tp: TensorParallelGroup,
         *,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         sequence_parallel: bool = False,
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
@@ -98,7 +107,7 @@ class ParallelAttention(nn.Module):
         self.cp = cp or ContextParallelGroup()
         self.documents = documents
         self.window = window
-        self.head_dim = d = hidden // heads
+        self.head_dim = d = head_dim or hidden // heads
         self.rope_theta, self.backend = rope_theta, backend
         self.heads = heads // tp.size
         if kv_heads % tp.size == 0:
@@ -114,6 +123,11 @@ class ParallelAttention(nn.Module):
         kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
         self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # each rank sees its own heads only: the weights' gradients are partial over tp
+            norm = dict(backend=backend, partial_over_tp=True, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(d, norm_eps, tp, **norm)
+            self.k_norm = RMSNorm(d, norm_eps, tp, **norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, h] (or [b, s/t, h] with sequence parallel; s/cp under cp) -> same shape. Positions start
@@ -121,6 +135,8 @@ class ParallelAttention(nn.Module):
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = (rearrange(t, "b s (n d) -> b s n d", d=d) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cp = self.cp
         seq = q.shape[1] * cp.size
         cos, sin = cached_rope_tables(seq, d, self.rope_theta, q.device)
@@ -137,4 +153,7 @@ class ParallelAttention(nn.Module):
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
-        return self.qkv_proj.logical_shards(prefix) | self.o_proj.logical_shards(prefix)
+        shards = self.qkv_proj.logical_shards(prefix) | self.o_proj.logical_shards(prefix)
+        if self.q_norm is not None:
+            shards |= self.q_norm.logical_shards(prefix + "q_norm.") | self.k_norm.logical_shards(prefix + "k_norm.")
+        return shards

@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
     Without sequence parallel each rank normalises the same full activations, so the weight gradient is
     already complete. With sequence parallel each rank sees only its [b, s/t, h] tokens: the gradient is
     partial (``ShardInfo.grad_is_partial``) and ``reduce_tensor_parallel_grads`` sums it over tp.
+    ``partial_over_tp``: the gradient is partial at any tp > 1 (a norm over each head of this rank's heads,
+    QK-norm), sequence parallel or not.
     """
 
     def __init__(
@@ -26,6 +28,7 @@ class RMSNorm(nn.Module):
         *,
         name: str = "weight",
         sequence_parallel: bool = False,
+        partial_over_tp: bool = False,
         backend: str = "torch",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -33,10 +36,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.name, self.tp, self.backend = eps, name, tp, backend
         self.sequence_parallel = sequence_parallel
+        self.partial_over_tp = partial_over_tp
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [b, s, h] (or [b, s/t, h]) -> same shape."""
+        """x: [..., h] (the residual stream [b, s, h] or [b, s/t, h]; one head's [b, s, n, d]) -> same shape."""
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
@@ -47,6 +51,6 @@ class RMSNorm(nn.Module):
                 global_shape=tuple(self.weight.shape),
                 replicated_over_tp=self.tp.size > 1,
                 primary=self.tp.rank == 0,
-                grad_is_partial=self.sequence_parallel and self.tp.size > 1,
+                grad_is_partial=(self.sequence_parallel or self.partial_over_tp) and self.tp.size > 1,
             )
         }
