@@ -82,7 +82,16 @@ def test_exported_mixtral_loads_in_transformers_with_the_same_logits(hf_mixtral,
         assert torch.equal(reloaded(IDS).logits, logits)
 
 
-@pytest.mark.parametrize("option, value", [("sliding_window", 4), ("router_jitter_noise", 0.1)])
+def test_a_mixtral_sliding_window_is_read_as_every_layers_window(hf_mixtral, tmp_path):
+    path, _, _ = hf_mixtral
+    config = json.loads((path / "config.json").read_text()) | {"sliding_window": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = config_from_hf(tmp_path)
+    assert (ours.sliding_window, ours.window_layers) == (4, [])
+    assert config_to_hf(ours)["sliding_window"] == 4
+
+
+@pytest.mark.parametrize("option, value", [("router_jitter_noise", 0.1)])
 def test_unsupported_mixtral_variant_is_refused_in_one_line(hf_mixtral, tmp_path, option, value):
     path, _, _ = hf_mixtral
     config = json.loads((path / "config.json").read_text()) | {option: value}
