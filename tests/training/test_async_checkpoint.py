@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from tests.helpers import final_weights, train
+from tests.training.conftest import DP2_RUN
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["parallel=single", "parallel.dp=2", "trainer.steps=4", "trainer.ckpt_every=1", "trainer.timeout_s=30"]
+COMMON = DP2_RUN
 
 
-def test_background_saves_equal_synchronous_ones_and_survive_a_kill_mid_write(tmp_path):
-    sync, _ = train(tmp_path / "sync", *COMMON)
-    assert sync.returncode == 0, sync.stderr[-2000:]
+def test_background_saves_equal_synchronous_ones_and_survive_a_kill_mid_write(tmp_path, straight_dp2):
     crashed, _ = train(
         tmp_path / "async", *COMMON, "trainer.ckpt_async=true", "trainer.max_restarts=1",
         "trainer.restart_backoff_s=0", faults="save_crash@1:2",
@@ -26,7 +25,7 @@ def test_background_saves_equal_synchronous_ones_and_survive_a_kill_mid_write(tm
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert "restart 1 of 1 in 0 s after: rank 1 died (signal SIGKILL)" in crashed.stdout, crashed.stdout
     assert "resuming from" in crashed.stdout and "step-00000001" in crashed.stdout  # step 2 was never published
-    a, b = final_weights(tmp_path / "sync", 4), final_weights(tmp_path / "async", 4)
+    a, b = straight_dp2, final_weights(tmp_path / "async", 4)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -16,8 +16,9 @@ from modelpar.parallel.launch import LaunchError
 from modelpar.training.config import RecipeError, TrainConfig, TrainerConfig, validate
 from modelpar.training.restart import RestartPolicy, run_with_restarts
 from tests.helpers import SMALL, final_weights, train
+from tests.training.conftest import DP2_RUN
 
-COMMON = ["parallel=single", "parallel.dp=2", "trainer.steps=4", "trainer.ckpt_every=1", "trainer.timeout_s=30"]
+COMMON = DP2_RUN
 
 
 def test_each_failure_is_one_line_then_a_doubling_wait_then_another_attempt(tmp_path):
@@ -53,11 +54,8 @@ def test_restarts_need_resume_auto():
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run = tmp_path_factory.mktemp("straight")
-    proc, _ = train(run, *COMMON)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return final_weights(run, 4)
+def straight(straight_dp2):
+    return straight_dp2
 
 
 def _assert_same_weights(a, b):
