@@ -35,7 +35,7 @@ from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError, default_corpus, eval_split, open_dataset
-from modelpar.model.config import IDENTITY, ModelConfig, MoEConfig
+from modelpar.model.config import IDENTITY, ROUTING_DEFAULTS, ModelConfig, MoEConfig
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
@@ -84,6 +84,11 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
         for name in MoEConfig.IDENTITY
         if name in saved_moe
     ]
+    if saved_moe:  # routing fields are saved only where they differ from their defaults
+        fields += [
+            (f"moe.{name}", saved_moe.get(name, default), getattr(mine.moe, name), f"model.moe.{name}")
+            for name, default in ROUTING_DEFAULTS.items()
+        ]
     differ, taken, moe_taken = [], {}, {}
     for name, theirs, ours, key in fields:
         chosen = key in overridden or (name.startswith("moe.") and "model.moe" in overridden) or group is not None

@@ -84,7 +84,7 @@ class Block(nn.Module):
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             if config.moe.is_moe_layer(layer):
-                self.mlp = MoELayer(config, tp, groups.ep, **kw)
+                self.mlp = MoELayer(config, tp, groups.ep, cp=groups.cp, **kw)
             else:
                 self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, fp8=spec.fp8, cp=groups.cp, **kw)
 
