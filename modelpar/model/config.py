@@ -185,6 +185,8 @@ class ModelConfig:
     compile: bool = False  # each block under torch.compile
     fp8: str = "off"  # off | rowwise | tensorwise: attention and MLP GEMMs in FP8 (modelpar/model/layers/fp8.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mtp_depth: int = 0  # multi-token prediction modules on the last stage (DeepSeek-V3: 1); 0: off
+    mtp_loss_weight: float = 0.3  # lambda: loss = main + lambda / D * sum of the D modules' losses
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
@@ -212,6 +214,10 @@ class ModelConfig:
         if self.kernels not in BACKENDS:
             raise ModelConfigError(f"model.kernels={self.kernels!r} is not one of {BACKENDS}")
         self.moe.check(self.layers)
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ModelConfigError(
+                f"model.mtp_depth={self.mtp_depth} and model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0"
+            )
         if self.fp8 not in FP8_MODES:
             raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
         if self.fp8 != "off" and self.moe.enabled:
@@ -253,6 +259,8 @@ class ModelConfig:
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
         identity = {name: getattr(self, name) for name in IDENTITY}
+        if self.mtp_depth:  # its modules' weights exist only then
+            identity["mtp_depth"] = self.mtp_depth
         return identity | {"moe": self.moe.identity()} if self.moe.enabled else identity
 
     # -- parameter counts (matmul weights; norms are negligible) ------------------------------------------
