@@ -48,6 +48,7 @@ class StepMetrics:
     stragglers: list[int] | None = None  # ranks named slow at this step's check
     drift: list[str] | None = None  # parameters found differing at this step's check
     moe: dict | None = None  # mixture of experts: aux loss, dropped fraction, per-layer expert load
+    mtp: dict | None = None  # multi-token prediction: each depth's mean loss, the tokens it predicted
     checkpoint: dict | None = None  # an asynchronous save: its step, the save step's stall, the wait at its finish
 
 

@@ -67,3 +67,15 @@ def test_unsupported_mtp_recipes_are_one_line_errors(change, message, tmp_path):
     with pytest.raises(RecipeError, match=message) as info:
         validate(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_mtp_losses_and_tokens_reach_metrics_jsonl_alike_on_every_layout(token_path, tmp_path):
+    from tests.training.test_expert_parallel import fit_and_read_metrics
+
+    (want,) = run_on_ranks(1, fit_and_read_metrics, mtp_config(tmp_path / "one"), token_path)
+    got = run_on_ranks(4, fit_and_read_metrics, mtp_config(tmp_path / "pp", pp=2, cp=2), token_path)[0]
+    assert len(got) == len(want) == 3
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours["mtp"]["tokens"] == theirs["mtp"]["tokens"] == 8 * (15 + 14)  # 8 windows of 16, depths 1, 2
+        np.testing.assert_allclose(ours["mtp"]["loss"], theirs["mtp"]["loss"], rtol=1e-5)
+        assert 0 < ours["mtp"]["loss"][0] < ours["loss"]  # each depth's own mean, beside the weighted total
