@@ -287,7 +287,30 @@ class ModelConfig:
         return self.attention_params() + self.mlp_params(layer)
 
     def matmul_params(self) -> int:
-        """Active matmul weights of the model (for a MoE: the top-k routed experts of each MoE layer)."""
+        """Active matmul weights of the model (for a MoE: the top-k routed experts of each MoE layer), the
+        head, and the multi-token prediction modules (``mtp_params``)."""
         if not self.moe.enabled:
-            return self.layers * self.block_params(0) + self.vocab_size * self.hidden
-        return sum(self.block_params(i) for i in range(self.layers)) + self.vocab_size * self.hidden
+            return self.layers * self.block_params(0) + self.vocab_size * self.hidden + self.mtp_params()
+        blocks = sum(self.block_params(i) for i in range(self.layers))
+        return blocks + self.vocab_size * self.hidden + self.mtp_params()
+
+    def mtp_params(self, active: bool = True) -> int:
+        """Matmul weights of the multi-token prediction modules a token goes through: each one's projection
+        [h, 2h] and block (of the last layer's kind; ``active=False``: every expert); they share the head."""
+        last = self.layers - 1
+        block = self.block_params(last) if active else self.attention_params() + self.total_mlp_params(last)
+        return self.mtp_depth * (2 * self.hidden * self.hidden + block)
+
+    def total_mlp_params(self, layer: int) -> int:
+        """Matmul weights of block ``layer``'s MLP half with every expert (what memory holds, not what runs)."""
+        if not self.moe.is_moe_layer(layer):
+            return 3 * self.hidden * self.ffn_hidden
+        m = self.moe
+        return self.hidden * m.experts + 3 * self.hidden * self.expert_ffn_hidden * (m.experts + m.shared_experts)
+
+    def total_params(self, mtp: bool = True) -> int:
+        """Every matmul weight and the embedding (norms are negligible): the model's size, all experts counted
+        (DeepSeek-V3's "671B total"; ``mtp``: with the MTP modules, its 685B)."""
+        blocks = sum(self.attention_params() + self.total_mlp_params(i) for i in range(self.layers))
+        embedding = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
+        return blocks + embedding + (self.mtp_params(active=False) if mtp else 0)

@@ -9,7 +9,9 @@ the output head (the embedding lookup is not a matmul and is excluded; a tied he
 head matmul runs). ``12 * L * h * s`` is attention's score and value matmuls, forward and backward, at full
 (non-causal) cost as the convention counts it. Recomputation is not counted: this is *model* FLOPs. In a
 mixture of experts ``N`` counts active parameters only: the router and the top-k routed (plus any shared)
-experts a token goes through, never the experts it skips.
+experts a token goes through, never the experts it skips. Multi-token prediction adds, per module, its
+projection [h, 2h], its block (of the last layer's kind) and a pass through the shared head to ``N`` and one
+more ``12 * h * s`` of attention (``ModelConfig.mtp_params``).
 MFU = achieved model FLOP/s / peak FLOP/s.
 """
 
@@ -19,7 +21,9 @@ from modelpar.model.config import ModelConfig
 
 
 def training_flops_per_token(shape: ModelConfig, seq_len: int) -> float:
-    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * shape.hidden * seq_len
+    mtp_head = shape.mtp_depth * shape.vocab_size * shape.hidden  # each module's pass through the shared head
+    attention = 12.0 * (shape.layers + shape.mtp_depth) * shape.hidden * seq_len
+    return 6.0 * (shape.matmul_params() + mtp_head) + attention
 
 
 def half_block_training_flops(shape: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:

@@ -52,8 +52,8 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
     """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
     ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
     chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
-    a copy of the embedding)."""
-    shape, t = model.shape, strategy.layout.tp
+    a copy of the embedding), and the last stage's multi-token prediction modules."""
+    shape, t, h = model.shape, strategy.layout.tp, model.shape.hidden
     partition = strategy_partition(model, strategy, seq_len)
     vt = padded_vocab_size(shape.vocab_size, t) // t
     units: list[tuple[str, list, int]] = []
@@ -66,7 +66,13 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
             root.append((shape.hidden, 1))  # final norm
             if not (shape.tie_embeddings and partition.has_embedding(c)):
                 root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
+            if shape.mtp_depth and not shape.tie_embeddings and not partition.has_embedding(c):
+                root.append((vt, shape.hidden))  # multi-token prediction's copy of the embedding
         units.append(("root", root, 1))
+        if partition.has_head(c) and shape.mtp_depth:  # each MTP module: 3 norms, eh_proj, a last-layer block
+            last = shape.layers - 1
+            block = [p for half in ("attention", "mlp") for p in piece_params(model, strategy, last, half)]
+            units.append(("block", [(h, 1)] * 3 + [(h, 2 * h), *block], shape.mtp_depth))
     return units
 
 
