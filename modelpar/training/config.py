@@ -258,11 +258,6 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
                 f"which parallel.schedule={p.schedule} at {p.microbatches} micro-batches does not do; use "
                 "parallel.schedule=gpipe, parallel.microbatches=1, or model.moe.aux_loss_scope=micro_batch"
             )
-    if m.mtp_depth and p.schedule in ("zb-h1", "zbv", "dualpipev"):
-        raise RecipeError(
-            f"model.mtp_depth={m.mtp_depth} with parallel.schedule={p.schedule}: the split input/weight backward "
-            "does not handle the multi-token modules' graph yet; use parallel.schedule=1f1b, gpipe or interleaved"
-        )
     if m.mtp_depth and d.document_mask:
         raise RecipeError(
             f"model.mtp_depth={m.mtp_depth} with data.document_mask=true: the shifted tokens would cross documents; "

@@ -1,6 +1,7 @@
 """Multi-token prediction on a dense model with a tied embedding trains as on one device: losses, the first
 step's gradients and the parameters after 3 steps, at tp2, pp2 (the embedding shared by the first and the last
-stage), cp2 x tp2 with sequence parallel and the interleaved schedule (two chunks per rank). Expert layouts with MTP
+stage), cp2 x tp2 with sequence parallel, the interleaved schedule, and the split input/weight backward of
+ZB-H1 and ZB-V (the V placement: both ends of the model on one rank). Expert layouts with MTP
 are in test_expert_parallel (the deepseek router)."""
 
 from dataclasses import replace
@@ -18,6 +19,8 @@ LAYOUTS = [
     dict(pp=2, dp=2),
     dict(cp=2, tp=2, sp=True),
     dict(pp=2, vpp=2, schedule="interleaved"),
+    dict(pp=2, schedule="zb-h1"),
+    dict(pp=2, vpp=2, schedule="zbv"),
 ]
 
 
@@ -54,16 +57,14 @@ def test_mtp_layout_matches_single_device(layout, reference, token_path, tmp_pat
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(schedule="zb-h1"), "model.mtp_depth=2 with parallel.schedule=zb-h1: the split input/weight backward"),
         (dict(document_mask=True), "model.mtp_depth=2 with data.document_mask=true"),
     ],
 )
 def test_unsupported_mtp_recipes_are_one_line_errors(change, message, tmp_path):
     from modelpar.training.config import RecipeError, validate
 
-    cfg = mtp_config(tmp_path, pp=2, **{k: v for k, v in change.items() if k == "schedule"})
-    if "document_mask" in change:
-        cfg = replace(cfg, data=replace(cfg.data, document_mask=True))
+    cfg = mtp_config(tmp_path, pp=2)
+    cfg = replace(cfg, data=replace(cfg.data, **change))
     with pytest.raises(RecipeError, match=message) as info:
         validate(cfg)
     assert "\n" not in str(info.value)
