@@ -120,7 +120,7 @@ def state_bytes(
 
 def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
     """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
-    ``E/ep`` experts in each MoE layer)."""
+    ``E/ep`` experts in each MoE layer, the multi-token prediction blocks' included)."""
     shape, layout = model.shape, strategy.layout
     if not shape.moe.enabled:
         return 0, 0
@@ -133,6 +133,8 @@ def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: 
         for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe)
         if moe_layer and "mlp" in halves
     )
+    if shape.mtp_depth and shape.moe.is_moe_layer(shape.layers - 1):  # the MTP blocks on the last stage
+        layers += shape.mtp_depth * sum(partition.has_head(c) for c in partition.chunks_of(stage))
     return layers * per_layer, 3 * layers
 
 
