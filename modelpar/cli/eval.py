@@ -35,7 +35,7 @@ from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError, default_corpus, eval_split, open_dataset
-from modelpar.model.config import ATTENTION_VARIANT, IDENTITY, ModelConfig, MoEConfig
+from modelpar.model.config import ATTENTION_VARIANT, IDENTITY, ROUTING_DEFAULTS, MLAConfig, ModelConfig, MoEConfig
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
@@ -72,8 +72,8 @@ def eval_config(cfg: TrainConfig, microbatches_set: bool = True) -> TrainConfig:
 
 def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, str], ckpt: Path) -> ModelConfig:
     """The model to evaluate: the checkpoint's shape (its ``IDENTITY`` fields, those of its ``moe`` section,
-    ``max_seq_len`` if the run's sequence fits, and the attention variant ``ATTENTION_VARIANT``: its sliding
-    window), except fields the user set on the command line
+    ``max_seq_len`` if the run's sequence fits, its ``mla`` section unless the run sets one, and the attention
+    variant ``ATTENTION_VARIANT``: its sliding window), except fields the user set on the command line
     (``overridden``: key -> value, e.g. ``model.hidden`` or the group choice ``model``), which must then agree
     with it; every field that differs is named, with the override that set it. How the model runs
     (``kernels``, ``compile``), ``init_std`` and the MoE training settings come from the recipe."""
@@ -85,6 +85,11 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
         for name in MoEConfig.IDENTITY
         if name in saved_moe
     ]
+    if saved_moe:  # routing fields are saved only where they differ from their defaults
+        fields += [
+            (f"moe.{name}", saved_moe.get(name, default), getattr(mine.moe, name), f"model.moe.{name}")
+            for name, default in ROUTING_DEFAULTS.items()
+        ]
     differ, taken, moe_taken = [], {}, {}
     for name, theirs, ours, key in fields:
         chosen = key in overridden or (name.startswith("moe.") and "model.moe" in overridden) or group is not None
@@ -113,6 +118,9 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
         taken["name"] = saved["name"]
     if moe_taken:
         taken["moe"] = replace(mine.moe, **moe_taken)
+    mla_set = any(key == "model.mla" or key.startswith("model.mla.") for key in overridden)
+    if saved.get("mla") and not mla_set and group is None:  # latent attention's shape, saved only when on
+        taken["mla"] = MLAConfig(**saved["mla"])
     return replace(mine, **taken)
 
 

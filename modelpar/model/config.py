@@ -51,7 +51,10 @@ class ModelConfigError(ValueError):
 
 
 ROUTERS = ("softmax", "sigmoid")
-AUX_LOSS_SCOPES = ("global_batch", "micro_batch")
+AUX_LOSS_SCOPES = ("global_batch", "micro_batch", "sequence")
+# routing fields outside MoEConfig.IDENTITY that change what the weights compute: part of the identity only when
+# they differ from these defaults, so older mixtures keep their identity
+ROUTING_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0)
 
 
 @dataclass
@@ -64,8 +67,17 @@ class MoEConfig:
     ``E * sum_i f_i * P_i``, over the tokens of the whole global batch (``aux_loss_scope=global_batch``: needs
     every micro-batch's forward before the first backward, so GPipe or one micro-batch) or of each global
     micro-batch (``micro_batch``, any schedule; the whole batch at one micro-batch); ``z_loss_coef``: the
-    router z-loss (a mean over tokens, the same either way). ``norm_topk_prob``: the top-k routing weights are
-    renormalised to sum to 1 (Mixtral, Qwen3-30B-A3B); false: each is its score as the router gave it.
+    router z-loss (a mean over tokens, the same either way). ``aux_loss_scope=sequence`` is DeepSeek-V3's
+    sequence-wise balance loss instead (eq. 17-20): ``coef * sum_i f_i * P_i`` per sequence (f_i = E/(k T) *
+    tokens of the sequence routed to i, P_i the mean normalised score over its T tokens), averaged over the
+    step's sequences; sequences split by cp or tp are reduced whole first, so any layout and schedule gives it.
+    ``norm_topk_prob``: the top-k routing weights are renormalised to sum to 1 (Mixtral, Qwen3-30B-A3B, V3);
+    false: each is its score as the router gave it.
+    DeepSeek-V3 routing: ``n_group`` groups of experts/n_group experts; a group scores the sum of its top-2
+    choice scores (score + bias); the ``topk_group`` best groups stay and the top-k experts are chosen among
+    theirs. The chosen scores are renormalised (``norm_topk_prob``), then multiplied by
+    ``routed_scaling_factor``. ``first_k_dense_replace``: layers below it keep the dense MLP of width
+    model.ffn_hidden (DeepSeek-V3: 3 dense layers of 18432, experts of 2048).
     ``capacity_factor`` 0 is dropless; > 0 caps each expert at ``ceil(factor * tokens * top_k / experts)`` of a
     rank's tokens per micro-batch, the rest dropped (their MLP output is zero; the dropped fraction is reported).
     MoE layers: ``layers`` if given, else every layer ``i`` with ``i % every == 0``.
@@ -86,14 +98,18 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0
     grouped_gemm: bool = True  # torch's grouped matmul where the shapes allow; false: one matmul per expert
-    norm_topk_prob: bool = True  # top-k weights renormalised to sum to 1
+    n_group: int = 1  # groups of experts for group-limited routing (1: every expert eligible)
+    topk_group: int = 1  # groups kept per token
+    routed_scaling_factor: float = 1.0  # the routed experts' weighted sum multiplied by this
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    first_k_dense_replace: int = 0  # layers 0..k-1 dense whatever ``layers`` / ``every`` say
 
     @property
     def enabled(self) -> bool:
         return self.experts > 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        if not self.enabled:
+        if not self.enabled or layer < self.first_k_dense_replace:
             return False
         return layer in self.layers if self.layers else layer % self.every == 0
 
@@ -122,14 +138,43 @@ class MoEConfig:
             )
         if self.capacity_factor < 0:
             raise ModelConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
+        self._check_routing(layers)
         if self.bias_update_rate and self.router != "sigmoid":
             raise ModelConfigError(
                 "model.moe.bias_update_rate is the sigmoid router's balancing bias; set model.moe.router=sigmoid "
                 "or bias_update_rate=0"
             )
 
+    def _check_routing(self, layers: int) -> None:
+        e, g = self.experts, self.n_group
+        if g < 1 or e % g:
+            divisors = [d for d in range(1, e + 1) if e % d == 0]
+            raise ModelConfigError(f"model.moe.n_group={g} must divide experts={e}; try n_group in {divisors}")
+        if not 1 <= self.topk_group <= g:
+            raise ModelConfigError(f"model.moe.topk_group={self.topk_group} must be in 1..n_group={g}")
+        if self.top_k > self.topk_group * (e // g):
+            raise ModelConfigError(
+                f"model.moe.top_k={self.top_k} exceeds the {self.topk_group * (e // g)} experts of topk_group="
+                f"{self.topk_group} groups of {e // g}; raise topk_group or lower top_k"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ModelConfigError(f"model.moe.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+        if not 0 <= self.first_k_dense_replace < layers:
+            raise ModelConfigError(
+                f"model.moe.first_k_dense_replace={self.first_k_dense_replace} must be in 0..{layers - 1} "
+                "(at least the last layer a mixture of experts)"
+            )
+        if not any(self.is_moe_layer(i) for i in range(layers)):
+            raise ModelConfigError(
+                f"model.moe.first_k_dense_replace={self.first_k_dense_replace} leaves no MoE layer among "
+                f"model.moe.layers={list(self.layers)}; lower it or set model.moe.experts=0"
+            )
+
     def identity(self) -> dict:
-        return {name: getattr(self, name) for name in self.IDENTITY} | {"layers": list(self.layers)}
+        routing = {
+            name: getattr(self, name) for name, default in ROUTING_DEFAULTS.items() if getattr(self, name) != default
+        }
+        return {name: getattr(self, name) for name in self.IDENTITY} | {"layers": list(self.layers)} | routing
 
 
 @dataclass
@@ -222,6 +267,8 @@ class ModelConfig:
     mla: MLAConfig = field(default_factory=MLAConfig)
     sliding_window: int = 0  # 0: full causal attention
     window_layers: list[int] = field(default_factory=list)  # the windowed layers; empty: all of them
+    mtp_depth: int = 0  # multi-token prediction modules on the last stage (DeepSeek-V3: 1); 0: off
+    mtp_loss_weight: float = 0.3  # lambda: loss = main + lambda / D * sum of the D modules' losses
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
@@ -278,6 +325,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.sliding_window={self.sliding_window} is for GQA attention; latent attention (model.mla) "
                 "attends every earlier token: set model.sliding_window=0"
+            )
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ModelConfigError(
+                f"model.mtp_depth={self.mtp_depth} and model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0"
             )
         if self.fp8 not in FP8_MODES:
             raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
@@ -352,6 +403,8 @@ class ModelConfig:
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
         identity = {name: getattr(self, name) for name in IDENTITY} | {"head_dim": self.head_size}
+        if self.mtp_depth:  # its modules' weights exist only then
+            identity["mtp_depth"] = self.mtp_depth
         if self.moe.enabled:
             identity |= {"moe": self.moe.identity()}
         if self.mla.enabled:
@@ -395,7 +448,30 @@ class ModelConfig:
         return self.attention_params() + self.mlp_params(layer)
 
     def matmul_params(self) -> int:
-        """Active matmul weights of the model (for a MoE: the top-k routed experts of each MoE layer)."""
+        """Active matmul weights of the model (for a MoE: the top-k routed experts of each MoE layer), the
+        head, and the multi-token prediction modules (``mtp_params``)."""
         if not self.moe.enabled:
-            return self.layers * self.block_params(0) + self.vocab_size * self.hidden
-        return sum(self.block_params(i) for i in range(self.layers)) + self.vocab_size * self.hidden
+            return self.layers * self.block_params(0) + self.vocab_size * self.hidden + self.mtp_params()
+        blocks = sum(self.block_params(i) for i in range(self.layers))
+        return blocks + self.vocab_size * self.hidden + self.mtp_params()
+
+    def mtp_params(self, active: bool = True) -> int:
+        """Matmul weights of the multi-token prediction modules a token goes through: each one's projection
+        [h, 2h] and block (of the last layer's kind; ``active=False``: every expert); they share the head."""
+        last = self.layers - 1
+        block = self.block_params(last) if active else self.attention_params() + self.total_mlp_params(last)
+        return self.mtp_depth * (2 * self.hidden * self.hidden + block)
+
+    def total_mlp_params(self, layer: int) -> int:
+        """Matmul weights of block ``layer``'s MLP half with every expert (what memory holds, not what runs)."""
+        if not self.moe.is_moe_layer(layer):
+            return 3 * self.hidden * self.ffn_hidden
+        m = self.moe
+        return self.hidden * m.experts + 3 * self.hidden * self.expert_ffn_hidden * (m.experts + m.shared_experts)
+
+    def total_params(self, mtp: bool = True) -> int:
+        """Every matmul weight and the embedding (norms are negligible): the model's size, all experts counted
+        (DeepSeek-V3's "671B total"; ``mtp``: with the MTP modules, its 685B)."""
+        blocks = sum(self.attention_params() + self.total_mlp_params(i) for i in range(self.layers))
+        embedding = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
+        return blocks + embedding + (self.mtp_params(active=False) if mtp else 0)

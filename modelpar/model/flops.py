@@ -16,6 +16,8 @@ experts a token goes through, never the experts it skips.
 A sliding-window layer (window W < s) counts only the pairs it attends, at the same doubling: the convention's
 ``s`` keys per token is twice the causal pairs per token ((s+1)/2 ~ s/2), and a window attends
 ``W - W(W-1)/(2s)`` per token, so it is counted at ``2W - W(W-1)/s`` keys (``attention_keys``).
+Multi-token prediction adds, per module, its projection [h, 2h], its block (of the last layer's kind) and a
+pass through the shared head to ``N`` and one more block's attention (``ModelConfig.mtp_params``).
 MFU = achieved model FLOP/s / peak FLOP/s.
 """
 
@@ -48,7 +50,9 @@ def attention_keys(shape: ModelConfig, seq_len: int, layer: int | None = None) -
 
 
 def training_flops_per_token(shape: ModelConfig, seq_len: int) -> float:
-    return 6.0 * shape.matmul_params() + 12.0 * shape.layers * attention_width(shape) * attention_keys(shape, seq_len)
+    mtp_head = shape.mtp_depth * shape.vocab_size * shape.hidden  # each module's pass through the shared head
+    attention = 12.0 * (shape.layers + shape.mtp_depth) * attention_width(shape) * attention_keys(shape, seq_len)
+    return 6.0 * (shape.matmul_params() + mtp_head) + attention
 
 
 def half_block_training_flops(shape: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:

@@ -189,13 +189,15 @@ def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
         "MoE in only some layers": not every_layer,
         f"router={moe.router}": moe.router != "softmax",
         "shared experts": moe.shared_experts > 0,
-        "top-k weights not renormalised": not moe.norm_topk_prob,
+        f"n_group={moe.n_group}": moe.n_group > 1,
+        f"routed_scaling_factor={moe.routed_scaling_factor}": moe.routed_scaling_factor != 1.0,
+        "norm_topk_prob=false": not moe.norm_topk_prob,
     }
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
         raise ValueError(
             f"Mixtral cannot express this model ({', '.join(bad)}); export needs a softmax router in every "
-            "layer, no shared experts and renormalised top-k weights"
+            "layer, no shared experts and Mixtral's top-k weights (no groups, renormalised, unscaled)"
         )
     hf = config_to_hf(_plain(config, moe=MoEConfig(), sliding_window=0), dtype)
     del hf["mlp_bias"]

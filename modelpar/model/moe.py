@@ -2,8 +2,8 @@
 DeepSeek-V3), with the experts split over an expert-parallel group::
 
     x [b, s, h] -> tokens [T, h] (under tp without SP: this tp rank's T/t of them)
-      -> router: logits [T, E] -> softmax (or sigmoid + balancing bias) -> top-k experts and weights [T, k]
-         (renormalised to sum to 1 unless ``norm_topk_prob`` is off)
+      -> router (``modelpar.model.router``): logits [T, E] -> softmax (or sigmoid + balancing bias), top-k
+         experts (group-limited if n_group > 1) and their weights [T, k]
       -> permute: the T*k (token, expert) rows sorted by expert, once (dropped rows last, under a capacity)
       -> dispatch: all-to-all over ep, rows to the rank holding their expert, then sorted by local expert
       -> grouped GEMM: SwiGLU of each expert on its contiguous rows (w1 gate, w3 up, w2 down, as Mixtral)
@@ -21,6 +21,9 @@ Auxiliary losses do not change the returned activations: their gradient is injec
 Switch form ``coef * E * sum_i f_i * P_i`` (f_i: fraction of the T*k routed rows sent to expert i; P_i: mean
 router probability of expert i), with f and P over the tokens of the global micro-batch (micro-batch j of
 every dp x cp and tp rank: at one micro-batch, the whole global batch), so it does not depend on the layout.
+DeepSeek-V3's sequence-wise form (``aux_loss_scope=sequence``) takes f and P per sequence, summed over the tp
+and cp ranks that share the sequence's tokens, and averages ``coef * E * sum_i f_i * P_i`` over the step's
+sequences: sequences are whole inside a micro-batch, so neither the layout nor the schedule changes it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from torch.distributed.tensor import DTensor
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.layers import ParallelSwiGLU, ShardInfo
+from modelpar.model.router import route, sequence_of_tokens, sequence_statistics
 from modelpar.parallel import collectives
+from modelpar.parallel.context import ContextParallelGroup
 from modelpar.parallel.experts import ExpertParallelGroup, all_to_all_tokens, gather_tokens, split_tokens
 from modelpar.parallel.regions import TensorParallelGroup
 
@@ -158,6 +163,7 @@ class MoELayer(nn.Module):
         tp: TensorParallelGroup,
         ep: ExpertParallelGroup | None = None,
         *,
+        cp: ContextParallelGroup | None = None,
         sequence_parallel: bool = False,
         backend: str = "torch",
         device: torch.device | str | None = None,
@@ -166,6 +172,7 @@ class MoELayer(nn.Module):
         super().__init__()
         moe = config.moe
         self.moe, self.tp, self.ep = moe, tp, ep or ExpertParallelGroup()
+        self.cp = cp or ContextParallelGroup()
         self.sequence_parallel, self.backend = sequence_parallel and tp.size > 1, backend
         self.experts, self.top_k, self.hidden = moe.experts, moe.top_k, config.hidden
         self.ffn_hidden = config.expert_ffn_hidden
@@ -202,7 +209,10 @@ class MoELayer(nn.Module):
         split = self.tp.size > 1 and not self.sequence_parallel
         if split:
             tokens = split_tokens(tokens, self.tp)
-        y = self._route_and_compute(tokens)
+        sequence = None
+        if self.moe.aux_loss_scope == "sequence" and self.moe.aux_loss_coef and torch.is_grad_enabled():
+            sequence = sequence_of_tokens(x.shape[0], x.shape[1], self.tp.rank, self.tp.size, split)
+        y = self._route_and_compute(tokens, sequence, x.shape[0])
         if split:
             y = gather_tokens(y, self.tp)
         y = y.view_as(x)
@@ -210,19 +220,12 @@ class MoELayer(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def _route_and_compute(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [T, h] -> sum over the top-k experts of weight * expert(token) [T, h]."""
+    def _route_and_compute(self, tokens: torch.Tensor, sequence: torch.Tensor | None = None, batch: int = 1):
+        """tokens [T, h] -> sum over the top-k experts of weight * expert(token) [T, h]. ``sequence`` [T]: each
+        token's sequence of the ``batch`` (for the sequence-wise balance loss)."""
         n_tokens, k, n_experts = tokens.shape[0], self.top_k, self.experts
         logits = F.linear(tokens, self.gate_weight.to(tokens.dtype)).float()  # [T, E]
-        if self.score_bias is None:
-            scores = logits.softmax(-1)
-            chosen = scores.topk(k, dim=-1).indices
-        else:
-            scores = logits.sigmoid()
-            chosen = (scores + self.score_bias).topk(k, dim=-1).indices  # the bias chooses, never weighs
-        weights = scores.gather(1, chosen)  # [T, k]
-        if self.moe.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        scores, chosen, weights = route(logits, self.moe, self.score_bias)  # [T, E], [T, k], [T, k]
 
         expert_of_row = chosen.reshape(-1)  # row t*k + j: token t's j-th expert
         counts = torch.bincount(expert_of_row, minlength=n_experts)  # [E], routed rows before any drop
@@ -239,7 +242,7 @@ class MoELayer(nn.Module):
         y = torch.zeros(tokens.shape, dtype=out.dtype, device=tokens.device).index_add_(0, order // k, weighted)
         if not _in_backward():
             self._record(counts, kept_counts, n_tokens)
-        aux = self._aux_loss(logits, scores, counts, n_tokens)
+        aux = self._aux_loss(logits, scores, counts, n_tokens, (sequence, chosen, batch))
         return y if aux is None else _AuxLossGradient.apply(y, aux)
 
     def _apply_capacity(self, expert_of_row: torch.Tensor, counts: torch.Tensor, n_tokens: int):
@@ -297,7 +300,7 @@ class MoELayer(nn.Module):
         """Ranks whose tokens make up one global micro-batch."""
         return self.ep.batch_ranks * self.tp.size
 
-    def _aux_loss(self, logits, scores, counts, n_tokens) -> torch.Tensor | None:
+    def _aux_loss(self, logits, scores, counts, n_tokens, sequences=None) -> torch.Tensor | None:
         """The surrogate whose gradient is this rank's share of the auxiliary losses' gradient, or None.
 
         With counts c_i and N tokens, the Switch loss ``coef*E/(N^2 k) * sum_i c_i * sum_t p_ti`` is linear in
@@ -314,6 +317,8 @@ class MoELayer(nn.Module):
         if moe.aux_loss_coef and moe.aux_loss_scope == "global_batch":
             self._accumulate_batch(counts, prob_sum.detach(), n_tokens)
             surrogate = surrogate + _WholeBatchAuxGradient.apply(prob_sum, self)
+        elif moe.aux_loss_coef and moe.aux_loss_scope == "sequence":
+            surrogate = surrogate + self._sequence_aux_loss(probs, *sequences)
         elif moe.aux_loss_coef:  # over the global micro-batch: micro-batch j of every tp and dp x cp rank
             n_global = n_tokens * self._token_ranks
             stats = torch.cat([counts.float(), prob_sum.detach()])
@@ -328,6 +333,38 @@ class MoELayer(nn.Module):
             z_loss = moe.z_loss_coef * logits.logsumexp(-1).square().sum() / n_global
             surrogate = surrogate + z_loss / self.micro_batches
         return surrogate * self.ep.batch_ranks
+
+    def _sequence_aux_loss(self, probs: torch.Tensor, sequence: torch.Tensor, chosen: torch.Tensor, batch: int):
+        """The surrogate of DeepSeek-V3's sequence-wise balance loss for this rank's tokens.
+
+        Sequence j of the micro-batch, with T_j tokens, counts c_ji and normalised-score sums S_ji (over its
+        tokens on every tp and cp rank): ``coef * E/(k T_j^2) * sum_i c_ji * S_ji``, averaged over the global
+        micro-batch's b * dp sequences and counted 1/m. Linear in this rank's part of S (c held constant)."""
+        table, prob_sums = sequence_statistics(sequence, chosen, probs, batch)
+        table = torch.cat([table, prob_sums.detach()], 1)  # [b, E + 1 + E]
+        for group, size in ((self.tp.group, self.tp.size), (self.cp.group, self.cp.size)):
+            if size > 1:
+                with collectives.comm_tag("moe_stats"):
+                    collectives.all_reduce(table, group)
+        e = self.experts
+        counts, tokens, whole_sums = table[:, :e], table[:, e], table[:, e + 1 :]
+        sequences = batch * (self.ep.batch_ranks // self.cp.size)  # b * dp
+        scale = self.moe.aux_loss_coef * e / (self.top_k * tokens.square() * sequences * self.micro_batches)
+        surrogate = (scale.unsqueeze(1) * counts * prob_sums).sum()
+        if not _in_backward():
+            value = (scale.unsqueeze(1) * counts * whole_sums).sum().reshape(1).double()
+            if self.ep.batch_ranks > 1:  # every dp replica's sequences; cp ranks hold the same value
+                value = self._dp_sum(value)
+            self._stats["aux_loss"] += value[0]
+        return surrogate
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over dp x cp of a value that tp ranks already share (divided by cp: cp ranks share it too)."""
+        value = value / self.cp.size
+        for group in self.ep.batch_groups:
+            with collectives.comm_tag("moe_stats"):
+                collectives.all_reduce(value, group)
+        return value
 
     def _accumulate_batch(self, counts: torch.Tensor, prob_sum: torch.Tensor, n_tokens: int) -> None:
         """Add a micro-batch's routing to the step's; after the step's last forward, sum it over the batch's ranks

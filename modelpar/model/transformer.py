@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 from modelpar_kernels import resolve_backend
@@ -38,6 +39,7 @@ from modelpar.model.layers import (
     vocab_range,
 )
 from modelpar.model.moe import MoELayer
+from modelpar.model.mtp import MTPModule, MultiTokenPrediction
 from modelpar.model.spec import ChunkGroups, ChunkSpec
 from modelpar.parallel.collectives import all_reduce, comm_tag, label_module
 from modelpar.parallel.layout import ParallelLayout
@@ -75,7 +77,7 @@ class Block(nn.Module):
         if half != "attention":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             if config.moe.is_moe_layer(layer):
-                self.mlp = MoELayer(config, tp, groups.ep, **kw)
+                self.mlp = MoELayer(config, tp, groups.ep, cp=groups.cp, **kw)
             else:
                 self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, fp8=spec.fp8, cp=groups.cp, **kw)
 
@@ -202,12 +204,44 @@ class ModelChunk(nn.Module):
                 label_module(module, tag)
         for block in self.layers.values():
             label_module(block, "layer")
+        self.mtp, self.mtp_embed, self._hidden = None, None, None
+        if self.last and config.mtp_depth:
+            self._build_mtp(g, kw)
+
+    def _build_mtp(self, g: ChunkGroups, kw: dict) -> None:
+        """The multi-token prediction modules (``modelpar.model.mtp``) and the embedding they share: the first
+        chunk's if it is this one, the head's weight if tied, else a copy named ``embed_tokens.weight`` whose
+        gradient is summed with the first stage's like a tied embedding's."""
+        config, whole = self.config, replace(self.spec, split_blocks=())
+        last = config.layers - 1  # each module's block is of the kind of the model's last layer
+        modules = []
+        for _ in range(config.mtp_depth):
+            block = Block(config, whole, g, layer=last, documents=self.documents)
+            modules.append(MTPModule(config, block, g.tp, backend=self.backend, **kw))
+        self.mtp = MultiTokenPrediction(config, modules, g.cp, config.mtp_loss_weight)
+        if self.embed_tokens is not None:
+            self.mtp_embed = self.embed_tokens
+        else:
+            self.mtp_embed = VocabParallelEmbedding(config.vocab_size, config.hidden, g.tp, **kw)
+            if config.tie_embeddings:
+                self.mtp_embed.weight = self.lm_head.weight
+            label_module(self.mtp_embed, "embedding")
+        label_module(self.mtp, "layer")
+
+    def share_embedding(self, weight: nn.Parameter) -> None:
+        """Use the first chunk's embedding ``weight`` (held by this rank too, as the V placement puts them)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = weight
+        if self.mtp_embed is not None:
+            self.mtp_embed.weight = weight
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        """The mixture-of-experts MLPs of this chunk's blocks, by layer id."""
-        return {
-            int(i): block.mlp for i, block in self.layers.items() if isinstance(getattr(block, "mlp", None), MoELayer)
-        }
+        """The mixture-of-experts MLPs of this chunk's blocks, by layer id (multi-token prediction module k's
+        as layer ``layers + k``, k from 0)."""
+        blocks = {int(i): block for i, block in self.layers.items()}
+        if self.mtp is not None:
+            blocks |= {self.config.layers + k: m.block for k, m in enumerate(self.mtp.modules_)}
+        return {i: block.mlp for i, block in blocks.items() if isinstance(getattr(block, "mlp", None), MoELayer)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids [b, s] (first chunk) or [b, s, h] / [b, s/t, h] -> [b, s, h] / [b, s/t, h] or logits."""
@@ -224,6 +258,8 @@ class ModelChunk(nn.Module):
                 else:
                     x = block(x)  # selective recompute: the block's halves decide (``model.activations``)
         if self.lm_head is not None:
+            if self.mtp is not None:
+                self._hidden = x  # h^0 of multi-token prediction, read by ``loss`` right after
             x = self.lm_head(self.norm(x))
         return x
 
@@ -231,8 +267,16 @@ class ModelChunk(nn.Module):
         """Mean cross-entropy of this rank's logits [b, s, V_pad/t] against targets [b, s] (-100: ignored).
 
         With the Triton kernels the logits buffer is consumed (overwritten by its gradient): do not read it after.
+        With multi-token prediction, targets [b, s, 1 + D] (``modelpar.model.mtp.stack_targets``) add the MTP
+        loss of this forward's hidden state; plain [b, s] targets give the main loss alone (evaluation).
         """
-        return self.cross_entropy(logits, targets)
+        hidden, self._hidden = self._hidden, None
+        if targets.dim() == 2:
+            return self.cross_entropy(logits, targets)
+        main = self.cross_entropy(logits, targets[..., 0])
+        if self.mtp is None:
+            return main
+        return main + self.mtp.loss(hidden, targets, self.mtp_embed, self.lm_head, self.cross_entropy)
 
     def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the residual stream entering or leaving this chunk between stages, for sequences of ``seq``
@@ -262,6 +306,11 @@ class ModelChunk(nn.Module):
             shards |= block.logical_shards(f"layers.{i}.")
         if self.lm_head is not None:
             shards |= self.norm.logical_shards("norm.") | self.lm_head.logical_shards()
+        if self.mtp is not None:
+            for k, module in enumerate(self.mtp.modules_):
+                shards |= module.logical_shards(f"mtp.{k}.")
+            if self.mtp_embed is not self.embed_tokens and not self.config.tie_embeddings:
+                shards |= self.mtp_embed.logical_shards("embed_tokens.")
         return shards
 
     @torch.no_grad()
@@ -296,7 +345,8 @@ class ModelChunk(nn.Module):
                     all_reduce(full, self.tp.group)
             state[name] = full
         for i, moe in self.moe_layers().items():
-            state |= moe.gather_experts(f"layers.{i}.mlp.")
+            prefix = f"layers.{i}.mlp." if i < self.config.layers else f"mtp.{i - self.config.layers}.mlp."
+            state |= moe.gather_experts(prefix)
         return state
 
     def initialise(self, seed: int) -> None:

@@ -153,7 +153,7 @@ def _pinned(grads: tuple[torch.Tensor | None, ...] | None):
 
 def backward_weight(pending: PendingWeightGrad) -> None:
     """Accumulate the weight gradients B prepared into ``.grad`` of every parameter (through autograd)."""
-    for group in pending.groups:
+    for i, group in enumerate(pending.groups):
         edges, edge_grads = [], []
         for seed in group.seeds:
             for i, grad in enumerate(group.grads.get(seed) or ()):
@@ -166,7 +166,9 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         if len(group.seeds) > 1:  # a seed reached from another seed too: keep only what B recorded for it
             handles = [seed.register_prehook(_pinned(group.grads.get(seed))) for seed in group.seeds]
         try:
-            torch.autograd.backward(edges, edge_grads, inputs=group.params)
+            # a later group may pass through nodes this one evaluates (a weight used at several depths of the
+            # input path, as multi-token prediction's shared embedding and head are): keep them until the last
+            torch.autograd.backward(edges, edge_grads, inputs=group.params, retain_graph=i < len(pending.groups) - 1)
         finally:
             for handle in handles:
                 handle.remove()

@@ -63,7 +63,7 @@ def chunk_pieces(partition: Partition, chunk: int) -> list[tuple[int, tuple[str,
 
 def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
     """The pieces of model chunk ``chunk`` counted by kind: (((halves held), is a MoE layer), how many)."""
-    key = (partition, chunk, moe.experts, moe.every, tuple(moe.layers or ()))
+    key = (partition, chunk, moe.experts, moe.every, tuple(moe.layers or ()), moe.first_k_dense_replace)
     if key not in _PIECES:
         counts: dict = {}
         for layer, halves in chunk_pieces(partition, chunk):

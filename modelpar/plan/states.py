@@ -60,8 +60,8 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
     """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
     ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
     chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
-    a copy of the embedding)."""
-    shape, t = model.shape, strategy.layout.tp
+    a copy of the embedding), and the last stage's multi-token prediction modules."""
+    shape, t, h = model.shape, strategy.layout.tp, model.shape.hidden
     partition = strategy_partition(model, strategy, seq_len)
     vt = padded_vocab_size(shape.vocab_size, t) // t
     units: list[tuple[str, list, int]] = []
@@ -74,7 +74,13 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
             root.append((shape.hidden, 1))  # final norm
             if not (shape.tie_embeddings and partition.has_embedding(c)):
                 root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
+            if shape.mtp_depth and not shape.tie_embeddings and not partition.has_embedding(c):
+                root.append((vt, shape.hidden))  # multi-token prediction's copy of the embedding
         units.append(("root", root, 1))
+        if partition.has_head(c) and shape.mtp_depth:  # each MTP module: 3 norms, eh_proj, a last-layer block
+            last = shape.layers - 1
+            block = [p for half in ("attention", "mlp") for p in piece_params(model, strategy, last, half)]
+            units.append(("block", [(h, 1)] * 3 + [(h, 2 * h), *block], shape.mtp_depth))
     return units
 
 
@@ -122,7 +128,7 @@ def state_bytes(
 
 def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
     """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
-    ``E/ep`` experts in each MoE layer)."""
+    ``E/ep`` experts in each MoE layer, the multi-token prediction blocks' included)."""
     shape, layout = model.shape, strategy.layout
     if not shape.moe.enabled:
         return 0, 0
@@ -135,6 +141,8 @@ def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: 
         for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe)
         if moe_layer and "mlp" in halves
     )
+    if shape.mtp_depth and shape.moe.is_moe_layer(shape.layers - 1):  # the MTP blocks on the last stage
+        layers += shape.mtp_depth * sum(partition.has_head(c) for c in partition.chunks_of(stage))
     return layers * per_layer, 3 * layers
 
 

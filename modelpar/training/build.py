@@ -132,8 +132,9 @@ def build_rank_model(cfg: TrainConfig, groups: ParallelGroups, device: torch.dev
     for spec in chunk_specs(cfg, groups.pp_rank, device):
         chunks.append(ModelChunk(cfg.model, spec, groups))
         chunks[-1].initialise(cfg.trainer.seed)
-    if cfg.model.tie_embeddings and len(chunks) > 1 and chunks[0].first and chunks[-1].last:
-        chunks[-1].lm_head.weight = chunks[0].embed_tokens.weight  # V placement: both ends on this rank, one weight
+    shared = cfg.model.tie_embeddings or cfg.model.mtp_depth  # the last stage uses the embedding too
+    if shared and len(chunks) > 1 and chunks[0].first and chunks[-1].last:
+        chunks[-1].share_embedding(chunks[0].embed_tokens.weight)  # V placement: both ends on this rank, one weight
     whole_experts = parallelize(chunks, groups, parallelism(cfg, dtype), report=print if groups.rank == 0 else _quiet)
     params, tied = describe_params(cfg, chunks, groups)
     return RankModel(chunks, params, tied, dtype, whole_experts)
@@ -145,7 +146,8 @@ def describe_params(
     """Each trainable parameter of ``chunks`` once, with what the optimizer needs to know of it, and this
     rank's copies of a tied embedding that lives on two stages."""
     partition = build_partition(cfg)
-    tied_across_stages = cfg.model.tie_embeddings and partition.rank_of(0) != partition.rank_of(partition.n_chunks - 1)
+    shared = cfg.model.tie_embeddings or cfg.model.mtp_depth > 0  # multi-token prediction embeds on the last stage
+    tied_across_stages = shared and partition.rank_of(0) != partition.rank_of(partition.n_chunks - 1)
     experts = {id(p) for chunk in chunks for moe in chunk.moe_layers().values() for p in moe.expert_parameters()}
     params: list[tuple[torch.nn.Parameter, ParamInfo]] = []
     tied: list[torch.nn.Parameter] = []

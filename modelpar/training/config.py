@@ -258,6 +258,11 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
                 f"which parallel.schedule={p.schedule} at {p.microbatches} micro-batches does not do; use "
                 "parallel.schedule=gpipe, parallel.microbatches=1, or model.moe.aux_loss_scope=micro_batch"
             )
+    if m.mtp_depth and d.document_mask:
+        raise RecipeError(
+            f"model.mtp_depth={m.mtp_depth} with data.document_mask=true: the shifted tokens would cross documents; "
+            "set data.document_mask=false or model.mtp_depth=0"
+        )
     if p.ep > 1 and cfg.optim.zero_group and cfg.optim.zero_group != p.dp * p.cp:
         raise RecipeError(
             f"optim.zero_group={cfg.optim.zero_group} with parallel.ep={p.ep} is not supported (the experts shard "

@@ -29,6 +29,8 @@ class MoEStatistics:
         self.groups = groups
         config = chunks[0].config
         self.layer_ids = [i for i in range(config.layers) if config.moe.is_moe_layer(i)]
+        if config.moe.is_moe_layer(config.layers - 1):  # multi-token prediction's blocks, as layers L, L+1, ...
+            self.layer_ids += [config.layers + k for k in range(config.mtp_depth)]
         self.experts = config.moe.experts
         self.local = {i: moe for chunk in chunks for i, moe in chunk.moe_layers().items()}
         # the aux loss is already global: one rank of each stage reports it

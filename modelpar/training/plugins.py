@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from modelpar.optim import DataParallelOptimizer
+from modelpar.parallel import collectives
 from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.outliers import GradientOutlierCheck
 from modelpar.training.sdc import SilentCorruptionCheck
@@ -123,6 +124,49 @@ class MoEStats(StepPlugin):
 
     def metrics(self) -> dict:
         return {"moe": self.stats.metrics(self._values)} if self._values is not None else {}
+
+
+class MTPStats(StepPlugin):
+    """Multi-token prediction's per-depth losses and predicted tokens over the global batch: one world
+    all-reduce of a [2D] table (the last stage's tp-rank-0 ranks contribute), read back with the step's values.
+    ``mtp.loss[k]`` is depth k+1's mean loss (unweighted), ``mtp.tokens`` the positions all depths predicted."""
+
+    name = "mtp"
+
+    def __init__(self, chunks, groups, depth: int, device: torch.device):
+        self.groups, self.depth, self.device = groups, depth, device
+        self.mtp = chunks[-1].mtp if chunks[-1].last else None
+        self._table: torch.Tensor | None = None
+        self._values: list[float] | None = None
+
+    def begin(self, step: int) -> None:
+        self._table = self._values = None
+        if self.mtp is not None:
+            self.mtp.take()  # a failed or replayed step's leftovers are not this step's
+
+    def before_reduce(self) -> None:
+        table = torch.zeros(2 * self.depth, dtype=torch.float64, device=self.device)
+        taken = self.mtp.take() if self.mtp is not None else None
+        if taken is not None and self.groups.tp_rank == 0:
+            losses, tokens, calls = taken
+            replicas = self.groups.layout.dp * self.groups.layout.cp
+            table[: self.depth] = losses.double() / (calls * replicas)
+            table[self.depth :] = tokens.double()
+        if self.groups.layout.world_size > 1:
+            collectives.all_reduce(table, None)
+        self._table = table
+
+    def hand(self) -> torch.Tensor | None:
+        return self._table
+
+    def take(self, values: list[float]) -> None:
+        self._values = values
+
+    def metrics(self) -> dict:
+        if self._values is None:
+            return {}
+        d = self.depth
+        return {"mtp": {"loss": self._values[:d], "tokens": int(sum(self._values[d:]))}}
 
 
 class GradientOutliers(StepPlugin):

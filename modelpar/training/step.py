@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from modelpar.data import TokenFile, WindowSampler
+from modelpar.model.mtp import stack_targets
 from modelpar.optim import DataParallelOptimizer, lr_at, set_lr
 from modelpar.optim.finalize import finalize_grads
 from modelpar.parallel import collectives
@@ -47,6 +48,7 @@ class StepMetrics:
     stragglers: list[int] | None = None  # ranks named slow at this step's check
     drift: list[str] | None = None  # parameters found differing at this step's check
     moe: dict | None = None  # mixture of experts: aux loss, dropped fraction, per-layer expert load
+    mtp: dict | None = None  # multi-token prediction: each depth's mean loss, the tokens it predicted
     checkpoint: dict | None = None  # an asynchronous save: its step, the save step's stall, the wait at its finish
 
 
@@ -170,6 +172,8 @@ class TrainStep:
         if self.cfg.data.document_mask:
             documents = document_ids(inputs, self.eos_id).chunk(m)
         cp = self.model.chunks[0].cp
+        if self.cfg.model.mtp_depth:  # the later tokens of every position, shifted before the cp split
+            targets = stack_targets(targets, self.cfg.model.mtp_depth)
         inputs, targets = split_for_context(inputs, cp), split_for_context(targets, cp)
         return list(inputs.chunk(m)), list(targets.chunk(m)), documents
 

@@ -49,7 +49,14 @@ from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.outliers import GradientOutlierCheck
-from modelpar.training.plugins import GradientFlags, GradientOutliers, MoEStats, SilentCorruption, StepPlugin
+from modelpar.training.plugins import (
+    GradientFlags,
+    GradientOutliers,
+    MoEStats,
+    MTPStats,
+    SilentCorruption,
+    StepPlugin,
+)
 from modelpar.training.profile import StepProfiler
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
@@ -129,6 +136,8 @@ class Trainer:
         plugins: list[StepPlugin] = [GradientFlags(self.optimizer)]
         moe = MoEStats(MoEStatistics(self.model.chunks, g), self.device) if cfg.model.moe.enabled else None
         plugins += [moe] if moe is not None else []
+        if cfg.model.mtp_depth:
+            plugins.append(MTPStats(self.model.chunks, g, cfg.model.mtp_depth, self.device))
         # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
         if t.grad_outlier_action != "off" and self.layout.dp >= 2 and cfg.optim.zero < 2:
             plugins.append(
