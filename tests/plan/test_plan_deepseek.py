@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelpar.model.config import ModelConfig, MoEConfig
+from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
 from modelpar.model.flops import training_flops_per_token
 from modelpar.model.transformer import build_chunk
 from modelpar.parallel.layout import ParallelLayout
@@ -15,8 +15,7 @@ from modelpar.plan.spec import ModelSpec
 from modelpar.plan.states import stage_units
 
 # DeepSeek-V3 (the report's Table and config.json): 61 layers, 3 dense of 18432, 58 of 256 routed experts of
-# 2048 (top-8, 8 groups, top-4 groups) and one shared, one MTP module. Attention is MLA in V3; this shape
-# has GQA attention with 128 heads of 56 until MLA's parameters come (``ModelConfig.attention_params``).
+# 2048 (top-8, 8 groups, top-4 groups) and one shared, one MTP module; multi-head latent attention.
 V3 = ModelConfig(
     vocab_size=129280,
     hidden=7168,
@@ -26,6 +25,7 @@ V3 = ModelConfig(
     ffn_hidden=18432,
     max_seq_len=4096,
     mtp_depth=1,
+    mla=MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
     moe=MoEConfig(
         experts=256,
         top_k=8,
@@ -38,29 +38,30 @@ V3 = ModelConfig(
         first_k_dense_replace=3,
     ),
 )
-# MLA's matmul weights per layer (q_lora_rank 1536, kv_lora_rank 512, 128 heads, qk 128 + 64, v 128): what
-# attention_params() returns for V3 once the mla branch's MLAConfig is in; GQA's 7168*56*512 until then.
+# MLA's matmul weights per layer (q_lora_rank 1536, kv_lora_rank 512, 128 heads, qk 128 + 64, v 128)
 MLA_ATTENTION = 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * 7168
 
 
 def test_deepseek_v3_totals_and_active_parameters_match_the_report():
     V3.check()
-    attention_gap = 61 * (V3.attention_params() - MLA_ATTENTION)  # 0 once attention is MLA
+    assert V3.attention_params() == MLA_ATTENTION
     routed = 58 * (256 * 3 * 7168 * 2048 + 7168 * 256)
     dense_and_shared = 3 * 3 * 7168 * 18432 + 58 * 3 * 7168 * 2048
     embedding = 2 * 129280 * 7168
     total = 61 * V3.attention_params() + routed + dense_and_shared + embedding
     assert V3.total_params(mtp=False) == total
     # the report: 671B total (without the 14B of the MTP module), 37B activated per token
-    assert V3.total_params(mtp=False) - attention_gap == pytest.approx(671e9, rel=0.005)
+    assert V3.total_params(mtp=False) == pytest.approx(671e9, rel=0.005)
     # the MTP module's block (all 256 experts) and projection: 11.6B; the report's 14B also counts the released
     # checkpoint's own copies of the embedding and head (1.85B), which are shared here
     assert V3.total_params() - V3.total_params(mtp=False) == pytest.approx(11.6e9, rel=0.01)
     active = V3.matmul_params() - V3.mtp_params()  # head included, embedding lookup not
-    assert active - attention_gap + 129280 * 7168 == pytest.approx(37e9, rel=0.02)
+    assert active + 129280 * 7168 == pytest.approx(37e9, rel=0.02)
     # model FLOPs per token at 4K: 6 N + 12 L h s, MTP's block and head pass included
     flops = training_flops_per_token(V3, 4096)
-    assert flops == pytest.approx(6 * (V3.matmul_params() + 129280 * 7168) + 12 * 62 * 7168 * 4096, rel=1e-12)
+    # MLA's scores at qk 192 and values at 128 per head: 12 L (heads (192 + 128) / 2) s
+    attention = 12 * 62 * 128 * (192 + 128) / 2 * 4096
+    assert flops == pytest.approx(6 * (V3.matmul_params() + 129280 * 7168) + attention, rel=1e-12)
 
 
 def test_planner_states_of_the_mtp_stage_equal_the_built_chunks_parameters():
