@@ -59,11 +59,12 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
     """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
     ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
     chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
-    a copy of the embedding)."""
+    a copy of the embedding; on the rank holding both ends, the V placement's first, one weight)."""
     shape, t = model.shape, strategy.layout.tp
     partition = strategy_partition(model, strategy, seq_len)
     vt = padded_vocab_size(shape.vocab_size, t) // t
     units: list[tuple[str, list, int]] = []
+    holds_embedding = any(partition.has_embedding(c) for c in partition.chunks_of(stage))
     for c in partition.chunks_of(stage):
         for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
             layer = a_layer(moe_layer, shape.moe, shape.layers)
@@ -71,7 +72,7 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
         root = [(vt, shape.hidden)] if partition.has_embedding(c) else []
         if partition.has_head(c):
             root.append((shape.hidden, 1))  # final norm
-            if not (shape.tie_embeddings and partition.has_embedding(c)):
+            if not (shape.tie_embeddings and holds_embedding):
                 root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
         units.append(("root", root, 1))
     return units
