@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
+from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.spec import (
     GIB,
     RECOMPUTE_MODES,
@@ -121,7 +122,8 @@ def pipelines(model: ModelSpec, layout: ParallelLayout, m: int, space: SearchSpa
     """The ``(vpp, Strategy.pipeline)`` pairs of ``space.schedules`` that ``modelpar-train`` runs at this layout and
     ``m`` (``modelpar.training.config.validate``): none but ``(1, "")`` without a pipeline; interleaved at each
     ``vpp`` from 2 whose ``pp * vpp`` chunks the layers fill and where ``pp`` divides ``m`` (it walks micro-batches
-    in groups of pp); zbv and dualpipev at ``vpp = 2`` where ``2 pp <= layers`` (and ``pp <= space.max_v_pp``)."""
+    in groups of pp); zbv and dualpipev at ``vpp = 2`` where ``2 pp <= layers`` (and ``pp <= space.max_v_pp``),
+    dualpipev only where its simulated bubble is below zbv's (else it is as fast and holds more)."""
     p, layers = layout.pp, model.shape.layers
     if p == 1:
         return [(1, "")]
@@ -132,7 +134,13 @@ def pipelines(model: ModelSpec, layout: ParallelLayout, m: int, space: SearchSpa
         elif name == "interleaved":
             out += [(v, "") for v in range(2, space.max_vpp + 1) if m % p == 0 and p * v <= layers]
         elif name in V_SCHEDULES:
-            out += [(2, name)] * (2 * p <= layers and p <= space.max_v_pp)
+            if 2 * p > layers or p > space.max_v_pp:
+                continue
+            # DualPipeV holds two chunks more than ZB-V at the same compute: tried only where it idles less
+            if name == "dualpipev" and "zbv" in space.schedules:
+                if bubble_ratio("dualpipev", p, m, 2) >= bubble_ratio("zbv", p, m, 2):
+                    continue
+            out.append((2, name))
         else:  # gpipe, zb-h1: one chunk per rank
             out.append((1, name))
     return out

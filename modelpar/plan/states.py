@@ -90,7 +90,25 @@ def state_bytes(
     """Model-state bytes of rank 0 of dp x cp on pipeline stage ``stage`` (the module docstring's table):
     ``weights``, ``gradients``, ``optimizer``, ``buffers`` at the optimizer step, and ``gathered``, FSDP2's
     unsharded weights (``gather_bytes`` per element: the compute dtype's) and gradients at their peak during
-    the step (ZeRO-2/3)."""
+    the step (ZeRO-2/3). Remembered per model object for the search, keyed on what they depend on (strategies
+    differing only in SP, the cp exchange, the micro-batch size or selective recompute's modules share them)."""
+    s = strategy
+    key = (s.layout, s.zero, s.zero_group, s.stage_layers, s.schedule_name, s.micro_batches)
+    key += (s.reduce_every_micro_batch, s.recompute == "full", seq_len, stage, gather_bytes)
+    held = _STATES.get(id(model))
+    if held is None or held[0] is not model:  # the model is held, so its id is not reused while cached
+        if len(_STATES) >= 16:
+            _STATES.clear()
+        held = _STATES[id(model)] = (model, {})
+    if key not in held[1]:
+        held[1][key] = _state_bytes(model, strategy, seq_len, stage, gather_bytes)
+    return dict(held[1][key])
+
+
+_STATES: dict[int, tuple[ModelSpec, dict]] = {}
+
+
+def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, gather_bytes: int) -> dict[str, float]:
     units = stage_units(model, strategy, seq_len, stage)
     params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
     d = strategy.layout.dp * strategy.layout.cp
