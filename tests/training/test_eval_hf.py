@@ -81,7 +81,13 @@ def test_a_real_conflict_names_the_field_and_both_values(imported):
 
 
 @pytest.mark.parametrize(
-    "layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"]]
+    "layout",
+    [
+        ["parallel.cp=2"],
+        ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"],
+        # all-to-all inside pairs of cp ranks (4 heads, 2 kv heads: one kv head each), a ring across the pairs
+        ["parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_a2a=2"],
+    ],
 )
 def test_eval_at_cp_gives_transformers_loss(imported, layout):
     root, want = imported
