@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated pipeline schedules to try with pp > 1 ({', '.join(SCHEDULES)})",
     )
     ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
+    ap.add_argument(
+        "--max-v-pp", type=int, default=SearchSpace.max_v_pp, help="deepest pipeline zbv/dualpipev are searched at"
+    )
     ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
     ap.add_argument(
         "--recompute",
@@ -256,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cp_comm=tuple(c.strip() for c in args.cp_comm.split(",") if c.strip()),
             schedules=tuple(c.strip() for c in args.schedules.split(",") if c.strip()),
             max_vpp=args.max_vpp,
+            max_v_pp=args.max_v_pp,
             max_micro_batch_size=args.max_micro_batch_size,
             recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
             recompute_modules=parse_modules(args.recompute_modules),

@@ -9,10 +9,11 @@ The step spans the compute of one rank plus its idle time, so ``bubble_s = bubbl
                      (``modelpar.pipeline.schedule_v``): ``(makespan - 3 v m) / (3 v m)``
 
 The simulated ones have no closed form (the V schedules are greedy list schedules), so the simulator
-(``modelpar.pipeline.simulate``) runs once per ``(schedule, pp, m, vpp)`` and is cached. Past ``m = 4 p`` the
-steady state repeats with a period dividing ``2 p`` micro-batches and the idle time with it, so ``m`` is folded
-into ``(2p, 4p]`` first (``folded_micro_batches``; checked equal to the direct simulation in
-``tests/plan/test_plan_schedules.py``): a search over large batches simulates at most ``2p`` schedules per ``p``.
+(``modelpar.pipeline.simulate``'s compute timeline) runs once per ``(schedule, pp, m, vpp)`` and is cached.
+Past ``m = 4 p`` the steady state repeats with a period dividing ``2 p`` micro-batches and the idle time with
+it, so ``m`` is folded into ``(2p, 4p]`` first (``folded_micro_batches``; checked equal to the direct simulation
+in ``tests/plan/test_plan_schedules.py``): a search over large batches simulates at most ``2p`` schedules per
+``p``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from modelpar.pipeline.schedule import V_SCHEDULES, build_schedule
-from modelpar.pipeline.simulate import Costs, simulate
+from modelpar.pipeline.simulate import Costs, compute_timeline
 
 # F, B and W of one chunk one unit each; an unsplit backward (1f1b's B) is B + W
 UNIT_COSTS = Costs(forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0)
@@ -47,5 +48,7 @@ def bubble_ratio(schedule: str, pp: int, m: int, vpp: int = 1) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _idle_units(schedule: str, pp: int, m: int, vpp: int) -> float:
-    """Unit-cost idle time of the rank that finishes last (every rank computes ``3 v m`` units)."""
-    return simulate(build_schedule(schedule, pp, m, vpp), UNIT_COSTS).makespan - 3 * vpp * m
+    """Unit-cost idle time of the rank that finishes last (every rank computes ``3 v m`` units). Without p2p
+    latency the compute timeline ends where ``simulate``'s does (its transfers are placed not to delay it), at
+    a quarter of the cost."""
+    return compute_timeline(build_schedule(schedule, pp, m, vpp), UNIT_COSTS).end - 3 * vpp * m

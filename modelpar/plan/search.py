@@ -43,8 +43,8 @@ class SearchSpace:
     # gpipe and zb-h1 may be named too
     schedules: tuple[str, ...] = ("1f1b", "interleaved", *V_SCHEDULES)
     # the deepest pipeline the V schedules are searched at: each (pp, m) is simulated (modelpar.plan.bubble),
-    # which takes seconds per micro-batch count from pp = 32
-    max_v_pp: int = 16
+    # about a second per micro-batch count at pp = 16, a few at pp = 32
+    max_v_pp: int = 8
     max_vpp: int = 4
     max_micro_batch_size: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_MODES
