@@ -400,7 +400,7 @@ def cp_bytes_per_layer(model: ModelSpec, strategy: Strategy, hardware: Hardware,
     forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
     share = (cp - 1) / cp
     if strategy.cp_comm == "alltoall":
-        d, kv = model.shape.head_dim, max(1, model.shape.kv_heads // t)
+        d, kv = model.shape.head_size, max(1, model.shape.kv_heads // t)
         heads = model.shape.heads / t + 2 * kv * cp // math.gcd(kv, cp)
         out_heads = model.shape.heads / t
         return (forwards + 1) * share * b * seq_len / cp * (heads + out_heads) * d * hardware.weight_bytes

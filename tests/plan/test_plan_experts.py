@@ -125,7 +125,7 @@ def test_shipped_qwen3_recipe_is_the_planners_first_choice_with_ep8(qwen3_moe):
         cfg = OmegaConf.to_object(compose(config_name="qwen3-30b-a3b-64gpu", overrides=["trainer.out_dir=unused"]))
     validate(cfg)
     assert cfg.model.identity() == qwen3_moe.shape.identity()
-    space = SearchSpace(ep=8, cp=1, max_vpp=1)
+    space = SearchSpace(ep=8, cp=1, max_vpp=1, schedules=("1f1b",))  # the recipe runs 1F1B
     best = plan(qwen3_moe, H100, gpus=64, global_batch=256, seq_len=4096, space=space)[0]
     p, s = cfg.parallel, best.strategy
     got = (p.tp, p.pp, p.dp, p.ep, p.sp, p.microbatches, p.recompute)
