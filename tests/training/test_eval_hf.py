@@ -103,6 +103,19 @@ def test_eval_at_cp_gives_transformers_loss(imported, layout):
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
+def test_eval_under_hybrid_cp_gives_transformers_loss(imported):
+    """All-to-all inside pairs of cp ranks (4 heads, 2 kv heads: one kv head each), a ring across the pairs; two
+    windows, one micro-batch each, to keep four ranks cheap."""
+    root, _, want = imported
+    proc = eval_cli(
+        f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", "eval.windows=2",
+        "parallel=single", "parallel.microbatches=2", "parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_a2a=2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
 def test_an_imported_mixtral_evaluates_with_no_model_overrides(tmp_path):
     config = transformers.MixtralConfig(
         vocab_size=300, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
