@@ -268,7 +268,9 @@ class HostData(TorchFunctionMode):
 class CpuAttention(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` of meta tensors as the CPU runs it: torch picks its kernel by device,
     and on meta it falls back to the math path, which keeps the ``s x s`` probabilities for backward; the CPU
-    (and GPU) pick a flash kernel, which keeps the output and the log-sum-exp. Called here by name."""
+    (and GPU) pick a flash kernel, which keeps the output and the log-sum-exp. Called here by name. Values of
+    another head dim than q/k (latent attention's 128 beside 192), which the CPU flash kernel refuses, go to the
+    memory-efficient kernel, which keeps the same two (the GPU's choice for those shapes)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -276,8 +278,12 @@ class CpuAttention(TorchFunctionMode):
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask")
             causal = kwargs.get("is_causal", False)
+            dropout, scale = kwargs.get("dropout_p", 0.0), kwargs.get("scale")
+            if v.shape[-1] != q.shape[-1]:
+                out = aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, dropout, causal, scale=scale)
+                return out[0]
             out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), causal, attn_mask=mask, scale=kwargs.get("scale")
+                q, k, v, dropout, causal, attn_mask=mask, scale=scale
             )
             return out
         return func(*args, **kwargs)
