@@ -58,6 +58,9 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
             for half in held:
                 halves[half] += count
             moe_layers += count * (moe_layer and "mlp" in held)
+        if shape.mtp_depth and partition.has_head(c):  # the MTP blocks, of the last layer's kind, beside the head
+            halves = {half: n + shape.mtp_depth for half, n in halves.items()}
+            moe_layers += shape.mtp_depth * shape.moe.is_moe_layer(shape.layers - 1)
     if t > 1:
         tp_halves = dict(halves, mlp=halves["mlp"] - moe_layers * strategy.sp)  # tp_collectives_per_layer
         pairs = sum(n * (2 + (h in rerun)) for h, n in tp_halves.items())

@@ -115,3 +115,16 @@ def test_meta_attention_with_values_of_their_own_head_dim_keeps_their_width():
     with CpuAttention():
         out = F.scaled_dot_product_attention(q, k, torch.empty(1, 4, 16, 6, device="meta"), is_causal=True)
     assert out.shape == (1, 4, 16, 6)
+
+
+def test_the_mtp_stage_routes_its_modules_tokens_too(tmp_path):
+    """The last stage's MTP block is a MoE block: its all-to-all is planned with the stage's own layers."""
+    from modelpar.model.config import MoEConfig
+
+    cfg = make_config(tmp_path, pp=2, dp=2, ep=2, partition="uniform")
+    moe = MoEConfig(experts=4, top_k=2, ffn_hidden=16)
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, mtp_depth=1, moe=moe)
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=4))
+    report = step_rank(cfg, 1, "last stage")
+    # within the split counts each layer exchanges first (a few hundred bytes, not planned)
+    assert report.traffic["ep all_to_all"] == pytest.approx(report.planned_traffic["ep all_to_all"], rel=0.01)
