@@ -9,6 +9,9 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 VENV_FLAGS := $(if $(HAS_GPU),--system-site-packages,)
 CONSTRAINTS := $(if $(HAS_GPU),,-c constraints/cpu.txt)
 PYTEST_ARGS ?=
+# Two test processes, a test file each at a time: much of a multi-rank test is waiting (process start, imports,
+# timeouts), which the other process fills. TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv train test lint format clean
 
@@ -23,7 +26,7 @@ train: $(STAMP)
 	$(BIN)/modelpar-train $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

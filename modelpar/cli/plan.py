@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from modelpar.model.activations import RECOMPUTE
+from modelpar.pipeline.schedule import SCHEDULES
 from modelpar.plan import (
     GIB,
     HARDWARE,
@@ -73,8 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp", type=int, help="pin data parallelism")
     ap.add_argument("--cp", type=int, help="pin context parallelism (each sequence split over cp ranks)")
     ap.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; from dp x cp)")
-    ap.add_argument("--cp-comm", default="ring,allgather", help="comma-separated K/V exchanges to try under cp")
+    ap.add_argument(
+        "--cp-comm", default=",".join(SearchSpace.cp_comm), help="comma-separated K/V exchanges to try under cp"
+    )
+    ap.add_argument(
+        "--schedules",
+        default=",".join(SearchSpace.schedules),
+        help=f"comma-separated pipeline schedules to try with pp > 1 ({', '.join(SCHEDULES)})",
+    )
     ap.add_argument("--max-vpp", type=int, default=SearchSpace.max_vpp)
+    ap.add_argument(
+        "--max-v-pp", type=int, default=SearchSpace.max_v_pp, help="deepest pipeline zbv/dualpipev are searched at"
+    )
     ap.add_argument("--max-micro-batch-size", type=int, default=SearchSpace.max_micro_batch_size)
     ap.add_argument(
         "--recompute",
@@ -159,9 +170,11 @@ def trainer_overrides(strategy: Strategy, seq_len: int, model: ModelSpec | None 
         out.append(f"parallel.ep={layout.ep}")
     moe = model.shape.moe if model is not None else None
     if moe is not None and moe.enabled and moe.aux_loss_coef and strategy.micro_batches > 1:
-        out.append("model.moe.aux_loss_scope=micro_batch")  # 1F1B / interleaved: see model.moe.aux_loss_scope
+        out.append("model.moe.aux_loss_scope=micro_batch")  # backwards before the last forward: see aux_loss_scope
+    if layout.pp > 1 and strategy.schedule_name != "1f1b":
+        out.append(f"parallel.schedule={strategy.schedule_name}")
     if layout.vpp > 1:
-        out += [f"parallel.vpp={layout.vpp}", "parallel.schedule=interleaved"]
+        out.append(f"parallel.vpp={layout.vpp}")
     out.append(f"parallel.microbatches={strategy.micro_batches}")
     out += ["parallel.sp=true"] * strategy.sp
     out += [f"parallel.recompute={strategy.recompute}"] * (strategy.recompute != "none")
@@ -186,7 +199,7 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
     header = (
-        f"{'#':>3} {'layout':<18} {'mbs':>3} {'m':>4} {'recompute':<13} {'zero':<4} {'sp':<3} {'cp comm':<9} "
+        f"{'#':>3} {'layout':<28} {'mbs':>3} {'m':>4} {'recompute':<13} {'zero':<4} {'sp':<3} {'cp comm':<9} "
         f"{'mem GiB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
     )
     yield header
@@ -195,12 +208,19 @@ def format_table(planned: Sequence[PlannedLayout], top: int) -> Iterator[str]:
         s, p = entry.strategy, entry.prediction
         comm = p.tp_comm_s + p.pp_comm_s + p.dp_comm_s + p.cp_comm_s + p.ep_comm_s
         yield (
-            f"{i:>3} {str(s.layout):<18} {s.micro_batch_size:>3} {s.micro_batches:>4} {recompute_cell(s):<13} "
+            f"{i:>3} {layout_cell(s):<28} {s.micro_batch_size:>3} {s.micro_batches:>4} {recompute_cell(s):<13} "
             f"{s.zero:<4} {'yes' if s.sp else 'no':<3} "
             f"{s.cp_comm if s.layout.cp > 1 else '-':<9} {p.memory.total / GIB:>7.1f} "
             f"{p.total_s:>8.3f} {p.tokens_per_s:>10.4g} {p.mfu:>5.1%} {p.bubble_s / p.total_s:>6.1%} "
             f"{comm / p.total_s:>5.1%}"
         )
+
+
+def layout_cell(s: Strategy) -> str:
+    """The layout, and ``:schedule`` where it is not the one the layout implies (1F1B; interleaved with vpp > 1):
+    ``tp1-pp4-dp2-vpp2:zbv``."""
+    implied = "interleaved" if s.layout.vpp > 1 else "1f1b"
+    return str(s.layout) + (f":{s.schedule_name}" if s.layout.pp > 1 and s.schedule_name != implied else "")
 
 
 def recompute_cell(s: Strategy) -> str:
@@ -237,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cp=args.cp,
             ep=args.ep,
             cp_comm=tuple(c.strip() for c in args.cp_comm.split(",") if c.strip()),
+            schedules=tuple(c.strip() for c in args.schedules.split(",") if c.strip()),
             max_vpp=args.max_vpp,
+            max_v_pp=args.max_v_pp,
             max_micro_batch_size=args.max_micro_batch_size,
             recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
             recompute_modules=parse_modules(args.recompute_modules),

@@ -62,7 +62,9 @@ experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backw
 
 A stage holds the sum over the (micro-batch, chunk) pairs in flight, walked along the schedule's own action
 list (``modelpar.pipeline.schedule``): a forward adds its chunk's bytes, its backward (a zero-bubble weight
-pass, where the schedule has one) frees them. With one chunk per rank this is 1F1B's ``min(m, p - r)``.
+pass, where the schedule has one) frees them. With one chunk per rank this is 1F1B's ``min(m, p - r)``; the V
+schedules (zbv, dualpipev) hold two chunks per rank, the first rank's being the first (with the embedding) and
+the last (with the head and its logits).
 """
 
 from __future__ import annotations
@@ -73,12 +75,14 @@ from dataclasses import dataclass
 from modelpar.model.config import MLAConfig
 from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.pipeline.partition import Partition
+from modelpar.pipeline.schedule import V_SCHEDULES
 from modelpar.plan.chunks import (
     a_layer,
     chunk_piece_counts,
     in_flight_estimate,
     in_flight_mixes,
     strategy_partition,
+    v_in_flight_mixes,
 )
 from modelpar.plan.spec import Hardware, ModelSpec, Strategy
 
@@ -509,7 +513,8 @@ def stage_activations(
 ) -> StageActivations:
     """Peak saved activations of pipeline stage ``stage`` over the strategy's schedule (module docstring).
     ``exact=False`` (the planner's search): interleaved schedules count in-flight chunks in closed form
-    instead of walking the action list (``in_flight_estimate``)."""
+    instead of walking the action list (``in_flight_estimate``), the V schedules walk it at the folded ``m``
+    (``v_in_flight_mixes``)."""
     layout = strategy.layout
     partition = strategy_partition(model, strategy, seq_len)
     memo: dict = {}
@@ -518,7 +523,9 @@ def stage_activations(
     ]
     working = max(w for _, _, w in per_chunk)
     name, pp, m, vpp = strategy.schedule_name, layout.pp, strategy.micro_batches, layout.vpp
-    if exact or vpp == 1 or name != "interleaved":
+    if not exact and name in V_SCHEDULES:
+        counts = v_in_flight_mixes(name, pp, m, stage)
+    elif exact or vpp == 1 or name != "interleaved":
         counts = in_flight_mixes(name, pp, m, vpp, stage)
     else:
         counts = (in_flight_estimate(pp, m, vpp, stage),)

@@ -4,25 +4,32 @@ the trainer splits them, and how many micro-batches of each chunk a stage holds 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from modelpar.model.flops import half_block_training_flops, head_training_flops
 from modelpar.pipeline.actions import B, F, W
 from modelpar.pipeline.partition import Partition, partition_by_cost, partition_explicit
-from modelpar.pipeline.schedule import build_schedule
+from modelpar.pipeline.placement import Placement
+from modelpar.pipeline.schedule import V_SCHEDULES, build_schedule
+from modelpar.plan.bubble import folded_micro_batches
 from modelpar.plan.spec import ModelSpec, Strategy
 
 
 def strategy_partition(model: ModelSpec, strategy: Strategy, seq_len: int) -> Partition:
-    """The chunks' layer counts: the strategy's own (``stage_layers``), else the trainer's default split."""
-    layout = strategy.layout
+    """The chunks' layer counts: the strategy's own (``stage_layers``), else the trainer's default split; placed
+    on ranks as the schedule places them (``Strategy.placement``: V for zbv and dualpipev)."""
+    layout, placement = strategy.layout, strategy.placement
     if strategy.stage_layers:
-        return partition_explicit(list(strategy.stage_layers), model.shape.layers, layout.pp, layout.vpp)
-    return trainer_flops_partition(model.shape, seq_len, layout.pp, layout.vpp)
+        split = partition_explicit(list(strategy.stage_layers), model.shape.layers, layout.pp, layout.vpp)
+        return dataclasses.replace(split, placement=placement) if placement is not split.placement else split
+    return trainer_flops_partition(model.shape, seq_len, layout.pp, layout.vpp, placement)
 
 
-def trainer_flops_partition(shape, seq_len: int, pp: int, vpp: int) -> Partition:
-    """``parallel.partition=flops`` exactly as ``modelpar.training.build.build_partition`` cuts it."""
+def trainer_flops_partition(
+    shape, seq_len: int, pp: int, vpp: int, placement: Placement = Placement.INTERLEAVED
+) -> Partition:
+    """``parallel.partition=flops`` exactly as ``modelpar.training.build.build_partition`` cuts and places it."""
     if pp * vpp == 1:
         return Partition(1, 1, (float(shape.layers),))
     moe = shape.moe.enabled
@@ -31,21 +38,27 @@ def trainer_flops_partition(shape, seq_len: int, pp: int, vpp: int) -> Partition
         shape.layers,
         shape.attention_params(),
         shape.attention_width,
+        shape.attention_score_dims() if shape.mla.enabled else None,
+        shape.sliding_window,
+        tuple(shape.window_layers),
+        shape.mtp_depth,
         shape.hidden,
         mlp,
         shape.vocab_size,
         seq_len,
         pp,
         vpp,
+        placement,
     )
     return _flops_partition(key, shape)
 
 
 def _flops_partition(key: tuple, shape) -> Partition:
     if key not in _PARTITIONS:
-        seq_len, pp, vpp = key[-3:]
+        seq_len, pp, vpp, placement = key[-4:]
         halves = [c for i in range(shape.layers) for c in half_block_training_flops(shape, seq_len, i)]
-        _PARTITIONS[key] = partition_by_cost(halves, pp, vpp, head_cost=head_training_flops(shape), halves=True)
+        split = partition_by_cost(halves, pp, vpp, head_cost=head_training_flops(shape), halves=True)
+        _PARTITIONS[key] = dataclasses.replace(split, placement=placement)
     return _PARTITIONS[key]
 
 
@@ -91,7 +104,6 @@ def in_flight_estimate(pp: int, m: int, vpp: int, stage: int) -> tuple[int, ...]
     return tuple(mix)
 
 
-@functools.lru_cache(maxsize=4096)
 def in_flight_mixes(schedule: str, pp: int, m: int, vpp: int, stage: int) -> tuple[tuple[int, ...], ...]:
     """The distinct numbers of micro-batches each local chunk holds right after a forward of ``stage``'s
     action list (the candidates for its peak); one chunk per rank: ``((min(m, p - stage),),)`` for 1F1B."""
@@ -99,26 +111,48 @@ def in_flight_mixes(schedule: str, pp: int, m: int, vpp: int, stage: int) -> tup
         return ((min(m, pp - stage),),)
     if schedule == "gpipe" and vpp == 1:
         return ((m,),)
-    actions = build_schedule(schedule, pp, m, vpp)[stage]
-    frees_at = W if any(a.kind is W for a in actions) else B
-    held = [0] * vpp
-    mixes = set()
-    for a in actions:
-        if a.kind is F:
-            held[a.chunk] += 1
-            mixes.add(tuple(held))
-        elif a.kind is frees_at:
-            held[a.chunk] -= 1
-    return tuple(sorted(mixes))
+    return _walk(schedule, pp, m, vpp)[stage][0]
+
+
+def v_in_flight_mixes(schedule: str, pp: int, m: int, stage: int) -> tuple[tuple[int, ...], ...]:
+    """``in_flight_mixes`` of a V schedule for the search: past ``m = 4p`` walked at the folded ``m``
+    (``modelpar.plan.bubble.folded_micro_batches``), whose steady state holds as many activations (the peak
+    is the cap of ``modelpar.pipeline.schedule_v``; how they split between the two chunks may differ by one)."""
+    return _walk(schedule, pp, folded_micro_batches(pp, m), 2)[stage][0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple, bool], ...]:
+    """Per stage: its ``in_flight_mixes`` and whether it runs a forward after its first backward, from one
+    build of the schedule's action lists."""
+    out = []
+    for actions in build_schedule(schedule, pp, m, vpp):
+        frees_at = W if any(a.kind is W for a in actions) else B
+        held = [0] * vpp
+        mixes, backward_seen, forward_after = set(), False, False
+        for a in actions:
+            if a.kind is F:
+                held[a.chunk] += 1
+                mixes.add(tuple(held))
+                forward_after = forward_after or backward_seen
+            elif a.kind is B:
+                backward_seen = True
+            if a.kind is frees_at:
+                held[a.chunk] -= 1
+        out.append((tuple(sorted(mixes)), forward_after))
+    return tuple(out)
 
 
 # -- model states ----------------------------------------------------------------------------------------------
 
 
 def forward_after_backward(strategy: Strategy, stage: int) -> bool:
-    """Whether pipeline stage ``stage`` runs a forward after its first backward: 1F1B after its ``p - r``
-    warm-up forwards (interleaved: ``in_flight_estimate``'s), never under GPipe."""
+    """Whether pipeline stage ``stage`` runs a forward after its first backward: 1F1B (and ZB-H1) after its
+    ``p - r`` warm-up forwards (interleaved: ``in_flight_estimate``'s), never under GPipe; the V schedules as
+    their action lists say (walked at the folded ``m``)."""
     p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
     if strategy.schedule_name == "gpipe":
         return False
+    if strategy.schedule_name in V_SCHEDULES:
+        return _walk(strategy.schedule_name, p, folded_micro_batches(p, m), v)[stage][1]
     return m * v > sum(in_flight_estimate(p, m, v, stage)) if v > 1 else m > p - stage

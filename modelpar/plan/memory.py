@@ -27,7 +27,10 @@ import math
 
 from modelpar.model.config import ModelConfig
 from modelpar.parallel.layout import ParallelLayout
+from modelpar.pipeline.placement import Placement
+from modelpar.pipeline.schedule import V_SCHEDULES
 from modelpar.plan.activations import activation_bytes, stage_activations
+from modelpar.plan.chunks import v_in_flight_mixes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, MemoryBreakdown, ModelSpec, Strategy
 from modelpar.plan.states import state_bytes
 
@@ -40,6 +43,10 @@ def layers_per_chunk(layers: int, layout: ParallelLayout) -> int:
 def chunks_in_flight(strategy: Strategy, stage: int) -> int:
     """Model chunks whose activations stage ``stage`` holds at its peak under the strategy's schedule."""
     p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
+    if strategy.schedule_name in V_SCHEDULES:
+        return max(sum(mix) for mix in v_in_flight_mixes(strategy.schedule_name, p, m, stage))
+    if strategy.schedule_name == "zb-h1":  # each B's activations wait for its W: 1F1B's p on every stage
+        return min(m, p)
     if v == 1:
         return min(m, p - stage)
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
@@ -67,19 +74,36 @@ def recompute_working_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, 
     return activation_bytes_per_layer(model, full, seq_len, hardware) - kept
 
 
-def stage_params(model: ModelSpec, layout: ParallelLayout, stage: int) -> float:
-    """Parameters stored on a rank of pipeline stage ``stage`` (its tp shard)."""
+def stage_params(
+    model: ModelSpec, layout: ParallelLayout, stage: int, placement: Placement = Placement.INTERLEAVED
+) -> float:
+    """Parameters stored on a rank of pipeline stage ``stage`` (its tp shard); the embedding and the head where
+    ``placement`` puts the first and the last chunk (V: both on stage 0, one weight if tied)."""
     shape, t = model.shape, layout.tp
     norms = 2 * shape.hidden + (2 * shape.head_size if shape.qk_norm else 0)  # replicated over tp
     layer = stored_block_params(shape, layout) + norms
     params = layers_per_chunk(shape.layers, layout) * layout.vpp * layer
     embedding = shape.vocab_size * shape.hidden / t
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = holds_ends(layout, stage, placement)
     if first:
         params += embedding
     if last:
         params += shape.hidden + (0 if first and model.tie_embeddings else embedding)
     return params
+
+
+def holds_ends(layout: ParallelLayout, stage: int, placement: Placement) -> tuple[bool, bool]:
+    """Whether pipeline stage ``stage`` holds the first model chunk (the embedding) and the last (the head)."""
+    chunks = layout.pp * layout.vpp
+    return placement.locate(0, layout.pp)[0] == stage, placement.locate(chunks - 1, layout.pp)[0] == stage
+
+
+def stage_label(layout: ParallelLayout, stage: int, placement: Placement) -> str:
+    """``first``, ``last``, ``first+last`` (the V placement's rank 0) or ``stage r``."""
+    first, last = holds_ends(layout, stage, placement)
+    if first and last and layout.pp > 1:
+        return "first+last"
+    return "first" if first else "last" if last else f"stage {stage}"
 
 
 def stored_block_params(shape: ModelConfig, layout: ParallelLayout) -> float:
@@ -105,7 +129,7 @@ def stage_memory(
     block's Korthikanti et al. terms with Megatron's model states (``model.block == "gpt"``). ``exact=False``:
     interleaved schedules' in-flight chunks in closed form (the search's shortcut)."""
     layout = strategy.layout
-    label = "first" if stage == 0 else "last" if stage == layout.pp - 1 else f"stage {stage}"
+    label = stage_label(layout, stage, strategy.placement)
     if model.block == "gpt":
         return _gpt_stage_memory(model, strategy, seq_len, hardware, stage, label)
     states = state_bytes(model, strategy, seq_len, stage, activation_bytes(hardware))
@@ -131,15 +155,16 @@ def _gpt_stage_memory(
 ) -> MemoryBreakdown:
     """Megatron-LM's GPT block (the module docstring's Korthikanti et al. terms, 18 or 16 bytes of states)."""
     layout = strategy.layout
-    params = stage_params(model, layout, stage)
+    params = stage_params(model, layout, stage, strategy.placement)
+    first, last = holds_ends(layout, stage, strategy.placement)
     s, b, h, t = seq_len / layout.cp, strategy.micro_batch_size, model.shape.hidden, layout.tp
     in_flight = chunks_in_flight(strategy, stage)
     per_layer = activation_bytes_per_layer(model, strategy, seq_len, hardware)
     activations = per_layer * layers_per_chunk(model.shape.layers, layout) * in_flight
     working = recompute_working_bytes(model, strategy, seq_len, hardware)
-    if stage == 0:
+    if first:
         activations += s * b * h * in_flight / (t if strategy.sp else 1)  # embedding dropout mask, 1 byte
-    if stage == layout.pp - 1:
+    if last:
         activations += 4 * s * b * model.shape.vocab_size / t  # fp32 logits for the cross-entropy
     d = layout.dp * layout.cp
     optimizer = params * hardware.optimizer_bytes / (d if strategy.zero >= 1 else 1)
@@ -164,7 +189,9 @@ def _gpt_stage_memory(
 def peak_memory(
     model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, *, exact: bool = True
 ) -> MemoryBreakdown:
-    """The fuller of the first stage (most micro-batches in flight) and the last (head and logits)."""
+    """The fuller of the first stage (most micro-batches in flight) and the last (head and logits); under the V
+    placement stage 0 holds both ends and stage ``p - 1`` the turn of the V (the middle stages hold as many
+    activations of middle chunks and are not priced)."""
     stages = {0, strategy.layout.pp - 1}
     memories = (stage_memory(model, strategy, seq_len, hardware, st, exact=exact) for st in stages)
     return max(memories, key=lambda m: m.total)

@@ -90,9 +90,19 @@ GPT3_175B = PublishedRun("GPT-3 175B", 175.0, 96, 12288, 96, None, None, 1024, 1
 
 
 def megatron_2021_space(run: PublishedRun) -> SearchSpace:
-    """The run's layout where the source gives it; full recompute (which Eq. 3 counts), no ZeRO, no SP."""
+    """The run's layout where the source gives it; full recompute (which Eq. 3 counts), no ZeRO, no SP, and
+    Megatron-LM's schedules of the time (1F1B, interleaved)."""
     dp = run.gpus // (run.tp * run.pp) if run.tp and run.pp else None
-    return SearchSpace(tp=run.tp, pp=run.pp, dp=dp, max_vpp=8, recompute=("full",), zero=(0,), sp=(False,))
+    return SearchSpace(
+        tp=run.tp,
+        pp=run.pp,
+        dp=dp,
+        max_vpp=8,
+        recompute=("full",),
+        zero=(0,),
+        sp=(False,),
+        schedules=("1f1b", "interleaved"),
+    )
 
 
 def predicted_tflops(run: PublishedRun) -> tuple[float, Strategy]:

@@ -1,6 +1,7 @@
 """The search: every ``tp x cp x pp x dp (x ep)`` layout that can run the model, every micro-batching,
-interleaving, recompute, ZeRO, SP and K/V exchange of each, predicted (``modelpar.plan.step_time``) and ranked
-by tokens/s among those that fit; and the one-line messages when none can run or none fits."""
+pipeline schedule (1F1B, interleaved at each ``vpp``, ZB-V, DualPipeV), recompute, ZeRO, SP and K/V exchange of
+each, predicted (``modelpar.plan.step_time``) and ranked by tokens/s among those that fit; and the one-line
+messages when none can run or none fits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
+from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
+from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.spec import (
     GIB,
     RECOMPUTE_MODES,
@@ -36,6 +39,12 @@ class SearchSpace:
     cp: int | None = None
     ep: int | None = None  # expert parallel degree (mixture-of-experts models; free: every divisor of dp x cp)
     cp_comm: tuple[str, ...] = ("ring", "allgather", "alltoall")
+    # parallel.schedule with pp > 1 (interleaved at every vpp up to max_vpp; zbv and dualpipev at vpp = 2);
+    # gpipe and zb-h1 may be named too
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", *V_SCHEDULES)
+    # the deepest pipeline the V schedules are searched at: each (pp, m) is simulated (modelpar.plan.bubble),
+    # about a second per micro-batch count at pp = 16, a few at pp = 32
+    max_v_pp: int = 8
     max_vpp: int = 4
     max_micro_batch_size: int = 8
     recompute: tuple[str, ...] = RECOMPUTE_MODES
@@ -92,38 +101,67 @@ def valid_layouts(
 
 
 def strategies(model: ModelSpec, layout: ParallelLayout, global_batch: int, seq_len: int, space: SearchSpace):
-    """Every micro-batching, interleaving, recompute (and our selective's modules), ZeRO and SP choice for one
-    ``tp x pp x dp``, without offload (``plan`` adds it where a strategy does not fit)."""
+    """Every micro-batching, pipeline schedule, recompute (and our selective's modules), ZeRO and SP choice for
+    one ``tp x pp x dp``, without offload (``plan`` adds it where a strategy does not fit)."""
     per_replica = global_batch // layout.dp
     for b in (k for k in _divisors(per_replica) if k <= space.max_micro_batch_size):
         m = per_replica // b
-        for v in range(1, space.max_vpp + 1 if layout.pp > 1 else 2):
-            # modelpar's interleaved schedule walks micro-batches in groups of pp.
-            if v > 1 and (m % layout.pp or layout.pp * v > model.shape.layers):
-                continue
+        for v, pipeline in pipelines(model, layout, m, space):
             chunked = dataclasses.replace(layout, vpp=v)
             for recompute in space.recompute:
                 choices = space.recompute_modules if recompute == "selective" and model.block == "llama" else ((),)
                 for modules in choices or (("elementwise",),):
-                    for zero in zero_stages(model, layout, space):
+                    for zero in zero_stages(model, layout, space, pipeline):
                         for sp in space.sp if layout.tp > 1 and seq_len % (layout.tp * layout.cp) == 0 else (False,):
-                            for comm in _cp_comms(model, layout, space) if layout.cp > 1 else ("ring",):
+                            for comm in cp_comms(model, layout, space) if layout.cp > 1 else ("ring",):
                                 extra = {"recompute_modules": modules} if modules else {}
-                                yield Strategy(chunked, b, m, recompute, zero, sp, comm, **extra)
+                                yield Strategy(chunked, b, m, recompute, zero, sp, comm, pipeline=pipeline, **extra)
 
 
-def _cp_comms(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[str, ...]:
+def pipelines(model: ModelSpec, layout: ParallelLayout, m: int, space: SearchSpace) -> list[tuple[int, str]]:
+    """The ``(vpp, Strategy.pipeline)`` pairs of ``space.schedules`` that ``modelpar-train`` runs at this layout and
+    ``m`` (``modelpar.training.config.validate``): none but ``(1, "")`` without a pipeline; interleaved at each
+    ``vpp`` from 2 whose ``pp * vpp`` chunks the layers fill and where ``pp`` divides ``m`` (it walks micro-batches
+    in groups of pp); zbv and dualpipev at ``vpp = 2`` where ``2 pp <= layers`` (and ``pp <= space.max_v_pp``),
+    dualpipev only where its simulated bubble is below zbv's (else it is as fast and holds more)."""
+    p, layers = layout.pp, model.shape.layers
+    if p == 1:
+        return [(1, "")]
+    out = []
+    for name in space.schedules:
+        if name == "1f1b":
+            out.append((1, ""))
+        elif name == "interleaved":
+            out += [(v, "") for v in range(2, space.max_vpp + 1) if m % p == 0 and p * v <= layers]
+        elif name in V_SCHEDULES:
+            if 2 * p > layers or p > space.max_v_pp:
+                continue
+            # DualPipeV holds two chunks more than ZB-V at the same compute: tried only where it idles less
+            if name == "dualpipev" and "zbv" in space.schedules:
+                if bubble_ratio("dualpipev", p, m, 2) >= bubble_ratio("zbv", p, m, 2):
+                    continue
+            out.append((2, name))
+        else:  # gpipe, zb-h1: one chunk per rank
+            out.append((1, name))
+    return out
+
+
+def cp_comms(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[str, ...]:
     """The cp exchanges to try: all-to-all only where cp splits the query heads of a tp rank."""
     splits = (model.shape.heads // layout.tp) % layout.cp == 0
     return tuple(c for c in space.cp_comm if c != "alltoall" or splits)
 
 
-def zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace) -> tuple[int, ...]:
+def zero_stages(model: ModelSpec, layout: ParallelLayout, space: SearchSpace, pipeline: str = "") -> tuple[int, ...]:
     """The ZeRO stages worth trying: none without dp x cp. With ep > 1 the trainer shards expert weights over the
     expert data-parallel group (dp x cp / ep ranks), which the memory and time model do not describe yet: the
-    planner keeps those layouts at zero-0 rather than predict a sharding the trainer does not do."""
+    planner keeps those layouts at zero-0 rather than predict a sharding the trainer does not do. A V schedule
+    (``pipeline``) with tied embeddings runs at zero 0-1 only (rank 0 holds both ends, one weight in two FSDP
+    units: the trainer refuses it)."""
     if layout.dp * layout.cp == 1 or layout.ep > 1:
         return (0,)
+    if pipeline in V_SCHEDULES and model.tie_embeddings:
+        return tuple(z for z in space.zero if z < 2)
     return tuple(space.zero)
 
 
@@ -206,6 +244,8 @@ def check_inputs(*, gpus: int, global_batch: int, seq_len: int, space: SearchSpa
             raise PlanError(f"{name}={want} does not divide gpus={gpus}; try {name} in {_divisors(gpus)}")
     if not space.cp_comm or any(c not in PLANNED_CP_COMMS for c in space.cp_comm):
         raise PlanError(f"cp_comm={list(space.cp_comm)} must list ways from {', '.join(PLANNED_CP_COMMS)}")
+    if not space.schedules or any(name not in SCHEDULES for name in space.schedules):
+        raise PlanError(f"schedules={list(space.schedules)} must list pipeline schedules from {', '.join(SCHEDULES)}")
     bad = [r for r in space.recompute if r not in RECOMPUTE_MODES]
     if bad or not space.recompute:
         raise PlanError(f"recompute={list(space.recompute)} must list modes from {', '.join(RECOMPUTE_MODES)}")

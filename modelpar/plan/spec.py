@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from modelpar.model.config import ModelConfig
 from modelpar.parallel.layout import ParallelLayout
+from modelpar.pipeline.placement import Placement
+from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES, placement_for
 
 GIB = 2**30
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -112,8 +114,10 @@ class Strategy:
     ``recompute_modules`` (our block, ``recompute="selective"``): what ``parallel.recompute_modules`` reruns
     (attention | mlp | elementwise); the GPT block's selective is Megatron's (the attention core). The rest
     describe a run the planner does not choose but predicts for ``modelpar-bench``: ``zero_group`` (hybrid
-    sharding, ``optim.zero_group``), ``stage_layers`` (the chunks' layer counts; empty: the trainer's default
-    split) and ``pipeline`` (the schedule, where not 1F1B or interleaved). ``reduce_every_micro_batch``
+    sharding, ``optim.zero_group``) and ``stage_layers`` (the chunks' layer counts; empty: the trainer's default
+    split). ``pipeline`` is ``parallel.schedule`` where it is not the one the layout implies (1F1B, interleaved
+    with ``vpp > 1``): ``zbv`` or ``dualpipev`` (``vpp = 2``, chunks placed in a V), ``zb-h1``, ``gpipe``; the
+    search tries the V ones (``SearchSpace.schedules``). ``reduce_every_micro_batch``
     (ZeRO-2/3: no unsharded gradients kept across micro-batches, m reduce-scatters) the search tries, like
     offload, where a strategy does not fit without it."""
 
@@ -135,6 +139,10 @@ class Strategy:
         object.__setattr__(self, "zero", int(self.zero))  # True/False from older callers: stage 1 / 0
         object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        if self.pipeline and self.pipeline not in SCHEDULES:
+            raise PlanError(f"pipeline={self.pipeline!r} is no schedule; choose one of {', '.join(SCHEDULES)}")
+        if self.pipeline in V_SCHEDULES and self.layout.vpp != 2:
+            raise PlanError(f"pipeline={self.pipeline} folds two chunks per rank in a V; use vpp=2")
 
     @property
     def zero1(self) -> bool:
@@ -157,6 +165,11 @@ class Strategy:
         return self.pipeline or ("interleaved" if self.layout.vpp > 1 else "1f1b")
 
     @property
+    def placement(self) -> Placement:
+        """Which rank holds each model chunk: V for zbv and dualpipev (rank 0 holds the first and the last)."""
+        return placement_for(self.schedule_name)
+
+    @property
     def recompute_label(self) -> str:
         """``none``, ``full`` or ``selective(attention+mlp)``, the modules rerun."""
         if self.recompute != "selective":
@@ -167,6 +180,7 @@ class Strategy:
         flags = [f"b{self.micro_batch_size}", f"m{self.micro_batches}", f"rc-{self.recompute_label}"]
         flags += [f"zero{self.zero}"] * self.zero1 + ["sp"] * self.sp + [self.cp_comm] * (self.layout.cp > 1)
         flags += ["reduce-every-mb"] * self.reduce_every_micro_batch + ["offload"] * self.offload
+        flags += [self.pipeline] * bool(self.pipeline and self.layout.pp > 1)
         return f"{self.layout} {' '.join(flags)}"
 
 

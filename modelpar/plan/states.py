@@ -61,11 +61,13 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
     """The parameter tensors of a rank of pipeline stage ``stage`` grouped as FSDP2 units: (``block`` or
     ``root``, [(rows, cols) of each tensor], how many such units). Blocks (or half blocks) of a kind, then each
     chunk's root: its embedding, final norm and head (tied embeddings across stages: the last stage's head is
-    a copy of the embedding), and the last stage's multi-token prediction modules."""
+    a copy of the embedding; on the rank holding both ends, the V placement's first, one weight), and the last
+    stage's multi-token prediction modules."""
     shape, t, h = model.shape, strategy.layout.tp, model.shape.hidden
     partition = strategy_partition(model, strategy, seq_len)
     vt = padded_vocab_size(shape.vocab_size, t) // t
     units: list[tuple[str, list, int]] = []
+    holds_embedding = any(partition.has_embedding(c) for c in partition.chunks_of(stage))
     for c in partition.chunks_of(stage):
         for (halves, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
             layer = a_layer(moe_layer, shape.moe, shape.layers)
@@ -73,7 +75,7 @@ def stage_units(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) 
         root = [(vt, shape.hidden)] if partition.has_embedding(c) else []
         if partition.has_head(c):
             root.append((shape.hidden, 1))  # final norm
-            if not (shape.tie_embeddings and partition.has_embedding(c)):
+            if not (shape.tie_embeddings and holds_embedding):
                 root.append((vt, shape.hidden))  # lm_head, or the tied embedding's copy
             if shape.mtp_depth and not shape.tie_embeddings and not partition.has_embedding(c):
                 root.append((vt, shape.hidden))  # multi-token prediction's copy of the embedding
@@ -97,7 +99,25 @@ def state_bytes(
     """Model-state bytes of rank 0 of dp x cp on pipeline stage ``stage`` (the module docstring's table):
     ``weights``, ``gradients``, ``optimizer``, ``buffers`` at the optimizer step, and ``gathered``, FSDP2's
     unsharded weights (``gather_bytes`` per element: the compute dtype's) and gradients at their peak during
-    the step (ZeRO-2/3)."""
+    the step (ZeRO-2/3). Remembered per model object for the search, keyed on what they depend on (strategies
+    differing only in SP, the cp exchange, the micro-batch size or selective recompute's modules share them)."""
+    s = strategy
+    key = (s.layout, s.zero, s.zero_group, s.stage_layers, s.schedule_name, s.micro_batches)
+    key += (s.reduce_every_micro_batch, s.recompute == "full", seq_len, stage, gather_bytes)
+    held = _STATES.get(id(model))
+    if held is None or held[0] is not model:  # the model is held, so its id is not reused while cached
+        if len(_STATES) >= 16:
+            _STATES.clear()
+        held = _STATES[id(model)] = (model, {})
+    if key not in held[1]:
+        held[1][key] = _state_bytes(model, strategy, seq_len, stage, gather_bytes)
+    return dict(held[1][key])
+
+
+_STATES: dict[int, tuple[ModelSpec, dict]] = {}
+
+
+def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, gather_bytes: int) -> dict[str, float]:
     units = stage_units(model, strategy, seq_len, stage)
     params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
     d = strategy.layout.dp * strategy.layout.cp

@@ -12,7 +12,8 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
                  a MoE layer under SP 2 (its MLP has none), plus one all-reduce a step of the fp32 gradients
                  of the experts, which are replicated over tp; and per micro-batch one more for the embedding's
                  output and one for the head's input (one of them on a rank of a pipeline)
-    pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped
+    pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped (the V
+                 schedules' turn on the last rank stays local: counted all the same)
     dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap);
                  ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
     cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
@@ -23,7 +24,8 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
                  gradients backward, 4 all-to-alls each sending (cp-1)/cp of b*(s/cp)*heads*d, exposed
     ep_comm_s  = mixture of experts, per MoE layer per micro-batch: 4 all-to-alls (6 with full recompute), each
                  rank sending its k*b*(s/cp)/t routed rows of h, all but the 1/ep staying home, not overlapped
-    bubble_s   = (p-1)/(v*m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
+    bubble_s   = bubble_ratio * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s): (p-1)/(v*m) for 1F1B and
+                 interleaved, the schedule simulator's for zb-h1, zbv and dualpipev (``modelpar.plan.bubble``)
     total_s    = the sum of the above
 
 Expert parallelism (ep, from dp x cp; mixture-of-experts models only): each rank stores ``E/ep`` experts of
@@ -47,9 +49,11 @@ The constants are stated in ``Hardware`` (per-device peak, bandwidths, latency) 
 (achievable efficiency, DP overlap); ``tests/plan/test_plan.py`` checks the model against Narayanan et al. 2021.
 
 Left out, so read predictions as +-15%: matmul efficiency falling for small or thin GEMMs (one global factor
-instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, ZB-H1 and
-GPipe schedules' time, and, for the GPT block, the memory of an uneven split (the busiest chunk's layers are
-assumed on every stage). ``ModelSpec.flash_attention`` drops the GPT block's stored ``s x s`` scores (what a
+instead), TP communication overlapped with compute, the optimizer step, allocator fragmentation, the zero-bubble
+schedules' F, B and W not costing one unit each (the bubble assumes they do), DualPipeV's overlap of one
+micro-batch's all-to-all with another's compute (the runtime runs the pair one after the other), and, for the
+GPT block, the memory of an uneven split (the busiest chunk's layers are assumed on every stage).
+``ModelSpec.flash_attention`` drops the GPT block's stored ``s x s`` scores (what a
 fused attention kernel does). Recompute adds the rerun FLOPs (full: the block's forward; selective: the
 attention or MLP halves named, ``elementwise`` ``RECOMPUTED_PASSES`` element-wise passes) and one tp
 collective per rerun half; offload adds its copies over ``Hardware.host_bw`` (``offload_per_micro_batch_s``).
@@ -57,13 +61,16 @@ collective per rerun half; offload adds its copies over ``Hardware.host_bw`` (``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.flops import attention_keys, attention_width, training_flops_per_token
 from modelpar.pipeline.partition import partition_by_cost
+from modelpar.pipeline.placement import Placement
 from modelpar.plan.activations import offloaded_per_micro_batch
+from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.memory import layers_per_chunk, peak_memory, stage_params
 from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Prediction, Strategy
 
@@ -214,16 +221,21 @@ def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> floa
         2.0 * tokens * shape.attention_params() + 4.0 * tokens * attention_width(shape) * attention_keys(shape, seq_len)
     ) / forward
     return block * _busiest_rank_blocks(
-        shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4)
+        shape.layers, layout.pp, layout.vpp, round(head / block, 4), round(attention_share, 4), strategy.placement
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _busiest_rank_blocks(layers: int, pp: int, vpp: int, head_in_blocks: float, attention_share: float) -> float:
+def _busiest_rank_blocks(
+    layers: int, pp: int, vpp: int, head_in_blocks: float, attention_share: float, placement: Placement
+) -> float:
     """Cost of the busiest rank, in blocks, under the trainer's FLOP-balanced split in half blocks (attention
-    costs ``attention_share`` of a block, the MLP the rest, the head ``head_in_blocks``)."""
+    costs ``attention_share`` of a block, the MLP the rest, the head ``head_in_blocks``), its chunks placed on
+    ranks by ``placement``."""
     halves = [attention_share, 1.0 - attention_share] * layers
-    split = partition_by_cost(halves, pp, vpp, head_cost=head_in_blocks, halves=True)
+    split = dataclasses.replace(
+        partition_by_cost(halves, pp, vpp, head_cost=head_in_blocks, halves=True), placement=placement
+    )
 
     def cost(chunk: int) -> float:
         start, stop = split.half_range(chunk)
@@ -273,7 +285,8 @@ def predict(
     tp_bw = group_bandwidth(hardware, t)
     moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
     tp_comm_s = m * layers_on_rank * tp_collectives_per_layer(model, strategy, moe_share)
-    tp_comm_s += m * (2 if p == 1 else 1)  # the vocab-parallel embedding's output and the head's input, once each
+    both_ends = p == 1 or strategy.placement is Placement.V  # one rank holds the embedding and the head
+    tp_comm_s += m * (2 if both_ends else 1)  # the vocab-parallel embedding's output and the head's input
     tp_comm_s *= ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
     experts = layers_on_rank * moe_share * shape.moe.experts / layout.ep * 3 * shape.hidden * shape.expert_ffn_hidden
     tp_comm_s += ring_all_reduce_s(experts * GRAD_BYTES, t, tp_bw, hardware.latency_s) if shape.moe.enabled else 0.0
@@ -291,7 +304,7 @@ def predict(
     dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
     cp_comm_s = m * layers_on_rank * cp_exposed_per_layer_s(model, strategy, hardware, seq_len, rate)
     ep_comm_s = m * layers_on_rank * moe_share * ep_comm_per_layer_s(model, strategy, hardware, seq_len)
-    bubble_s = (p - 1) / (v * m) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
+    bubble_s = bubble_ratio(strategy.schedule_name, p, m, v) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
     units = hardware.compute_units
     if units and layout.world_size > 1:
         compute_s *= hardware.busy_slowdown
@@ -374,12 +387,35 @@ def cp_exposed_per_layer_s(
     return forwards * forward + backward
 
 
+def cp_bytes_per_layer(model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int) -> float:
+    """Bytes one rank sends in the cp exchange of one layer and micro-batch, forward and backward, under the
+    strategy's ``cp_comm`` (the terms of ``cp_exposed_per_layer_s``, before any overlap): ring: ``cp - 1`` K/V
+    blocks forward, as many K/V and dK/dV (fp32) blocks backward and the last dK/dV home; all-gather: ``(cp-1)/cp``
+    of the gathered K/V per gather, dK/dV reduce-scattered; all-to-all: ``(cp-1)/cp`` of q, k, v and the output."""
+    layout = strategy.layout
+    cp, t, b = layout.cp, layout.tp, strategy.micro_batch_size
+    if cp == 1:
+        return 0.0
+    kv_elements = b * seq_len / cp * cp_exchange_width(model, t)
+    forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
+    share = (cp - 1) / cp
+    if strategy.cp_comm == "alltoall":
+        d, kv = model.shape.head_size, max(1, model.shape.kv_heads // t)
+        heads = model.shape.heads / t + 2 * kv * cp // math.gcd(kv, cp)
+        out_heads = model.shape.heads / t
+        return (forwards + 1) * share * b * seq_len / cp * (heads + out_heads) * d * hardware.weight_bytes
+    if strategy.cp_comm == "allgather":
+        return (forwards + 2) * share * kv_elements * cp * hardware.weight_bytes
+    send, send_grad = kv_elements * hardware.weight_bytes, kv_elements * GRAD_BYTES
+    return forwards * (cp - 1) * send + (cp - 1) * (send + send_grad) + send_grad
+
+
 def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel) -> float:
     """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages."""
     layout = strategy.layout
     t, p = layout.tp, layout.pp
     d = layout.dp * layout.cp  # weights are replicated over dp x cp, gradients reduced over both
-    params = max(stage_params(model, layout, st) for st in {0, p - 1})
+    params = max(stage_params(model, layout, st, strategy.placement) for st in {0, p - 1})
     bw = group_bandwidth(hardware, layout.world_size)
     exposed = 0.0
     if d > 1 and strategy.zero >= 2:
@@ -401,7 +437,8 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
         exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
     elif d > 1:
         exposed = (1 - costs.dp_overlap) * ring_all_reduce_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
-    if p > 1 and (model.tie_embeddings or model.shape.mtp_depth):  # the last stage's head or MTP embeds too
+    shared = model.tie_embeddings or model.shape.mtp_depth  # the last stage's head or MTP modules embed too
+    if p > 1 and shared and strategy.placement is not Placement.V:  # V: one rank, one weight
         embedding = model.shape.vocab_size * model.shape.hidden / t * GRAD_BYTES
         exposed += ring_all_reduce_s(embedding, 2, group_bandwidth(hardware, t * p), hardware.latency_s)
     return exposed

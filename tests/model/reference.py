@@ -54,6 +54,19 @@ CONFIGS = {
         max_seq_len=16,
         init_std=0.2,
     ),
+    # a sliding window of 3 on layer 0, full attention on layer 1 (local and global layers)
+    "window3-local-global": ModelConfig(
+        vocab_size=61,
+        hidden=32,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=40,
+        max_seq_len=16,
+        init_std=0.2,
+        sliding_window=3,
+        window_layers=[0],
+    ),
 }
 
 

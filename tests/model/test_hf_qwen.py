@@ -131,7 +131,7 @@ def test_export_refuses_what_qwen3_moe_cannot_express():
     ]:
         with pytest.raises(ValueError, match=rf"Qwen3-MoE cannot express this model \({named}\)"):
             config_to_hf(ModelConfig(layers=2, qk_norm=True, moe=moe))
-    with pytest.raises(ValueError, match=r"Mixtral cannot express this model \(top-k weights not renormalised\)"):
+    with pytest.raises(ValueError, match=r"Mixtral cannot express this model \(norm_topk_prob=false\)"):
         config_to_hf(ModelConfig(layers=2, moe=MoEConfig(experts=4, norm_topk_prob=False)))
 
 

@@ -43,11 +43,8 @@ def test_results_come_back_in_rank_order_with_one_thread_each():
 
 def test_second_call_reuses_warm_workers():
     first = run_on_ranks(2, _pid)
-    start = time.perf_counter()
     second = run_on_ranks(2, _pid)
-    elapsed = time.perf_counter() - start
-    assert first == second
-    assert elapsed < 0.5, f"warm call took {elapsed:.3f}s"
+    assert first == second  # the same processes: no new rank was started
 
 
 def test_raising_rank_is_named_with_its_traceback():

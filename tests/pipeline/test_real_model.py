@@ -12,6 +12,8 @@ from modelpar.pipeline import PipelineRuntime, build_schedule, partition_explici
 from modelpar.testing import current_groups, run_on_ranks
 
 CONFIG = ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, max_seq_len=16)
+# a sliding window of 3 (< SEQ) on the first layer, the second attending to every earlier token
+WINDOWED = ModelConfig(**{**CONFIG.__dict__, "sliding_window": 3, "window_layers": [0]})
 BATCH, SEQ, M, SEED = 2, 8, 4, 3
 
 
@@ -20,13 +22,13 @@ def tokens_and_targets() -> tuple[torch.Tensor, torch.Tensor]:
     return ids[..., :-1], ids[..., 1:]
 
 
-def _pipeline_step(schedule: str, counts=None) -> tuple[float, dict[str, torch.Tensor]]:
+def _pipeline_step(schedule: str, counts=None, config: ModelConfig = CONFIG) -> tuple[float, dict[str, torch.Tensor]]:
     groups = current_groups()
     pp = groups.layout.pp
-    part = partition_uniform(CONFIG.layers, pp) if counts is None else partition_explicit(counts, CONFIG.layers, pp)
+    part = partition_uniform(config.layers, pp) if counts is None else partition_explicit(counts, config.layers, pp)
     chunks = [
         build_chunk(
-            CONFIG,
+            config,
             groups,
             part.layers(c),
             first=part.has_embedding(c),
@@ -48,8 +50,8 @@ def _pipeline_step(schedule: str, counts=None) -> tuple[float, dict[str, torch.T
     return result.loss, grads
 
 
-def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    model = build_model(CONFIG, seed=SEED)
+def reference(config: ModelConfig = CONFIG) -> tuple[float, dict[str, torch.Tensor]]:
+    model = build_model(config, seed=SEED)
     tokens, targets = tokens_and_targets()
     loss = model.loss(model(tokens.flatten(0, 1)), targets.flatten(0, 1))
     loss.backward()
@@ -57,12 +59,20 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize(
-    "schedule, counts", [("1f1b", None), ("zb-h1", None), ("1f1b", (1.5, 0.5)), ("zb-h1", (0.5, 1.5))]
+    "schedule, counts, config",
+    [
+        ("1f1b", None, CONFIG),
+        ("zb-h1", None, CONFIG),
+        ("1f1b", (1.5, 0.5), CONFIG),
+        ("zb-h1", (0.5, 1.5), CONFIG),
+        ("1f1b", (1.5, 0.5), WINDOWED),
+    ],
+    ids=["1f1b", "zb-h1", "1f1b-half", "zb-h1-half", "1f1b-half-window"],
 )
-def test_two_stage_llama_matches_the_single_device_model(schedule, counts):
-    """Whole-block splits and splits between a block's attention and MLP halves."""
-    want_loss, want_grads = reference()
-    results = run_on_ranks(2, _pipeline_step, schedule, counts, layout=ParallelLayout(pp=2))
+def test_two_stage_llama_matches_the_single_device_model(schedule, counts, config):
+    """Whole-block splits and splits between a block's attention and MLP halves (and local/global layers)."""
+    want_loss, want_grads = reference(config)
+    results = run_on_ranks(2, _pipeline_step, schedule, counts, config, layout=ParallelLayout(pp=2))
     seen: set[str] = set()
     for rank, (loss, grads) in enumerate(results):
         assert loss == pytest.approx(want_loss, rel=1e-5), f"{schedule} rank {rank}"

@@ -328,9 +328,12 @@ def test_cli_prints_a_ranked_table_and_writes_json(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "layouts fit" in lines[0] and "tokens/s" in lines[1]
     assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
-    assert lines[6].startswith("run #1: modelpar-train model=llama-8b parallel.tp=") and len(lines) == 10
+    assert lines[6].startswith("run #1: modelpar-train model=llama-8b parallel.tp=")
     assert lines[7].startswith("why zero-") and lines[8].startswith("why recompute ")
     assert lines[9].startswith("why offload ")
+    first = json.loads(out.read_text())["layouts"][0]
+    extra = ["why schedule "] * (first["pp"] > 1) + ["why cp comm "] * (first["cp"] > 1)  # one line each
+    assert len(lines) == 10 + len(extra) and all(line.startswith(w) for line, w in zip(lines[10:], extra, strict=True))
     record = json.loads(out.read_text())
     first = record["layouts"][0]
     assert first["tp"] * first["cp"] * first["pp"] * first["dp"] == 16

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from modelpar.cli.plan import main
+from modelpar.cli.plan import build_parser, main
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.plan import HARDWARE, ModelSpec, SearchSpace, Strategy, load_model, plan, predict, stage_memory
 
@@ -100,6 +100,9 @@ def test_cli_names_cp_in_the_table_and_the_overrides(capsys):
     assert "cp comm" in out.splitlines()[1]
     (run,) = [line for line in out.splitlines() if line.startswith("run #1: ")]
     assert "parallel.cp=" in run and "parallel.cp_comm=ring" in run
+    (why,) = [line for line in out.splitlines() if line.startswith("why cp comm ")]
+    assert why.startswith("why cp comm ring (") and "x the bytes of alltoall" in why and "alltoall fits at" in why
+    assert build_parser().get_default("cp_comm") == ",".join(SearchSpace().cp_comm)  # alltoall searched too
     assert main([*argv, "--cp", "3"]) == 2
     assert "cp=3 does not divide gpus=64" in capsys.readouterr().err
 

@@ -54,7 +54,14 @@ def test_shipped_mixtral_recipe_is_the_planners_first_choice_with_ep8(mixtral):
     register_schema()
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="mixtral-8x7b-64gpu", overrides=["trainer.out_dir=unused"]))
-    best = plan(mixtral, H100, gpus=64, global_batch=256, seq_len=4096, space=SearchSpace(ep=8, cp=1, max_vpp=1))[0]
+    best = plan(
+        mixtral,
+        H100,
+        gpus=64,
+        global_batch=256,
+        seq_len=4096,
+        space=SearchSpace(ep=8, cp=1, max_vpp=1, schedules=("1f1b",)),
+    )[0]
     p, s = cfg.parallel, best.strategy
     assert (p.tp, p.pp, p.dp, p.ep, p.sp, p.microbatches) == (
         s.layout.tp,
@@ -118,7 +125,7 @@ def test_shipped_qwen3_recipe_is_the_planners_first_choice_with_ep8(qwen3_moe):
         cfg = OmegaConf.to_object(compose(config_name="qwen3-30b-a3b-64gpu", overrides=["trainer.out_dir=unused"]))
     validate(cfg)
     assert cfg.model.identity() == qwen3_moe.shape.identity()
-    space = SearchSpace(ep=8, cp=1, max_vpp=1)
+    space = SearchSpace(ep=8, cp=1, max_vpp=1, schedules=("1f1b",))  # the recipe runs 1F1B
     best = plan(qwen3_moe, H100, gpus=64, global_batch=256, seq_len=4096, space=space)[0]
     p, s = cfg.parallel, best.strategy
     got = (p.tp, p.pp, p.dp, p.ep, p.sp, p.microbatches, p.recompute)

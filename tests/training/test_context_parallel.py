@@ -76,6 +76,7 @@ LAYOUTS = [
     (dict(cp=4, cp_comm="alltoall"), False),  # 2 kv heads repeated to one per cp rank
     (dict(cp=4, cp_comm="hybrid", cp_a2a=2), True),
     (dict(cp=2, cp_comm="alltoall", tp=2, sp=True), True),  # one kv head per tp rank, repeated
+    (dict(cp=2, cp_comm="alltoall", dp=2, zero_=1), False),  # the optimizer state sharded over dp x cp
     (dict(cp=2, cp_comm="alltoall", dp=2, zero_=3), False),
     (dict(cp=2, cp_comm="alltoall", pp=2, recompute="full"), True),
 ]

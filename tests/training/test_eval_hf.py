@@ -84,7 +84,13 @@ def test_a_real_conflict_names_the_field_and_both_values(imported):
 
 
 @pytest.mark.parametrize(
-    "layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"]]
+    "layout",
+    [
+        ["parallel.cp=2"],
+        ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=allgather"],
+        # Ulysses: heads exchanged by all-to-all (4 heads, 2 kv heads: two heads and one kv head a rank)
+        ["parallel.cp=2", "parallel.cp_comm=alltoall"],
+    ],
 )
 def test_eval_at_cp_gives_transformers_loss(imported, layout):
     root, want, _ = imported
