@@ -22,6 +22,7 @@ PRESETS = [
     "mixtral-8x7b-64gpu",
     "llama-405b-16384gpu",
     "llama-405b-128k-16384gpu",
+    "deepseek-v3-671b-2048gpu",
 ]
 OUT = Path(__file__).parent / "results"
 

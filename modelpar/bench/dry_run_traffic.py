@@ -14,7 +14,8 @@ micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
     pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
     dp    zero-0: the gradient buckets all-reduced once (4 bytes a value and a flag a tensor; a rank's own
           experts, ep = dp x cp, not at all); zero-1: reduce-scatter of the fp32 gradients and all-gather of
-          the fp32 master shards (padded to d shards); zero-2/3: FSDP2's reduce-scatter of each unit's padded
+          the fp32 master shards (padded to d shards; under ep the experts' over the expert_dp group of d / ep
+          ranks holding the same experts); zero-2/3: FSDP2's reduce-scatter of each unit's padded
           gradient (``optim.reduce_dtype``) once a step (m times with reduce_every_micro_batch), all-gather of
           its weights in the compute dtype once a step at zero-2, before each forward and backward at zero-3
     cp    ring: per layer and micro-batch, each forward's K/V block to the next rank cp-1 times, backward the
@@ -24,7 +25,8 @@ micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
 
 Left out, as the time model leaves them out: the embedding's and head's own tp exchanges, the loss's and
 routing statistics' small all-reduces, the has-gradient flags of ZeRO-1, FSDP2's gathers at zero-3 of each
-chunk's root. The tied embedding's sync (first and last stage) is the time model's: its fp32 gradient.
+chunk's root. The tied embedding's sync (first and last stage; an untied one too when the last stage's MTP modules
+embed) is the time model's: its fp32 gradient.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.plan.activations import activation_bytes
 from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
-from modelpar.plan.states import shard_group_size, stage_units, state_bytes
+from modelpar.plan.states import shard_group_size, stage_units, state_bytes, zero1_shards
 from modelpar.plan.step_time import cp_exchange_width, rerun_halves
 
 
@@ -56,6 +58,9 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
             for half in held:
                 halves[half] += count
             moe_layers += count * (moe_layer and "mlp" in held)
+        if shape.mtp_depth and partition.has_head(c):  # the MTP blocks, of the last layer's kind, beside the head
+            halves = {half: n + shape.mtp_depth for half, n in halves.items()}
+            moe_layers += shape.mtp_depth * shape.moe.is_moe_layer(shape.layers - 1)
     if t > 1:
         tp_halves = dict(halves, mlp=halves["mlp"] - moe_layers * strategy.sp)  # tp_collectives_per_layer
         pairs = sum(n * (2 + (h in rerun)) for h, n in tp_halves.items())
@@ -85,7 +90,8 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         rows = shape.moe.top_k * b * seq_len / cp / t
         count = 6 if "mlp" in rerun else 4
         out["ep all_to_all"] += m * moe_layers * count * rows * shape.hidden * e
-    if model.tie_embeddings and layout.pp > 1 and stage in (0, layout.pp - 1):  # ``dp_exposed_s``'s tied sync
+    shared = model.tie_embeddings or shape.mtp_depth  # the last stage's head or MTP modules use the embedding
+    if shared and layout.pp > 1 and stage in (0, layout.pp - 1):  # ``dp_exposed_s``'s tied sync
         vt = padded_vocab_size(shape.vocab_size, t) // t
         out["embedding all_reduce"] += GRAD_BYTES * vt * shape.hidden
     _data_parallel(model, strategy, seq_len, stage, e, out)
@@ -104,10 +110,14 @@ def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: in
         out[f"{group} all_reduce"] += states["buffers"]
         return
     params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
-    if strategy.zero == 1:
-        shard = math.ceil(params / d)
-        out[f"{group} reduce_scatter"] += GRAD_BYTES * shard * d
-        out[f"{group} all_gather"] += GRAD_BYTES * shard * d
+    if strategy.zero == 1:  # dense over dp x cp, the experts over the ranks holding the same ones
+        dense, experts = zero1_shards(model, strategy, seq_len, stage, params)
+        out[f"{group} reduce_scatter"] += GRAD_BYTES * dense * d
+        out[f"{group} all_gather"] += GRAD_BYTES * dense * d
+        e_dp = d // layout.ep
+        if experts and e_dp > 1:
+            out["expert_dp reduce_scatter"] += GRAD_BYTES * experts * e_dp
+            out["expert_dp all_gather"] += GRAD_BYTES * experts * e_dp
         return
     g = shard_group_size(strategy)
     padded = sum(count * math.ceil(r / g) * g * c for _, tensors, count in units for r, c in tensors)

@@ -268,16 +268,20 @@ class HostData(TorchFunctionMode):
 class CpuAttention(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` of meta tensors as the CPU runs it: torch picks its kernel by device,
     and on meta it falls back to the math path, which keeps the ``s x s`` probabilities for backward; the CPU
-    (and GPU) pick a flash kernel, which keeps the output and the log-sum-exp. Called here by name."""
+    (and GPU) pick a flash kernel, which keeps the output and the log-sum-exp. Called here by name. Values of
+    another head dim than q/k (latent attention's 128 beside 192), which the CPU flash kernel refuses, take the
+    math path on the CPU too (the planner's "plain matmuls"), so they are left to it."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and args[0].device.type == "meta":
+        meta = func is torch.nn.functional.scaled_dot_product_attention and args[0].device.type == "meta"
+        if meta and args[2].shape[-1] == args[0].shape[-1]:
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask")
             causal = kwargs.get("is_causal", False)
+            dropout, scale = kwargs.get("dropout_p", 0.0), kwargs.get("scale")
             out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), causal, attn_mask=mask, scale=kwargs.get("scale")
+                q, k, v, dropout, causal, attn_mask=mask, scale=scale
             )
             return out
         return func(*args, **kwargs)

@@ -2,8 +2,8 @@
 
     modelpar-ckpt verify  runs/x/checkpoints                    # latest (or a step-* directory): every SHA-256
     modelpar-ckpt reshard runs/x/checkpoints/step-00000200 out/tp4 --tp 4 --pp 1
-    modelpar-ckpt import-hf path/to/llama-hf ckpts/imported       # a Llama or Mixtral directory -> checkpoint
-    modelpar-ckpt export-hf runs/x/checkpoints/step-00000200 hf/  # -> LlamaForCausalLM (MixtralForCausalLM for MoE)
+    modelpar-ckpt import-hf path/to/llama-hf ckpts/imported       # Llama, Mistral, Mixtral, Qwen3(-MoE), DeepSeek-V3
+    modelpar-ckpt export-hf runs/x/checkpoints/step-00000200 hf/  # -> the family the model is (modelpar.model.hf)
 
 Any layout can also load any checkpoint directly (``trainer.resume=PATH``); ``reshard`` writes the files of the
 new layout ahead of time. Only safetensors and JSON are read.
@@ -196,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, default=1)
     p.set_defaults(fn=cmd_reshard)
     p = sub.add_parser(
-        "import-hf", help="a LlamaForCausalLM or MixtralForCausalLM directory -> checkpoint (loads into any layout)"
+        "import-hf", help="a Llama, Mistral, Mixtral, Qwen3(-MoE) or DeepSeek-V3 directory -> checkpoint (any layout)"
     )
     p.add_argument("hf_dir")
     p.add_argument("dst")
     p.set_defaults(fn=cmd_import_hf)
     p = sub.add_parser(
-        "export-hf", help="checkpoint -> a LlamaForCausalLM directory (MixtralForCausalLM for a mixture of experts)"
+        "export-hf", help="checkpoint -> a Llama, Mistral, Mixtral, Qwen3(-MoE) or DeepSeek-V3 directory"
     )
     p.add_argument("src")
     p.add_argument("hf_dir")

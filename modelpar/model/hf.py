@@ -1,8 +1,9 @@
-"""Hugging Face Llama, Mistral, Mixtral, Qwen3 and Qwen3-MoE interoperability: import a ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` directory into a
-model chunk at any tp (and ep), and export one back to a directory that transformers loads (Qwen3's configs:
-``modelpar.model.hf_qwen``). Mistral is Llama with a ``sliding_window`` (ours: every layer's window); a config's
-``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
+"""Hugging Face Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE and DeepSeek-V3 interoperability: import a
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``
+or ``DeepseekV3ForCausalLM`` directory into a model chunk at any tp (and ep), and export one back to a directory
+that transformers loads (Qwen3's configs: ``modelpar.model.hf_qwen``; DeepSeek-V3's configs, names and RoPE row
+order: ``modelpar.model.hf_deepseek``). Mistral is Llama with a ``sliding_window`` (ours: every layer's window);
+a config's ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
 
 Only ``config.json`` and ``model.safetensors`` are read (safetensors, never pickle); each rank reads just the
 slices it holds. Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name),
@@ -14,8 +15,8 @@ for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a 
 in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows first, and ``mlp.experts.down_proj`` [E, h, f])
 is read too.
 
-Which family a model exports as: a QK-norm model as Qwen3 (Qwen3-MoE with experts), any other as Llama
-(Mixtral with experts).
+Which family a model exports as: a latent-attention model as DeepSeek-V3, a QK-norm model as Qwen3 (Qwen3-MoE
+with experts), any other as Llama (Mixtral with experts).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from modelpar.model.config import ModelConfig, MoEConfig
+from modelpar.model.hf_deepseek import (
+    DEEPSEEK_TYPES,
+    deepseek_config_from_hf,
+    deepseek_config_to_hf,
+    deepseek_name,
+    rope_head_dim,
+    rope_rows_from_hf,
+    rope_rows_to_hf,
+)
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.transformer import ModelChunk
 
@@ -37,10 +47,13 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def hf_name(logical: str, model_type: str = "llama") -> str:
+def hf_name(logical: str, model_type: str = "llama", layers: int = 0) -> str:
     """HF state-dict key of a logical tensor: ``layers.0.mlp.up_proj.weight`` -> ``model.layers.0...``; a
     Mixtral router or expert ``layers.0.mlp.experts.5.w1.weight`` -> ``model.layers.0.block_sparse_moe...``, a
-    Qwen3-MoE expert -> ``model.layers.0.mlp.experts.5.gate_proj.weight``."""
+    Qwen3-MoE or DeepSeek-V3 expert -> ``model.layers.0.mlp.experts.5.gate_proj.weight`` (a DeepSeek-V3 MTP
+    module's tensors after the model's ``layers``: ``modelpar.model.hf_deepseek.deepseek_name``)."""
+    if model_type in DEEPSEEK_TYPES:
+        return deepseek_name(logical, layers)
     if logical == "lm_head.weight":
         return logical
     if model_type == "mixtral":
@@ -63,14 +76,17 @@ def fused_expert(logical: str) -> tuple[str, int, str] | None:
 
 
 def config_from_hf(path: str | os.PathLike) -> ModelConfig:
-    """Read ``config.json`` of a Llama, Mixtral, Qwen3 or Qwen3-MoE checkpoint; refuse, in one line naming the
-    fields, features this model does not implement."""
+    """Read ``config.json`` of a Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 checkpoint; refuse, in
+    one line naming the fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    if kind not in ("llama", "mistral", "mixtral", *QWEN_TYPES):
+    if kind not in ("llama", "mistral", "mixtral", *QWEN_TYPES, *DEEPSEEK_TYPES):
         raise ValueError(
-            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen3' and 'qwen3_moe' are supported"
+            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen3', 'qwen3_moe' and "
+            "'deepseek_v3' are supported"
         )
+    if kind in DEEPSEEK_TYPES:
+        return deepseek_config_from_hf(hf, path)
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -137,8 +153,15 @@ def _window_from_hf(hf: dict, path) -> dict:
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """``config.json`` contents for ``LlamaForCausalLM``, ``MistralForCausalLM`` for a sliding window, or
     ``MixtralForCausalLM`` for a mixture of experts that Mixtral can express; a QK-norm model's for
-    ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``. Raises ``ValueError`` (one line) for a model the family
-    cannot express."""
+    ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``; a latent-attention model's for ``DeepseekV3ForCausalLM``.
+    Raises ``ValueError`` (one line) for a model the family cannot express."""
+    if config.mla.enabled:
+        return deepseek_config_to_hf(config, dtype)
+    if config.mtp_depth:
+        raise ValueError(
+            f"model.mtp_depth={config.mtp_depth}: only DeepSeek-V3 (latent attention, model.mla) checkpoints hold "
+            "multi-token prediction modules; set model.mtp_depth=0 to export without them"
+        )
     if config.sliding_window and config.window_layers:
         raise ValueError(
             f"Mistral and Mixtral give every layer the window; model.window_layers={list(config.window_layers)} "
@@ -220,13 +243,18 @@ def _plain(config: ModelConfig, **fields) -> ModelConfig:
 
 def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
     """Load this rank's slices of every logical tensor of ``chunk`` from ``path/model.safetensors`` (named as
-    ``path/config.json``'s ``model_type`` names them; experts one tensor each or fused)."""
-    kind = json.loads((Path(path) / CONFIG_NAME).read_text()).get("model_type", "llama")
+    ``path/config.json``'s ``model_type`` names them; experts one tensor each or fused; a DeepSeek-V3's
+    interleaved RoPE rows reordered to rotate-half)."""
+    hf = json.loads((Path(path) / CONFIG_NAME).read_text())
+    kind, mla, layers = hf.get("model_type", "llama"), chunk.config.mla, chunk.config.layers
+    interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
     with safe_open(Path(path) / WEIGHTS_NAME, framework="pt") as f:
         keys = set(f.keys())
 
         def fetch(name, shard):
-            key = hf_name(name, kind)
+            key = hf_name(name, kind, layers)
+            if interleaved and key in keys and rope_head_dim(name, mla):  # whole heads permuted, then sliced
+                return rope_rows_from_hf(name, f.get_tensor(key), mla)[shard.index]
             for candidate in (key, hf_name(name)):  # a fused Mixtral's router is under mlp., not block_sparse_moe.
                 if candidate in keys:
                     return f.get_slice(candidate)[shard.index]
@@ -248,7 +276,9 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, to
     hf_config = config_to_hf(config, dtype)  # a model HF cannot express is refused before anything is written
     path.mkdir(parents=True, exist_ok=True)
     kind = hf_config["model_type"]
-    tensors = {hf_name(name, kind): t.detach().cpu().contiguous() for name, t in state.items()}
+    if kind in DEEPSEEK_TYPES:  # written with rope_interleave, V3's own row order
+        state = {name: rope_rows_to_hf(name, t, config.mla) for name, t in state.items()}
+    tensors = {hf_name(name, kind, config.layers): t.detach().cpu().contiguous() for name, t in state.items()}
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(tensors, path / WEIGHTS_NAME, metadata={"format": "pt"})
     # safetensors creates its file owner-only; both files of the directory get the mode the umask gives

@@ -7,6 +7,7 @@ is the trainer's, ``parallel.partition=flops`` unless given). modelpar keeps fp3
     zero  weights      gradients            optimizer              buffers / gathered (peak)
     0     4P           4P                   8P                     buckets 4(P + tensors), where dp x cp > 1
     1     4P           4P + 4S (its shard)  8S + 4S (fp32 master)  -                      S = ceil(P / d)
+          (under ep: S = ceil(dense / d) + ceil(experts / (d / ep)), the experts sharded over their own group)
     2     4*Q          4*Q                  8*Q                    every weight + a block's gather buffer
     3     4*Q          4*Q                  8*Q                    roots + the block + the next one's buffer
     2, 3  gathered also: the unsharded gradients while micro-batches accumulate (m > 1), 4P at the last one
@@ -133,9 +134,9 @@ def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
         }
     out = {"weights": 4.0 * params, "gradients": 4.0 * params, "optimizer": 8.0 * params, "buffers": 0.0}
     if zero == 1:
-        shard = math.ceil(params / d)
-        out["gradients"] += 4.0 * shard  # the reduced shard
-        out["optimizer"] = 12.0 * shard  # two moments and the fp32 master
+        shard = zero1_shards(model, strategy, seq_len, stage, params)
+        out["gradients"] += 4.0 * sum(shard)  # the reduced shard
+        out["optimizer"] = 12.0 * sum(shard)  # two moments and the fp32 master
     elif d > 1:
         tensors = sum(count * len(t) for _, t, count in units)
         if strategy.layout.ep == d:  # each rank's experts are its own: their gradients are not bucketed
@@ -144,6 +145,15 @@ def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
         out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
     out["gathered"] = 0.0
     return out
+
+
+def zero1_shards(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, params: int) -> tuple[int, int]:
+    """ZeRO-1's shards of this rank's ``params`` elements: (dense, experts). Dense parameters are sharded over
+    d = dp x cp; under ep the routed experts, which differ between the ranks of an ep group, form a partition of
+    their own sharded over the d / ep ranks holding the same experts (``modelpar.optim.zero``)."""
+    d, ep = strategy.layout.dp * strategy.layout.cp, strategy.layout.ep
+    experts = _expert_elements(model, strategy, seq_len, stage)[0] if ep > 1 else 0
+    return math.ceil((params - experts) / d), math.ceil(experts / (d // ep))
 
 
 def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:

@@ -437,7 +437,8 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
         exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
     elif d > 1:
         exposed = (1 - costs.dp_overlap) * ring_all_reduce_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
-    if p > 1 and model.tie_embeddings and strategy.placement is not Placement.V:  # V: one rank, one weight
+    shared = model.tie_embeddings or model.shape.mtp_depth  # the last stage's head or MTP modules embed too
+    if p > 1 and shared and strategy.placement is not Placement.V:  # V: one rank, one weight
         embedding = model.shape.vocab_size * model.shape.hidden / t * GRAD_BYTES
         exposed += ring_all_reduce_s(embedding, 2, group_bandwidth(hardware, t * p), hardware.latency_s)
     return exposed

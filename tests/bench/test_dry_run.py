@@ -91,3 +91,40 @@ def test_sharded_stages_are_refused_in_one_line(tmp_path):
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, zero=2))
     with pytest.raises(ValueError, match="optim.zero=2 is not supported"):
         dry_run(cfg)
+
+
+def test_zero1_with_expert_parallelism_shards_the_experts_over_their_own_group(tmp_path):
+    """ZeRO-1 at dp8 x ep2 with MTP: the experts' state is sharded over the 4 ranks holding the same experts
+    (expert_dp), the rest over dp; the untied embedding is synced with the MTP stage. The planner agrees."""
+    from modelpar.model.config import MoEConfig
+
+    cfg = make_config(tmp_path, pp=2, dp=8, ep=2, partition="uniform")
+    moe = MoEConfig(experts=4, top_k=2, ffn_hidden=16, shared_experts=1, first_k_dense_replace=1)
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, mtp_depth=1, moe=moe)
+    optim = dataclasses.replace(cfg.optim, zero=1)
+    cfg = dataclasses.replace(cfg, model=model, optim=optim, data=dataclasses.replace(cfg.data, global_batch=16))
+    report = step_rank(cfg, 0, "first stage")
+    assert report.states_exact, (report.states, report.planned_states)
+    for kind in ("expert_dp reduce_scatter", "expert_dp all_gather", "embedding all_reduce", "dp all_gather"):
+        assert report.traffic[kind] == report.planned_traffic[kind] > 0, kind
+
+
+def test_meta_attention_with_values_of_their_own_head_dim_keeps_their_width():
+    """Latent attention's v (dv) beside q and k (dk): the CPU flash kernel refuses it, so the math path runs."""
+    q, k = (torch.empty(1, 4, 16, 12, device="meta") for _ in range(2))
+    with CpuAttention():
+        out = F.scaled_dot_product_attention(q, k, torch.empty(1, 4, 16, 6, device="meta"), is_causal=True)
+    assert out.shape == (1, 4, 16, 6)
+
+
+def test_the_mtp_stage_routes_its_modules_tokens_too(tmp_path):
+    """The last stage's MTP block is a MoE block: its all-to-all is planned with the stage's own layers."""
+    from modelpar.model.config import MoEConfig
+
+    cfg = make_config(tmp_path, pp=2, dp=2, ep=2, partition="uniform")
+    moe = MoEConfig(experts=4, top_k=2, ffn_hidden=16)
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, mtp_depth=1, moe=moe)
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=4))
+    report = step_rank(cfg, 1, "last stage")
+    # within the split counts each layer exchanges first (a few hundred bytes, not planned)
+    assert report.traffic["ep all_to_all"] == pytest.approx(report.planned_traffic["ep all_to_all"], rel=0.01)

@@ -30,7 +30,10 @@ def reference_loss_and_grads(config, *, seed=0, hf_path=None, **options):
         import_hf(hf_path, model)
     loss = model.loss(model(IDS[:, :-1]), IDS[:, 1:])
     loss.backward()
-    return loss.item(), {name: shard.grad.clone() for name, shard in model.logical_shards().items()}
+    # a tensor without a gradient (the sigmoid router's balancing bias) is held but not compared
+    return loss.item(), {
+        name: None if shard.grad is None else shard.grad.clone() for name, shard in model.logical_shards().items()
+    }
 
 
 def _stages(config, groups, seed, options):
@@ -70,7 +73,7 @@ def layout_loss_and_grads(config, layout, options, *, seed=0, hf_path=None, back
     if backward:
         reduce_tensor_parallel_grads(chunk)
     for name, shard in chunk.logical_shards().items():
-        grad = None if not backward else shard.grad.clone()
+        grad = None if not backward or shard.grad is None else shard.grad.clone()
         if grad is not None and dp_cp > 1:
             # dense weights: the mean over the dp x cp ranks; an expert: the sum over those holding it (each
             # saw its own routed rows), over dp x cp as every rank's loss is a mean over its own tokens

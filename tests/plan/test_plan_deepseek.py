@@ -3,6 +3,8 @@ MTP modules on the last stage, exact against a built model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
@@ -96,3 +98,21 @@ def test_planner_states_of_the_mtp_stage_equal_the_built_chunks_parameters():
             for rows, cols in tensors
         )
         assert planned == built, f"stage {stage}"
+
+
+def test_shipped_deepseek_v3_preset_is_the_reports_shape_and_its_2048_gpu_recipe_validates():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from modelpar.plan.presets import load_model
+    from modelpar.training.config import register_schema, validate
+    from tests.helpers import RECIPES
+
+    assert load_model("deepseek-v3-671b").shape.identity() == replace(V3, norm_eps=1e-6).identity()
+    register_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="deepseek-v3-671b-2048gpu", overrides=["trainer.out_dir=x"]))
+    validate(cfg)
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.dp, p.ep, cfg.optim.zero, p.dp * p.pp * p.tp) == (1, 16, 128, 64, 1, 2048)
+    assert p.microbatches * p.dp == cfg.data.global_batch == 15360 and cfg.data.seq_len == 4096

@@ -142,3 +142,35 @@ def test_an_imported_mixtral_evaluates_with_no_model_overrides(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_an_imported_deepseek_v3_evaluates_with_no_model_overrides(tmp_path):
+    """Latent attention, sigmoid group-limited routing with a balancing bias, a shared expert and a dense first
+    layer, all from the checkpoint: the recipe's dense GQA model is not what runs."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=12, q_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64, rms_norm_eps=1e-5,
+        initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.4]))
+    model.save_pretrained(tmp_path / "v3")
+    tokens = np.random.default_rng(0).integers(0, 300, size=SEQ * 2 + 1, dtype=np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    assert ckpt_main(["import-hf", str(tmp_path / "v3"), str(tmp_path / "ckpt")]) == 0
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    windows = torch.stack([ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(2)])
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 300).double(), windows[:, 1:].reshape(-1)).item()
+    proc = eval_cli(
+        f"eval.checkpoint={tmp_path / 'ckpt'}", f"data.path={tmp_path / 'tokens.npy'}", "eval.windows=2",
+        "parallel=single",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)

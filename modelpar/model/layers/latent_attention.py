@@ -194,11 +194,29 @@ def halves_from_interleaved(weight: torch.Tensor, rope: int, head_dim: int) -> t
     For q_b_proj (or q_proj) ``head_dim`` is qk_nope + qk_rope; for kv_a_proj_with_mqa it is its whole
     kv_lora_rank + qk_rope (one "head", k_pe its last rows).
     """
+    return weight[_halves_order(weight.shape[0], rope, head_dim)]
+
+
+def interleaved_from_halves(weight: torch.Tensor, rope: int, head_dim: int) -> torch.Tensor:
+    """The inverse of ``halves_from_interleaved``: rotate-half RoPE rows back to interleaved pairs (an export
+    to a ``rope_interleave`` checkpoint)."""
+    out = torch.empty_like(weight)
+    out[_halves_order(weight.shape[0], rope, head_dim)] = weight
+    return out
+
+
+def _halves_order(rows: int, rope: int, head_dim: int) -> torch.Tensor:
+    """[rows]: the interleaved row that each rotate-half row comes from."""
     order = torch.arange(head_dim)
     order[head_dim - rope :] = head_dim - rope + torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-    heads = weight.shape[0] // head_dim
-    index = (torch.arange(heads)[:, None] * head_dim + order[None]).flatten()
-    return weight[index]
+    heads = rows // head_dim
+    return (torch.arange(heads)[:, None] * head_dim + order[None]).flatten()
 
 
-__all__ = ["LATENT_NORM_EPS", "LatentAttention", "expand_latent", "halves_from_interleaved"]
+__all__ = [
+    "LATENT_NORM_EPS",
+    "LatentAttention",
+    "expand_latent",
+    "halves_from_interleaved",
+    "interleaved_from_halves",
+]
