@@ -42,6 +42,19 @@ def cached_rope_tables(
     return tables
 
 
+def local_rope_tables(
+    local_len: int, head_dim: int, theta: float, cp: ContextParallelGroup, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [local_len, head_dim / 2] at this rank's global positions: ``0 .. local_len - 1``, or under cp
+    the positions of its two chunks of the ``local_len * cp.size``-token sequence."""
+    seq = local_len * cp.size
+    cos, sin = cached_rope_tables(seq, head_dim, theta, device)
+    if cp.size > 1:
+        positions = local_positions(seq, cp.size, cp.rank, device)
+        cos, sin = cos[positions], sin[positions]
+    return cos, sin
+
+
 class DocumentIds:
     """Where a chunk's attention layers find the document ids of the micro-batch being computed.
 
@@ -139,10 +152,7 @@ class ParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.cp
         seq = q.shape[1] * cp.size
-        cos, sin = cached_rope_tables(seq, d, self.rope_theta, q.device)
-        if cp.size > 1:
-            positions = local_positions(seq, cp.size, cp.rank, q.device)
-            cos, sin = cos[positions], sin[positions]
+        cos, sin = local_rope_tables(q.shape[1], d, self.rope_theta, cp, q.device)
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
         documents = self.documents.current() if self.documents is not None else None
         window = self.window if self.window < seq else 0  # a window spanning the sequence masks nothing

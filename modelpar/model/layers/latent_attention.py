@@ -27,10 +27,10 @@ from einops import rearrange
 from modelpar_kernels import apply_rope, attention, rms_norm
 from torch import nn
 
-from modelpar.model.layers.attention import DocumentIds, cached_rope_tables
+from modelpar.model.layers.attention import DocumentIds, local_rope_tables
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
-from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, local_positions
+from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention
 from modelpar.parallel.latent_context import latent_context_attention
 from modelpar.parallel.layout import LayoutError
 from modelpar.parallel.regions import TensorParallelGroup
@@ -141,11 +141,7 @@ class LatentAttention(nn.Module):
         q = rearrange(q, "b s (n d) -> b s n d", n=n)
         c_kv = rms_norm(c_kv, self.kv_a_layernorm, LATENT_NORM_EPS, backend=self.backend)
         cp = self.cp
-        seq = q.shape[1] * cp.size
-        cos, sin = cached_rope_tables(seq, dr, self.rope_theta, q.device)
-        if cp.size > 1:
-            positions = local_positions(seq, cp.size, cp.rank, q.device)
-            cos, sin = cos[positions], sin[positions]
+        cos, sin = local_rope_tables(q.shape[1], dr, self.rope_theta, cp, q.device)
         q_nope, q_pe = q.split([self.nope, dr], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, cos, sin, backend=self.backend)], dim=-1)
         k_pe = apply_rope(k_pe[:, :, None], cos, sin, backend=self.backend)[:, :, 0]
