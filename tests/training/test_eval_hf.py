@@ -51,13 +51,36 @@ def eval_cli(*overrides):
     )
 
 
+def assert_eval_loss(proc, want: float) -> None:
+    """modelpar-eval exited 0 and its last line's loss is ``want`` within 1e-5."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def assert_imported_eval_gives_transformers_loss(model, path) -> None:
+    """``model`` (a transformers CausalLM over a 300-token vocabulary) saved, imported with modelpar-ckpt and
+    evaluated on one device over two windows with no model overrides: the loss is transformers'."""
+    model.save_pretrained(path / "hf")
+    tokens = np.random.default_rng(0).integers(0, 300, size=SEQ * 2 + 1, dtype=np.uint16)
+    np.save(path / "tokens.npy", tokens)
+    assert ckpt_main(["import-hf", str(path / "hf"), str(path / "ckpt")]) == 0
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    windows = torch.stack([ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(2)])
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 300).double(), windows[:, 1:].reshape(-1)).item()
+    proc = eval_cli(
+        f"eval.checkpoint={path / 'ckpt'}", f"data.path={path / 'tokens.npy'}", "eval.windows=2", "parallel=single"
+    )
+    assert_eval_loss(proc, want)
+
+
 def test_eval_of_an_imported_model_needs_no_model_overrides_and_gives_transformers_loss(imported):
     root, want, _ = imported
     proc = eval_cli(f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", f"eval.windows={WINDOWS}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_eval_loss(proc, want)
     assert "parallel.microbatches=3" in proc.stdout  # chosen to divide the 6 windows, and said
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
-    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -67,9 +90,7 @@ def test_the_kernel_backend_is_not_part_of_the_model(imported, kernels):
         f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", "eval.windows=2",
         f"model.kernels={kernels}", "parallel=single", "parallel.microbatches=2",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
-    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert_eval_loss(proc, want)
 
 
 def test_a_real_conflict_names_the_field_and_both_values(imported):
@@ -98,9 +119,7 @@ def test_eval_at_cp_gives_transformers_loss(imported, layout):
         f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", f"eval.windows={WINDOWS}",
         "parallel=single", "parallel.microbatches=2", *layout,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
-    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert_eval_loss(proc, want)
 
 
 def test_eval_under_hybrid_cp_gives_transformers_loss(imported):
@@ -111,9 +130,7 @@ def test_eval_under_hybrid_cp_gives_transformers_loss(imported):
         f"eval.checkpoint={root / 'ckpt'}", f"data.path={root / 'tokens.npy'}", "eval.windows=2",
         "parallel=single", "parallel.microbatches=2", "parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_a2a=2",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
-    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert_eval_loss(proc, want)
 
 
 def test_an_imported_mixtral_evaluates_with_no_model_overrides(tmp_path):
@@ -124,24 +141,7 @@ def test_an_imported_mixtral_evaluates_with_no_model_overrides(tmp_path):
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).eval()
-    model.save_pretrained(tmp_path / "mixtral")
-    tokens = np.random.default_rng(0).integers(0, 300, size=SEQ * 2 + 1, dtype=np.uint16)
-    np.save(tmp_path / "tokens.npy", tokens)
-    assert ckpt_main(["import-hf", str(tmp_path / "mixtral"), str(tmp_path / "ckpt")]) == 0
-    ids = torch.from_numpy(tokens.astype(np.int64))
-    windows = torch.stack([ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(2)])
-    with torch.no_grad():
-        logits = model(windows[:, :-1]).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 300).double(), windows[:, 1:].reshape(-1)).item()
-    proc = eval_cli(
-        f"eval.checkpoint={tmp_path / 'ckpt'}",
-        f"data.path={tmp_path / 'tokens.npy'}",
-        "eval.windows=2",
-        "parallel=single",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
-    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert_imported_eval_gives_transformers_loss(model, tmp_path)
 
 
 def test_an_imported_deepseek_v3_evaluates_with_no_model_overrides(tmp_path):
@@ -158,19 +158,4 @@ def test_an_imported_deepseek_v3_evaluates_with_no_model_overrides(tmp_path):
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.4]))
-    model.save_pretrained(tmp_path / "v3")
-    tokens = np.random.default_rng(0).integers(0, 300, size=SEQ * 2 + 1, dtype=np.uint16)
-    np.save(tmp_path / "tokens.npy", tokens)
-    assert ckpt_main(["import-hf", str(tmp_path / "v3"), str(tmp_path / "ckpt")]) == 0
-    ids = torch.from_numpy(tokens.astype(np.int64))
-    windows = torch.stack([ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(2)])
-    with torch.no_grad():
-        logits = model(windows[:, :-1]).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 300).double(), windows[:, 1:].reshape(-1)).item()
-    proc = eval_cli(
-        f"eval.checkpoint={tmp_path / 'ckpt'}", f"data.path={tmp_path / 'tokens.npy'}", "eval.windows=2",
-        "parallel=single",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
-    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert_imported_eval_gives_transformers_loss(model, tmp_path)
