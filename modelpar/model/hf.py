@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from modelpar.model.config import ModelConfig, MoEConfig
+from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
 from modelpar.model.hf_deepseek import (
     DEEPSEEK_TYPES,
     deepseek_config_from_hf,
@@ -156,7 +156,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM``; a latent-attention model's for ``DeepseekV3ForCausalLM``.
     Raises ``ValueError`` (one line) for a model the family cannot express."""
     if config.mla.enabled:
-        return deepseek_config_to_hf(config, dtype)
+        llama = config_to_hf(_plain(config, mla=MLAConfig(), moe=MoEConfig(), mtp_depth=0), dtype)
+        return deepseek_config_to_hf(config, llama)
     if config.mtp_depth:
         raise ValueError(
             f"model.mtp_depth={config.mtp_depth}: only DeepSeek-V3 (latent attention, model.mla) checkpoints hold "

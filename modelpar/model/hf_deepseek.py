@@ -94,9 +94,11 @@ def deepseek_config_from_hf(hf: dict, path) -> ModelConfig:
     )
 
 
-def deepseek_config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
-    """``config.json`` of ``DeepseekV3ForCausalLM`` for a latent-attention model; ``ValueError`` (one line) for
-    what V3 cannot express (a softmax router, MoE layers that are not every layer from the first MoE one on)."""
+def deepseek_config_to_hf(config: ModelConfig, llama: dict) -> dict:
+    """``config.json`` of ``DeepseekV3ForCausalLM`` for a latent-attention model, from the fields it shares with
+    Llama (``llama``: ``config_to_hf``'s for the model without latent attention, experts or MTP); ``ValueError``
+    (one line) for what V3 cannot express (a softmax router, MoE layers that are not every layer from the first
+    MoE one on)."""
     moe, m, layers = config.moe, config.mla, config.layers
     moe_layers = [i for i in range(layers) if moe.is_moe_layer(i)]
     first = moe_layers[0] if moe_layers else layers
@@ -125,15 +127,11 @@ def deepseek_config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
             n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=config.ffn_hidden, n_shared_experts=0,
             n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
         )  # fmt: skip
-    return {
+    shared = {k: v for k, v in llama.items() if k not in ("head_dim", "mlp_bias")}
+    return shared | {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": config.heads,
         "num_key_value_heads": config.heads,
-        "intermediate_size": config.ffn_hidden,
         "first_k_dense_replace": first,
         **routing,
         "scoring_func": "sigmoid",
@@ -145,15 +143,7 @@ def deepseek_config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
         "v_head_dim": m.v_head_dim,
         "rope_interleave": True,
         "num_nextn_predict_layers": config.mtp_depth,
-        "max_position_embeddings": config.max_seq_len,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "initializer_range": config.init_std,
-        "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
