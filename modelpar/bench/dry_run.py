@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modelpar.bench.dry_run_traffic import planned_traffic
-from modelpar.bench.meta_world import CpuAttention, HostData, MetaStep, fake_world, group_names
+from modelpar.bench.meta_world import CpuAttention, HostData, MetaStep, fake_world, fsdp_on_meta, group_names
 from modelpar.bench.meters import GatheredMeter, SavedTensorMeter, StateProbe, trainer_state_bytes
 from modelpar.bench.recipe_memory import recipe_strategy
 from modelpar.parallel.groups import ParallelGroups
@@ -168,7 +168,7 @@ def step_rank(cfg: TrainConfig, rank: int, role: str = "") -> RankReport:
     cfg = dry_run_config(cfg)
     layout = cfg.parallel.layout()
     device, dtype = torch.device("meta"), torch.bfloat16 if cfg.trainer.dtype == "bf16" else torch.float32
-    with fake_world(rank, layout.world_size):
+    with fake_world(rank, layout.world_size), fsdp_on_meta():
         groups = ParallelGroups.build(layout)
         mode = MetaStep(group_names(groups))
         with mode:
@@ -253,11 +253,6 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
 
 def dry_run(cfg: TrainConfig, *, preset: str = "", every: bool = False, print_fn=print) -> dict:
     """Step each rank role of ``cfg`` (``rank_roles``); print a table per rank and return the summary."""
-    if cfg.optim.zero >= 2:
-        raise ValueError(
-            f"a dry run of optim.zero={cfg.optim.zero} is not supported: FSDP2 asks its mesh's device (meta) for a "
-            "device handle and meta has none; dry-run it with optim.zero=1 or 0"
-        )
     layout = cfg.parallel.layout()
     reports = []
     for rank, role in rank_roles(layout, every):

@@ -71,6 +71,58 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         destroy_distributed()
 
 
+class _MetaDeviceHandle:
+    """What FSDP2 asks of a device's module (``torch.cuda``, ``torch.cpu``) when its mesh is on the meta
+    device: index 0, and the CPU's no-op streams and events (meta ops complete at once, as the CPU's do)."""
+
+    Stream, Event = torch.cpu.Stream, torch.cpu.Event
+    stream, current_stream = staticmethod(torch.cpu.stream), staticmethod(torch.cpu.current_stream)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def set_device(_device) -> None:
+        return None
+
+    @staticmethod
+    def synchronize(_device=None) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def fsdp_on_meta() -> Iterator[None]:
+    """FSDP2 (ZeRO-2/3) on meta parameters, for the dry run only. FSDP2 finds a mesh's device module as
+    ``getattr(torch, device_type)`` (``torch.meta`` does not exist), and its lazy init refuses parameters still
+    on meta; here both are what we want: ``torch.meta`` is the handle above while the dry run steps, and the
+    meta check is off. Its gathers, reduce-scatters and buffers are then meta tensors like every other."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if hasattr(torch, "meta"):
+        raise RuntimeError("torch.meta already exists: this torch knows a meta device module of its own")
+    check = FSDPParamGroup._validate_no_meta_params
+    torch.meta = _MetaDeviceHandle
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        FSDPParamGroup._validate_no_meta_params = check
+        del torch.meta
+
+
 def group_names(groups: ParallelGroups) -> dict[str, str]:
     """c10d group name -> the layout's name for it (the first role a group plays: dp before dp_cp...)."""
     names: dict[str, str] = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelpar.bench.dry_run import dry_run, rank_roles, step_rank
+from modelpar.bench.dry_run import rank_roles, step_rank
 from modelpar.bench.meta_world import CpuAttention, MetaStep, fake_world
 from modelpar.parallel import collectives
 from modelpar.parallel.layout import ParallelLayout
@@ -86,11 +86,22 @@ def test_the_train_command_ends_with_the_summary_line(tmp_path):
     assert summary["worst_memory_rel_err"] == 0.0 and summary["worst_comm_rel_err"] < 0.05
 
 
-def test_sharded_stages_are_refused_in_one_line(tmp_path):
-    cfg = make_config(tmp_path, dp=4)
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, zero=2))
-    with pytest.raises(ValueError, match="optim.zero=2 is not supported"):
-        dry_run(cfg)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp2_stages_equal_the_planner(tmp_path, zero):
+    """ZeRO-2/3 (FSDP2) on the meta device: sharded states, the gathered weights' peak and FSDP2's own gathers
+    and reduce-scatters equal the planner's, and ``torch.meta`` is gone again after the step."""
+    cfg = make_config(tmp_path, pp=2, dp=4, partition="uniform")
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False)
+    optim = dataclasses.replace(cfg.optim, zero=zero)
+    cfg = dataclasses.replace(cfg, model=model, optim=optim, data=dataclasses.replace(cfg.data, global_batch=16))
+    report = step_rank(cfg, 0, "first stage")
+    assert report.states["gathered"] > report.states["weights"] > 0
+    assert report.states_exact, (report.states, report.planned_states)
+    assert report.activations == report.planned_activations > 0
+    for kind in ("dp all_gather", "dp reduce_scatter"):
+        assert report.traffic[kind] == report.planned_traffic[kind] > 0, kind
+    assert "dp all_reduce" not in report.judged
+    assert not hasattr(torch, "meta")
 
 
 def test_zero1_with_expert_parallelism_shards_the_experts_over_their_own_group(tmp_path):
