@@ -32,8 +32,9 @@ from modelpar.bench.meters import GatheredMeter, SavedTensorMeter, StateProbe, t
 from modelpar.bench.recipe_memory import recipe_strategy
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.plan.activations import activation_bytes, stage_activations
+from modelpar.plan.activations import stage_activations
 from modelpar.plan.presets import HARDWARE
+from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import ModelSpec
 from modelpar.plan.states import state_bytes
 from modelpar.training.build import build_rank_model, build_rank_optimizer, build_runtime

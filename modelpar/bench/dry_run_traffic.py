@@ -35,8 +35,8 @@ import math
 from collections import defaultdict
 
 from modelpar.model.layers.embedding import padded_vocab_size
-from modelpar.plan.activations import activation_bytes
 from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
+from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
 from modelpar.plan.states import shard_group_size, stage_units, state_bytes, zero1_shards
 from modelpar.plan.step_time import cp_exchange_width, rerun_halves

@@ -29,8 +29,9 @@ from modelpar.model.config import ModelConfig
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.pipeline.placement import Placement
 from modelpar.pipeline.schedule import V_SCHEDULES
-from modelpar.plan.activations import activation_bytes, stage_activations
+from modelpar.plan.activations import stage_activations
 from modelpar.plan.chunks import v_in_flight_mixes
+from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, MemoryBreakdown, ModelSpec, Strategy
 from modelpar.plan.states import state_bytes
 

@@ -139,3 +139,16 @@ def test_the_mtp_stage_routes_its_modules_tokens_too(tmp_path):
     report = step_rank(cfg, 1, "last stage")
     # within the split counts each layer exchanges first (a few hundred bytes, not planned)
     assert report.traffic["ep all_to_all"] == pytest.approx(report.planned_traffic["ep all_to_all"], rel=0.01)
+
+
+def test_the_planner_counts_the_mtp_modules_saved_tensors(tmp_path):
+    """Two MTP modules on the last stage of tp2 (+sp) x pp2 x dp2: their embeddings, norms, projections, blocks
+    and heads are planned byte for byte."""
+    cfg = make_config(tmp_path, pp=2, dp=2, tp=2, sp=True, partition="uniform")
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, mtp_depth=2)
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=4))
+    report = step_rank(cfg, cfg.parallel.layout().rank(pp=1), "last stage")
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(model, mtp_depth=0))
+    without = step_rank(plain, cfg.parallel.layout().rank(pp=1), "last stage")
+    assert report.activations > without.activations
+    assert report.activations == report.planned_activations
