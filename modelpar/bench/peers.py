@@ -7,7 +7,10 @@ weights equal ours element for element, and trains on the batches our sampler gi
   ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``), loss = our chunk's ``loss``;
 - tensor-parallel layouts: DTensor (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``,
   torchtitan's plan), with ``loss_parallel`` so the logits are never gathered, as ours;
-- both together on a ``(pp, tp)`` device mesh; data parallel: ``DistributedDataParallel``.
+- both together on a ``(pp, tp)`` device mesh; data parallel: ``DistributedDataParallel`` (``optim.zero=0|1``),
+  or with ``optim.zero=2|3`` FSDP2: ``fully_shard`` on each block, then on the chunk, over the dp mesh, weights
+  kept gathered from forward to backward (``reshard_after_forward=False``, ZeRO-2) or freed after each
+  (ZeRO-3), gradients reduce-scattered by the last micro-batch's backward only, as ours.
 
 DTensor's parallel styles accept ``nn.Linear`` and ``nn.Embedding`` only, and our single-device layers are
 ``ColumnParallelLinear`` & co. with fused weights: q, k, v in one ``qkv_proj`` and gate, up in one
@@ -34,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -70,8 +74,14 @@ def peer_name(cfg: TrainConfig) -> str | None:
     if p.dp > 1:
         if p.tp > 1 or p.pp > 1:
             return None
-        parts.append("DDP")
+        parts.append(f"FSDP2 fully_shard zero{cfg.optim.zero}" if fsdp_peer(cfg) else "DDP")
     return " + ".join(parts) or "torch eager"
+
+
+def fsdp_peer(cfg: TrainConfig) -> bool:
+    """Whether the peer shards with FSDP2 (pure dp at ZeRO-2/3) rather than replicating with DDP."""
+    p = cfg.parallel
+    return p.dp > 1 and p.tp == 1 and p.pp == 1 and cfg.optim.zero in (2, 3)
 
 
 def torch_context_parallel_problem(device: torch.device) -> str:
@@ -210,9 +220,12 @@ class Peer:
         self.last = self.chunks[-1].last
         self.first = self.chunks[0].first
         self.loss_fn: Callable = dtensor_loss if p.tp > 1 else self.chunks[-1].loss
-        self.ddp = None
-        if p.dp > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.chunks[0], process_group=mesh["dp"].get_group())
+        self.ddp = self.fsdp = None
+        self.dp_group = mesh["dp"].get_group() if p.dp > 1 else None
+        if fsdp_peer(cfg):
+            self.fsdp = self._fully_shard(self.chunks[0], mesh["dp"], reshard=cfg.optim.zero == 3)
+        elif p.dp > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.chunks[0], process_group=self.dp_group)
         self.schedule = None
         if p.pp > 1:
             self.schedule = self._pipeline_schedule(p, partition, pp_rank)
@@ -223,6 +236,13 @@ class Peer:
             for wanted, wd in ((True, o.weight_decay), (False, 0.0))
         ]
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+    @staticmethod
+    def _fully_shard(chunk: ModelChunk, dp_mesh, reshard: bool) -> ModelChunk:
+        """FSDP2 as its users write it: each block, then the root (embedding, final norm, head)."""
+        for block in chunk.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        return fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard)
 
     def _pipeline_schedule(self, p, partition, pp_rank: int):
         stages = [
@@ -267,19 +287,24 @@ class Peer:
             group["lr"] = lr_at(self.step_index, o.lr, o.warmup_steps, total, o.min_lr)
         self.optimizer.step()
         self.step_index += 1
-        if self.ddp is not None:
-            dist.all_reduce(loss, group=self.ddp.process_group)
-            loss /= dist.get_world_size(self.ddp.process_group)
+        if self.dp_group is not None:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= dist.get_world_size(self.dp_group)
         return float(loss)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """No pipeline: forward + backward of each micro-batch, DDP syncing on the last one only."""
+        """No pipeline: forward + backward of each micro-batch, DDP / FSDP2 syncing on the last one only
+        (FSDP2 at ZeRO-2 also keeps the weights gathered until then)."""
         module = self.ddp if self.ddp is not None else self.chunks[0]
         total = torch.zeros((), device=self.device)
         pairs = list(zip(inputs.chunk(self.m), targets.chunk(self.m), strict=True))
         for j, (x, y) in enumerate(pairs):
-            sync = self.ddp is None or j == len(pairs) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            sync = j == len(pairs) - 1
+            if self.fsdp is not None:
+                self.fsdp.set_requires_gradient_sync(sync)
+                if self.cfg.optim.zero == 2:
+                    self.fsdp.set_reshard_after_backward(sync)
+            with self.ddp.no_sync() if self.ddp is not None and not sync else contextlib.nullcontext():
                 loss = self.loss_fn(module(x), y) / self.m
                 loss.backward()
             total += _local_value(loss).detach()
@@ -295,7 +320,9 @@ class Peer:
             local = _local_value(g)
             weight = 1.0 if _is_sharded(g) else 1.0 / self.tp_size
             squares += weight * local.float().square().sum()
-        if self.tp_size * dist.get_world_size(self.pp_group) > 1:  # dp > 1 only without tp and pp
+        if self.fsdp is not None:  # each dp rank holds its shard of every gradient
+            dist.all_reduce(squares, group=self.dp_group)
+        elif self.tp_size * dist.get_world_size(self.pp_group) > 1:  # dp > 1 only without tp and pp
             dist.all_reduce(squares)
         norm = math.sqrt(float(squares))
         coef = max_norm / (norm + 1e-6)
