@@ -32,7 +32,8 @@ from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.parallel.world import launch_env_from_environ
 from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema, validate
-from modelpar.training.faults import FIRED_ENV
+from modelpar.training.elastic import available_world, elastic_config, lost_dir, lost_ranks
+from modelpar.training.faults import FIRED_ENV, LOST_ENV
 from modelpar.training.flight import flight_hang_report
 from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
@@ -55,16 +56,17 @@ def run(cfg: TrainConfig) -> None:
         for path in [run_dir, *run_dir.glob("*.log"), hydra_dir, *hydra_files]:  # *.log: Hydra's job log
             if path.exists():
                 path.chmod(path.stat().st_mode & ~mask & 0o7777)
+    out_dir = Path(cfg.trainer.out_dir)
+    env = launch_env_from_environ()
+    job_rank0 = env is None or env.rank == 0  # under torchrun/SLURM every rank runs this function
+    recipe = cfg
+    cfg = laid_out(recipe, env, out_dir, job_rank0)
     try:
         train_path, val_path, resume_from = preflight(cfg)
     except USER_ERRORS as exc:
         fail(str(exc))
-    out_dir = Path(cfg.trainer.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    layout = cfg.parallel.layout()
-    env = launch_env_from_environ()
-    job_rank0 = env is None or env.rank == 0  # under torchrun/SLURM every rank runs this function
-    note = outlier_check_note(cfg.trainer.grad_outlier_action, layout.dp, cfg.optim.zero)
+    note = outlier_check_note(cfg.trainer.grad_outlier_action, cfg.parallel.dp, cfg.optim.zero)
     if job_rank0 and note:
         print(f"modelpar-train: note: {note}", flush=True)
     if job_rank0:
@@ -83,19 +85,22 @@ def run(cfg: TrainConfig) -> None:
         policy = RestartPolicy(0)
     if policy.max_restarts:
         os.environ[FIRED_ENV] = str(out_dir / "flight" / "faults-fired")  # an injected fault happens once
+    if env is None:
+        os.environ[LOST_ENV] = str(lost_dir(out_dir))  # where the ``lose`` fault declares its rank gone
 
     def attempt(restart: int) -> None:
-        resume = resume_from
+        resume, run_cfg = resume_from, cfg
         if restart:
+            run_cfg = laid_out(recipe, env, out_dir, job_rank0)  # fewer ranks if one was lost for good
             try:
-                _, _, resume = preflight(cfg)  # the newest checkpoint that verifies now
+                _, _, resume = preflight(run_cfg)  # the newest checkpoint that verifies now
             except USER_ERRORS as exc:
                 fail(str(exc))
             print(f"modelpar-train: resuming from {resume or 'the start (no checkpoint yet)'}", flush=True)
         launch(
-            layout.world_size,
+            run_cfg.parallel.layout().world_size,
             train_worker,
-            cfg,
+            run_cfg,
             train_path,
             resume,
             True,  # preflight verified the checkpoint: the ranks load it without hashing it again
@@ -113,6 +118,25 @@ def run(cfg: TrainConfig) -> None:
         raise SystemExit(1) from None
     if job_rank0:
         summarize(cfg, val_path)
+
+
+def laid_out(cfg: TrainConfig, env, out_dir: Path, say: bool) -> TrainConfig:
+    """The recipe on the world now available: under ``trainer.elastic`` re-laid out for torchrun's world or
+    for ``trainer.world`` less the ranks lost (one line saying what changed); otherwise the recipe, once a
+    different local world has been refused (``modelpar.training.elastic``)."""
+    try:
+        if env is not None:
+            if not cfg.trainer.elastic:
+                return cfg  # the launcher names a world that differs from the layout's
+            world = env.world_size
+        else:
+            world = available_world(cfg, lost_ranks(out_dir))
+        cfg, note = elastic_config(cfg, world)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    if say and note:
+        print(f"modelpar-train: {note}", flush=True)
+    return cfg
 
 
 def _count(n: int, word: str, plural: str = "") -> str:

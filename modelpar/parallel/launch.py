@@ -79,7 +79,8 @@ def launch(
             raise LaunchError(
                 env.rank,
                 f"the recipe's layout needs {world_size} ranks but {env.source} started {env.world_size}; "
-                f"launch {world_size} processes or change parallel.dp",
+                f"launch {world_size} processes, change parallel.dp, or set trainer.elastic=true to re-choose the "
+                "layout for this world",
             )
         if rank_setup is not None and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
             rank_setup(env.local_rank)

@@ -125,6 +125,10 @@ class TrainerConfig:
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
     max_restarts: int = 0  # a failed local job starts again from the newest verified checkpoint, up to N times
     restart_backoff_s: float = 1.0  # wait before the first restart, doubling per restart (at most 60 s)
+    # run (and resume) on the world now available: dp re-chosen, tp/pp/cp kept, the checkpoint resharded
+    # (modelpar/training/elastic.py); needs no restart to apply, e.g. under torchrun with another world size
+    elastic: bool = False
+    world: int = 0  # ranks a local job may spawn (0: the layout's world); another value needs trainer.elastic
     files: str = "group"  # who may read run directories, checkpoints, flight records: group (and owner) | owner
     signing_key: str = ""  # a key file (modelpar-ckpt keygen): checkpoints signed, unsigned ones refused
     timeout_s: float = 300.0
@@ -432,6 +436,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
         ("trainer.ckpt_every", t.ckpt_every, t.ckpt_every >= 0, ">= 0 (0: no checkpoints)"),
         ("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0 (0: a failed job stays failed)"),
+        ("trainer.world", t.world, t.world >= 0, ">= 0 (0: the layout's world)"),
         ("trainer.restart_backoff_s", t.restart_backoff_s, t.restart_backoff_s >= 0, ">= 0"),
         ("trainer.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0: keep every checkpoint)"),
         ("trainer.threads_per_rank", t.threads_per_rank, t.threads_per_rank >= 1, ">= 1"),

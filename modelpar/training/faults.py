@@ -4,6 +4,8 @@ Set ``MODELPAR_FAULTS`` to a comma-separated list of ``KIND@RANK:STEP[:ARG]`` be
 
     sleep@1:3        rank 1 hangs forever in its first forward of step 3 (the others must time out)
     kill@2:4         rank 2 SIGKILLs itself in its first forward of step 4
+    lose@3:2         rank 3 dies in step 2 and is declared lost for good (a machine that does not come back):
+                     a marker in ``MODELPAR_LOST_RANKS``, so a restart has one rank fewer (``trainer.elastic``)
     delay@1:0:0.05   rank 1 sleeps 0.05 s in every forward from step 0 on (a straggler)
     nan@0:3          rank 0's loss is NaN in step 3 (every rank then sees a non-finite loss)
     perturb@1:2      rank 1 adds noise to one parameter after step 2 (replica drift)
@@ -37,9 +39,11 @@ from modelpar.training.plugins import StepPlugin
 
 ENV = "MODELPAR_FAULTS"
 FIRED_ENV = "MODELPAR_FAULTS_FIRED"
+LOST_ENV = "MODELPAR_LOST_RANKS"  # the directory a ``lose`` fault marks its rank in (set by the launcher)
 KINDS = (
     "sleep",
     "kill",
+    "lose",
     "delay",
     "nan",
     "perturb",
@@ -108,7 +112,11 @@ def fire(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
             if kind == "sleep":
                 while True:
                     time.sleep(3600)
-            if kind in ("kill", "save_crash"):
+            if kind == "lose" and os.environ.get(LOST_ENV):
+                os.makedirs(os.environ[LOST_ENV], exist_ok=True)
+                with open(os.path.join(os.environ[LOST_ENV], fault.marker), "w"):
+                    pass
+            if kind in ("kill", "lose", "save_crash"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "delay":
                 time.sleep(fault.arg)
@@ -118,7 +126,7 @@ def fire(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
 
 class FaultHooks(StepPlugin):
     """The faults of ``MODELPAR_FAULTS`` due on this rank, hooked into a trainer from outside: a forward
-    pre-hook on each chunk (sleep, kill, delay), a forward hook on the first block (bitflip), the step's
+    pre-hook on each chunk (sleep, kill, lose, delay), a forward hook on the first block (bitflip), the step's
     plug-in points (nan, perturb) and the checkpoint's rank state (save_crash, save_error). ``install``
     registers them only when the variable is set."""
 
@@ -141,7 +149,7 @@ class FaultHooks(StepPlugin):
         return None
 
     def forward(self, module, args) -> None:
-        for kind in ("sleep", "kill", "delay"):
+        for kind in ("sleep", "kill", "lose", "delay"):
             fire(self.faults, kind, self.rank, self.step)
 
     def gradient(self, grad):
