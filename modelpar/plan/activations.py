@@ -143,7 +143,7 @@ def _mtp_bytes(model: ModelSpec, strategy: Strategy, x: Dims, kern: str) -> tupl
     if strategy.recompute == "full":
         strategy = dataclasses.replace(strategy, recompute="none", recompute_modules=())
     device, host, working = piece_bytes(model, strategy, x, kern, model.shape.layers - 1, ("attention", "mlp"))
-    own = sum(s.nbytes for s in mtp_saved(model, strategy, x, kern))
+    own = sum(s.nbytes for s in mtp_saved(x, kern))
     depth = model.shape.mtp_depth
     return depth * (device + own), depth * host, working
 

@@ -380,7 +380,7 @@ def head_saved(x: Dims, kernels: str) -> list[Saved]:
     return out
 
 
-def mtp_saved(model: ModelSpec, strategy: Strategy, x: Dims, kernels: str) -> list[Saved]:
+def mtp_saved(x: Dims, kernels: str) -> list[Saved]:
     """One multi-token prediction module (``modelpar.model.mtp``) on the last stage, besides its block: the
     embedding of the shifted tokens, ``enorm`` on it, ``hnorm`` on the previous hidden state (whose x the
     norm before a head keeps already), the projection's input [e; h] (2h wide) and, in bf16, its cast weight,

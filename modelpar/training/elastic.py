@@ -25,7 +25,6 @@ from pathlib import Path
 from modelpar.parallel.layout import LayoutError
 from modelpar.pipeline import PartitionError, ScheduleError
 from modelpar.training.config import RecipeError, TrainConfig
-from modelpar.training.faults import LOST_ENV
 from modelpar.training.preflight import check_recipe
 
 LOST_DIR = "lost"  # under <run>/flight: one marker per rank declared lost (the fault's name, e.g. "lose@3:2")
@@ -103,4 +102,4 @@ def elastic_config(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     )
 
 
-__all__ = ["LOST_ENV", "available_world", "elastic_config", "lost_dir", "lost_ranks"]
+__all__ = ["available_world", "elastic_config", "lost_dir", "lost_ranks"]
