@@ -1,9 +1,12 @@
 """Poisoned or faulty workers: each dp replica's gradient compared with the others' before the update applies.
 
 Per step, every rank sketches its local gradient (after backward, before the dp average is written back) as a
-count sketch of ``SKETCH`` numbers: every element lands, with a fixed random sign, in a fixed random bucket
-(both drawn once from a seed shared by every replica), so inner products and cosines of sketches estimate
-those of the whole gradients; plus the local gradient norm. One all-gather over the dp group gives every replica all
+count sketch of ``SKETCH`` numbers: element ``i`` of each parameter lands in bucket ``i mod SKETCH`` with a fixed
+random sign (drawn once from a seed shared by every replica). The signs alone make the sketch's inner products
+unbiased estimates of the gradients' (the cross terms of colliding elements have mean zero), so cosines of
+sketches estimate those of the whole gradients; the buckets being fixed lets each parameter be folded as a
+``[-1, SKETCH]`` view and summed over rows, one streaming pass instead of a scatter; plus the local gradient
+norm. One all-gather over the dp group gives every replica all
 sketches; on the device, each replica's sketch is compared with the mean of the others' (leave-one-out
 cosine) and its norm with the median norm. A replica whose cosine is negative and ``trainer.grad_outlier_cosine``
 or more below the median replica's (a sign-flipped gradient, where honest replicas agree), or whose norm exceeds
@@ -12,8 +15,8 @@ direction (uniformly random tokens) have cosines near 0 with each other: then a 
 and none is named, rather than an honest one. The statistics ride the step's one host read-back, so every rank
 decides alike: ``trainer.grad_outlier_action=warn|skip|halt``. Naming the odd replica needs dp >= 3; with two,
 either could be the odd one, so the check reports that they disagree (cosine below ``-grad_outlier_cosine``,
-or one norm ``grad_outlier_norm`` x the other) without naming either. The sketch's hashes cost 9 bytes per
-parameter element on each rank.
+or one norm ``grad_outlier_norm`` x the other) without naming either. The signs cost 1 byte per parameter
+element on each rank.
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ class GradientOutlierCheck:
         self.params, self.groups = params, groups
         self.cosine_gap, self.norm_max = cosine_gap, norm_max
         self.dp = groups.layout.dp
-        generator = torch.Generator().manual_seed(_SEED)  # the same hashes on every replica of these shapes
-        self.buckets = [torch.randint(0, SKETCH, (p.numel(),), generator=generator).to(p.device) for p in params]
+        generator = torch.Generator().manual_seed(_SEED)  # the same signs on every replica of these shapes
         self.signs = [
             (torch.randint(0, 2, (p.numel(),), generator=generator) * 2 - 1).to(p.device, torch.int8) for p in params
         ]
@@ -45,11 +47,15 @@ class GradientOutlierCheck:
         """[dp, 3] on the device: each replica's leave-one-out cosine, its gradient norm, and norm / median norm."""
         device = self.params[0].device
         sketch = torch.zeros(SKETCH + 1, dtype=torch.float32, device=device)
-        for p, buckets, signs in zip(self.params, self.buckets, self.signs, strict=True):
+        for p, signs in zip(self.params, self.signs, strict=True):
             if p.grad is not None:
                 g = p.grad.detach().float().reshape(-1)
-                sketch[:SKETCH].index_add_(0, buckets, g * signs)
-                sketch[-1] += g.square().sum()
+                whole = g.numel() - g.numel() % SKETCH  # rows of SKETCH, then a shorter tail
+                if whole:
+                    sketch[:SKETCH] += (g[:whole].view(-1, SKETCH) * signs[:whole].view(-1, SKETCH)).sum(0)
+                if whole < g.numel():
+                    sketch[: g.numel() - whole] += g[whole:] * signs[whole:]
+                sketch[-1] += torch.dot(g, g)
         with collectives.comm_tag("grad_outliers"):
             everyone = collectives.all_gather(sketch.unsqueeze(0), self.groups.dp_group)  # [dp, n + 1]
         vectors, norms = everyone[:, :-1], everyone[:, -1].sqrt()
