@@ -1,22 +1,22 @@
 """Poisoned or faulty workers: each dp replica's gradient compared with the others' before the update applies.
 
-Per step, every rank sketches its local gradient (after backward, before the dp average is written back) as a
-count sketch of ``SKETCH`` numbers: element ``i`` of each parameter lands in bucket ``i mod SKETCH`` with a fixed
-random sign (drawn once from a seed shared by every replica). The signs alone make the sketch's inner products
-unbiased estimates of the gradients' (the cross terms of colliding elements have mean zero), so cosines of
-sketches estimate those of the whole gradients; the buckets being fixed lets each parameter be folded as a
-``[-1, SKETCH]`` view and summed over rows, one streaming pass instead of a scatter; plus the local gradient
-norm. One all-gather over the dp group gives every replica all
-sketches; on the device, each replica's sketch is compared with the mean of the others' (leave-one-out
-cosine) and its norm with the median norm. A replica whose cosine is negative and ``trainer.grad_outlier_cosine``
-or more below the median replica's (a sign-flipped gradient, where honest replicas agree), or whose norm exceeds
+Per step, every rank sketches its local gradient (after backward, before the dp average is written back) as a count
+sketch of ``SKETCH`` numbers: each parameter's gradient, viewed as rows of ``SKETCH`` elements, is summed over its
+rows with one fixed random sign per row (drawn once from a seed shared by every replica), so element ``i`` lands in
+bucket ``i mod SKETCH``. Two elements that share a bucket come from different rows (or different parameters) and so
+carry independent signs: the cross terms of a sketch's inner product have mean zero, and inner products and cosines
+of sketches estimate those of the whole gradients. The sum is one matrix-vector product per parameter, a single
+read of the gradient; plus the local gradient norm. One all-gather over the dp group gives every replica all
+sketches; on the device, each replica's sketch is compared with the mean of the others' (leave-one-out cosine) and
+its norm with the median norm. A replica whose cosine is negative and ``trainer.grad_outlier_cosine`` or more below
+the median replica's (a sign-flipped gradient, where honest replicas agree), or whose norm exceeds
 ``trainer.grad_outlier_norm`` x the median (a scaled one), is an outlier. Honest replicas on data with no shared
 direction (uniformly random tokens) have cosines near 0 with each other: then a flipped one cannot be told apart
 and none is named, rather than an honest one. The statistics ride the step's one host read-back, so every rank
 decides alike: ``trainer.grad_outlier_action=warn|skip|halt``. Naming the odd replica needs dp >= 3; with two,
-either could be the odd one, so the check reports that they disagree (cosine below ``-grad_outlier_cosine``,
-or one norm ``grad_outlier_norm`` x the other) without naming either. The signs cost 1 byte per parameter
-element on each rank.
+either could be the odd one, so the check reports that they disagree (cosine below ``-grad_outlier_cosine``, or one
+norm ``grad_outlier_norm`` x the other) without naming either. The signs cost 4 bytes per ``SKETCH`` parameter
+elements.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class GradientOutlierCheck:
         self.cosine_gap, self.norm_max = cosine_gap, norm_max
         self.dp = groups.layout.dp
         generator = torch.Generator().manual_seed(_SEED)  # the same signs on every replica of these shapes
-        self.signs = [
-            (torch.randint(0, 2, (p.numel(),), generator=generator) * 2 - 1).to(p.device, torch.int8) for p in params
+        self.signs = [  # one per row of SKETCH elements, the last (shorter) row included
+            (torch.randint(0, 2, (-(-p.numel() // SKETCH),), generator=generator) * 2 - 1).to(p.device, torch.float32)
+            for p in params
         ]
 
     def stats(self) -> torch.Tensor:
@@ -50,11 +51,11 @@ class GradientOutlierCheck:
         for p, signs in zip(self.params, self.signs, strict=True):
             if p.grad is not None:
                 g = p.grad.detach().float().reshape(-1)
-                whole = g.numel() - g.numel() % SKETCH  # rows of SKETCH, then a shorter tail
-                if whole:
-                    sketch[:SKETCH] += (g[:whole].view(-1, SKETCH) * signs[:whole].view(-1, SKETCH)).sum(0)
-                if whole < g.numel():
-                    sketch[: g.numel() - whole] += g[whole:] * signs[whole:]
+                rows, tail = divmod(g.numel(), SKETCH)
+                if rows:
+                    sketch[:SKETCH] += signs[:rows] @ g[: rows * SKETCH].view(rows, SKETCH)
+                if tail:
+                    sketch[:tail] += signs[rows] * g[rows * SKETCH :]
                 sketch[-1] += torch.dot(g, g)
         with collectives.comm_tag("grad_outliers"):
             everyone = collectives.all_gather(sketch.unsqueeze(0), self.groups.dp_group)  # [dp, n + 1]
