@@ -1,13 +1,16 @@
 """FP8 still learns: the loss curve of model.fp8=off, rowwise and tensorwise over the same steps and data.
 
-    python benchmarks/fp8_curve.py                    # 300 steps each, the default corpus, one CPU rank
+    python benchmarks/fp8_curve.py                    # 300 steps each, the default corpus, one CPU rank, bf16
     python benchmarks/fp8_curve.py --steps 100 --set model.hidden=64
+    python benchmarks/fp8_curve.py --dtype fp32       # the off run (and the rest) without bf16 autocast
 
 Each mode trains the `single` recipe (the default corpus, Python's standard-library source, byte-level; its
-sequence length and batch) from the same seed on one rank, with the model shrunk to fit a 2-core machine in a
-few minutes (hidden 32, 2 layers; ``--set`` changes it). Every step's loss is recorded; the table lists every
-25th step with each FP8 mode's relative difference from the off run. Results: ``benchmarks/results/fp8_curve.json``,
-``fp8_curve.md`` and, when matplotlib is installed, ``fp8_curve.png``.
+sequence length and batch) from the same seed on one rank, with the model shrunk to fit a 2-core machine in a few
+minutes (hidden 32, 2 layers; ``--set`` changes it), under ``trainer.dtype=bf16`` (bf16 autocast over fp32
+masters, as on a GPU: the off run is the bf16 curve the FP8 ones are held to; ``--dtype fp32`` drops autocast).
+Every step's loss is recorded; the table lists every 25th step with each FP8 mode's relative difference from the
+off run. Results: ``benchmarks/results/fp8_curve.json``, ``fp8_curve.md`` and, when matplotlib is installed,
+``fp8_curve.png``.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--set", nargs="*", default=[], help="recipe overrides (model.hidden=64 ...)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="trainer.dtype of every run")
     args = ap.parse_args(argv)
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -104,6 +108,7 @@ def main(argv=None) -> None:
         "trainer.progress=false",
         "trainer.sample_tokens=0",
         "trainer.check_every=0",
+        f"trainer.dtype={args.dtype}",
         *args.set,
     ]
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
@@ -134,7 +139,7 @@ def main(argv=None) -> None:
     (args.results_dir / "fp8_curve.json").write_text(json.dumps(payload, indent=1) + "\n")
     summary = ", ".join(f"{m} {d:.2%}" for m, d in diffs.items())
     (args.results_dir / "fp8_curve.md").write_text(
-        f"# FP8 loss curve ({args.steps} steps, `single` recipe, {' '.join(SMALL)})\n\n"
+        f"# FP8 loss curve ({args.steps} steps, `single` recipe, trainer.dtype={args.dtype}, {' '.join(SMALL)})\n\n"
         f"Largest relative difference from fp8=off at every {EVERY}th step: {summary}.\n\n" + text
     )
     print(text + f"max |rel. diff|: {summary}" + ("" if png else " (matplotlib not installed: no PNG)"))

@@ -1,6 +1,6 @@
 """Everything worth knowing from one GPU, in one command: the CUDA tests, the kernels, llama-1b MFU, host syncs.
 
-    python benchmarks/gpu_suite.py                          # one CUDA GPU (H200): at most 8 minutes
+    python benchmarks/gpu_suite.py                          # one CUDA GPU (H200): at most 9 minutes
     python benchmarks/gpu_suite.py --smoke --out /tmp/gs    # CPU, tiny shapes: every code path in about a minute
 
 Sections, each in its own process under its own time box (a hang, a crash or a poisoned CUDA context costs that
@@ -17,10 +17,14 @@ section only; whatever it measured before is kept), in this order:
    with the ahead-of-time prediction (``python -m modelpar_kernels.aot``, ``benchmarks/results/kernels_aot.md``).
 3. ``mfu``: llama-1b bf16 training MFU on the one GPU (``benchmarks/gpu_llama1b_mfu.py``), eager and with every
    block compiled (``modelpar.model.compile.compile_blocks``), against the matmul peak measured once.
-4. ``host_syncs``: one steady bf16 training step of llama-1b (built by ``build_model``: forward, loss, backward,
+4. ``mfu_fp8``: the same eager llama-1b step with ``model.fp8=off``, ``rowwise`` and ``tensorwise`` (the
+   projections' GEMMs through ``torch._scaled_mm``), one after another in one process: MFU against the bf16
+   matmul peak, and each FP8 mode's tokens/s over bf16's.
+5. ``host_syncs``: one steady bf16 training step of llama-1b (built by ``build_model``: forward, loss, backward,
    clipping, fused AdamW), every host sync counted by ``modelpar.bench.host_syncs.count_host_syncs`` with its
    call site, and CUDA's own sync-debug warnings (``torch.cuda.set_sync_debug_mode("warn")``) counted beside;
    more than one sync fails the section (the engine's rule: at most one per step outside logging).
+6. ``moe_layer``: one MoE layer in bf16, the grouped expert GEMM beside per-expert loops (``benchmarks/moe.py``).
 
 Writes ``gpu_suite.json`` and ``gpu_suite.md`` under ``--out`` (``benchmarks/results``; ``gpu_suite_smoke.*``
 with ``--smoke``). A failing or timed-out section is recorded there (status, error, the end of its log) and the
@@ -31,7 +35,7 @@ the kernels run fp32 (Triton in its interpreter, compile baselines with the ``ao
 are the MFU script's tiny one, and blocks compile with ``aot_eager``; the numbers mean nothing there.
 
 Status, honestly: written and smoke-tested on a CPU-only machine (torch 2.13 CPU); it has not yet run on a GPU.
-The GPU time boxes (90 + 135 + 160 + 50 + 25 s) are estimates from the two scripts' own budgets; if a section times
+The GPU time boxes (90 + 125 + 150 + 80 + 50 + 25 s) are estimates from the two scripts' own budgets; if a section times
 out on the H200, its partial result says how far it got.
 """
 
@@ -61,7 +65,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-TOTAL_BUDGET_S = 470.0  # the promise is 8 minutes; the rest is start-up and writing
+TOTAL_BUDGET_S = 520.0  # the promise is 9 minutes; the rest is start-up and writing
 GRACE_S = 10.0  # a section's process is told its box less this, so that it can stop and write before the kill
 NEEDS_CUDA = "benchmarks/gpu_suite.py needs a CUDA device (none found); run it on a GPU machine, or pass --smoke"
 
@@ -280,6 +284,32 @@ def run_mfu(s: Section) -> dict:
     return out
 
 
+def run_mfu_fp8(s: Section) -> dict:
+    """llama-1b eager with its projections' GEMMs in FP8 (rowwise, tensorwise) beside bf16, in one process."""
+    mfu = _benchmark("gpu_llama1b_mfu")
+    common = ["--smoke"] if s.smoke else ["--warmup", "3", "--steps", "8", "--time-limit", "15"]
+    out: dict = {}
+    peak = None
+    for mode in ("off", "rowwise", "tensorwise"):
+        if s.remaining() < 20:
+            out[mode] = {"error": "skipped: no time left in the section's box"}
+            continue
+        try:
+            out[mode] = mfu.measure(mfu.parse_args([*common, "--fp8", mode]), peak=peak)
+            peak = out[mode]["matmul_peak_tflops"]
+        except Exception as exc:  # noqa: BLE001 - recorded; the other modes still run
+            out[mode] = {"error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        s.save(out)
+    for mode in ("rowwise", "tensorwise"):
+        if "error" not in out["off"] and "error" not in out[mode]:
+            out[f"{mode}_speedup"] = out[mode]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    out["ok"] = all("error" not in out[m] for m in ("off", "rowwise", "tensorwise"))
+    return out
+
+
 def run_host_syncs(s: Section) -> dict:
     """Host syncs of one steady bf16 training step of the single-device model, with their call sites."""
     from modelpar.bench.host_syncs import count_host_syncs
@@ -351,8 +381,9 @@ class Plan:
 
 SECTIONS: dict[str, Plan] = {
     "tests": Plan(run_tests, 90, 40, "CUDA-only tests and kernel tests on CUDA (pytest)"),
-    "kernels": Plan(run_kernels, 135, 60, "Triton kernels vs torch eager and torch.compile, bf16"),
-    "mfu": Plan(run_mfu, 160, 90, "llama-1b bf16 MFU, eager and compiled blocks"),
+    "kernels": Plan(run_kernels, 125, 60, "Triton kernels vs torch eager and torch.compile, bf16"),
+    "mfu": Plan(run_mfu, 150, 90, "llama-1b bf16 MFU, eager and compiled blocks"),
+    "mfu_fp8": Plan(run_mfu_fp8, 80, 45, "llama-1b MFU with FP8 projections (rowwise, tensorwise) beside bf16"),
     "host_syncs": Plan(run_host_syncs, 50, 40, "host syncs of one steady bf16 training step"),
     "moe_layer": Plan(run_moe_layer, 25, 20, "one MoE layer: grouped GEMM vs per-expert loops, bf16"),
 }
@@ -498,6 +529,18 @@ def _mfu_md(result: dict) -> list[str]:
     return lines
 
 
+def _mfu_fp8_md(result: dict) -> list[str]:
+    mfu = _benchmark("gpu_llama1b_mfu")
+    modes = [m for m in ("off", "rowwise", "tensorwise") if m in result]
+    tables = {m: dict(mfu.summary_rows(result[m])) if "error" not in result[m] else {} for m in modes}
+    labels = next((list(t) for t in tables.values() if t), [])
+    lines = ["| | " + " | ".join(f"fp8={m}" for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(tables[m].get(label, "") for m in modes) + " |" for label in labels]
+    lines += [f"- fp8={m}: {result[m]['error']}" for m in modes if "error" in result[m]]
+    lines += [f"\nfp8={m}: {result[f'{m}_speedup']:.2f}x bf16's tokens/s." for m in modes if f"{m}_speedup" in result]
+    return lines
+
+
 def _host_syncs_md(result: dict) -> list[str]:
     lines = [
         f"{result['model']} ({result['kernels']} kernels), {result['step']}; counted: {result['counted']}.",
@@ -516,6 +559,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "tests": _tests_md,
     "kernels": _kernels_md,
     "mfu": _mfu_md,
+    "mfu_fp8": _mfu_fp8_md,
     "host_syncs": _host_syncs_md,
     "moe_layer": _moe_md,
 }

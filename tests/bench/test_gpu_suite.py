@@ -12,7 +12,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
-SECTIONS = {"tests", "kernels", "mfu", "host_syncs", "moe_layer"}
+SECTIONS = {"tests", "kernels", "mfu", "mfu_fp8", "host_syncs", "moe_layer"}
 
 
 def load_suite(monkeypatch):
@@ -49,6 +49,9 @@ def test_smoke_run_records_every_section_in_one_json_and_one_markdown(tmp_path):
         assert {(op, "triton"), (op, "eager"), (op, "compile")} <= kernels, op
     mfu = sections["mfu"]["result"]
     assert mfu["eager"]["mfu_vs_measured_peak"] > 0 and mfu["compiled"]["compiled_blocks"]
+    fp8 = sections["mfu_fp8"]["result"]
+    assert {fp8[m]["config"]["fp8"] for m in ("off", "rowwise", "tensorwise")} == {"off", "rowwise", "tensorwise"}
+    assert fp8["rowwise_speedup"] > 0 and fp8["tensorwise_speedup"] > 0
     assert sections["host_syncs"]["result"]["host_syncs"] >= 0
     assert {r["tokens"] for r in sections["moe_layer"]["result"]["rows"]} == {64}
     markdown = (tmp_path / "gpu_suite_smoke.md").read_text()
