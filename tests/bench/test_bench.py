@@ -138,6 +138,16 @@ def test_peer_on_another_or_a_half_block_split_computes_the_same_losses(
     assert row["losses_agree"] and row["first_loss_rel_diff"] <= 1e-5
 
 
+def test_torchs_own_v_schedules_are_raced_and_compute_the_same_losses(tmp_path):
+    from modelpar.bench.harness import run
+
+    rows = run(tiny_bench_config(tmp_path, "bench.sweep=[pp2-vpp2-zbv,pp2-vpp2-dualpipev]"))
+    for name in ("zbv", "dualpipev"):
+        (row,) = [r for key, r in rows.items() if key.startswith(f"pp2-vpp2-{name}")]
+        assert row["peer_name"] == f"torch.pipelining {name}"
+        assert row["losses_agree"] and row["first_loss_rel_diff"] <= 1e-5
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
