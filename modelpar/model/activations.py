@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from modelpar.parallel import kept
+
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("attention", "mlp", "elementwise")
 DEFAULT_SELECTIVE = ("elementwise",)
@@ -71,10 +73,12 @@ def watch(watcher) -> Iterator[None]:
     ``offloaded(host) -> packed`` (the host copy of one moved) and ``cached(t)`` (an output selective
     checkpointing caches, held until its storage is freed)."""
     _WATCHERS.append(watcher)
+    kept.WATCHERS.append(watcher)
     try:
         yield
     finally:
         _WATCHERS.remove(watcher)
+        kept.WATCHERS.remove(watcher)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

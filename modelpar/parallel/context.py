@@ -46,6 +46,7 @@ from einops import rearrange
 from modelpar_kernels import BlockMask, accumulation_dtype, attention, block_attention_backward, block_attention_forward
 
 from modelpar.parallel.collectives import all_gather, blocking, comm_tag, current_tag, reduce_scatter, send_recv
+from modelpar.parallel.kept import kept_result
 from modelpar.parallel.ulysses import exchange_qkv, sequence_from_heads
 
 CP_COMMS = ("ring", "allgather", "alltoall", "hybrid")
@@ -272,15 +273,18 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, documents, backend, window):
-        blocks = _Blocks(q, cp, documents, backend, window)
-        kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, L, d]: what travels
-        for step in range(cp.size):
-            pending = _pass_on(kv, cp) if step < cp.size - 1 else None  # overlapped with this block
-            blocks.forward((cp.rank - step) % cp.size, kv)
-            if pending is not None:
-                kv = pending.wait()
-        out = blocks.out.to(q.dtype)
-        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend, window)
+        def ring():
+            blocks = _Blocks(q, cp, documents, backend, window)
+            kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, L, d]: what travels
+            for step in range(cp.size):
+                pending = _pass_on(kv, cp) if step < cp.size - 1 else None  # overlapped with this block
+                blocks.forward((cp.rank - step) % cp.size, kv)
+                if pending is not None:
+                    kv = pending.wait()
+            return blocks.out.to(q.dtype), blocks.lse
+
+        out, lse = kept_result(ring)  # under selective recompute: kept whole, not rerun
+        _save(ctx, q, k, v, out, lse, documents, cp, backend, window)
         return out
 
     @staticmethod
@@ -313,12 +317,15 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, documents, backend, window):
-        blocks = _Blocks(q, cp, documents, backend, window)
-        gathered = all_gather(torch.stack([k, v]).unsqueeze(0), cp.group)  # [cp, 2, b, hkv, L, d]
-        for source in range(cp.size):
-            blocks.forward(source, gathered[source])
-        out = blocks.out.to(q.dtype)
-        _save(ctx, q, k, v, out, blocks.lse, documents, cp, backend, window)
+        def gather_and_attend():
+            blocks = _Blocks(q, cp, documents, backend, window)
+            gathered = all_gather(torch.stack([k, v]).unsqueeze(0), cp.group)  # [cp, 2, b, hkv, L, d]
+            for source in range(cp.size):
+                blocks.forward(source, gathered[source])
+            return blocks.out.to(q.dtype), blocks.lse
+
+        out, lse = kept_result(gather_and_attend)  # under selective recompute: kept whole, not rerun
+        _save(ctx, q, k, v, out, lse, documents, cp, backend, window)
         return out
 
     @staticmethod
