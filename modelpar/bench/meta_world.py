@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -317,26 +318,36 @@ class HostData(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class CpuAttention(TorchFunctionMode):
+class CpuAttention:
     """``F.scaled_dot_product_attention`` of meta tensors as the CPU runs it: torch picks its kernel by device,
     and on meta it falls back to the math path, which keeps the ``s x s`` probabilities for backward; the CPU
     (and GPU) pick a flash kernel, which keeps the output and the log-sum-exp. Called here by name. Values of
     another head dim than q/k (latent attention's 128 beside 192), which the CPU flash kernel refuses, take the
-    math path on the CPU too (the planner's "plain matmuls"), so they are left to it."""
+    math path on the CPU too (the planner's "plain matmuls"), so they are left to it.
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        meta = func is torch.nn.functional.scaled_dot_product_attention and args[0].device.type == "meta"
-        if meta and args[2].shape[-1] == args[0].shape[-1]:
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask")
-            causal = kwargs.get("is_causal", False)
-            dropout, scale = kwargs.get("dropout_p", 0.0), kwargs.get("scale")
-            out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout, causal, attn_mask=mask, scale=scale
-            )
-            return out
-        return func(*args, **kwargs)
+    The function itself is replaced while the block runs (and restored after), not intercepted by a torch
+    function mode: autograd reruns a checkpointed half on the meta device's own thread, where a mode of the
+    calling thread is not active, and selective recompute would then see the math path's ops in the rerun."""
+
+    def __enter__(self):
+        self._sdpa = F.scaled_dot_product_attention
+        original = self._sdpa
+
+        def sdpa(*args, **kwargs):
+            if args[0].device.type == "meta" and args[2].shape[-1] == args[0].shape[-1]:
+                q, k, v = args[:3]
+                out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                    attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"),
+                )  # fmt: skip
+                return out
+            return original(*args, **kwargs)
+
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = self._sdpa
 
 
 _HOST_FACTORIES = (torch.randn, torch.rand, torch.ones, torch.zeros, torch.empty, torch.full)

@@ -164,3 +164,14 @@ def test_selective_recompute_keeps_the_cp_attention_whole(tmp_path, cp):
     data = dataclasses.replace(cfg.data, global_batch=16, document_mask=True)
     report = step_rank(dataclasses.replace(cfg, model=model, data=data), 0, "first stage")
     assert report.activations == report.planned_activations > 0
+
+
+@pytest.mark.parametrize("modules", [["elementwise"], ["attention"]])
+def test_selective_recompute_runs_on_the_meta_device_and_equals_the_planner(tmp_path, modules):
+    """The checkpoint's rerun happens on the meta device's autograd thread: the meta attention must be the
+    flash op there too, or selective recompute finds ops in the rerun that the forward did not run."""
+    cfg = make_config(tmp_path, dp=2, partition="uniform", recompute="selective", recompute_modules=modules)
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False)
+    data = dataclasses.replace(cfg.data, global_batch=16)
+    report = step_rank(dataclasses.replace(cfg, model=model, data=data), 0, "first stage")
+    assert report.activations == report.planned_activations > 0
