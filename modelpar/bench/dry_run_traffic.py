@@ -39,7 +39,7 @@ from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
 from modelpar.plan.states import shard_group_size, stage_units, state_bytes, zero1_shards
-from modelpar.plan.step_time import cp_exchange_width, rerun_halves
+from modelpar.plan.step_time import cp_exchange_forwards, cp_exchange_width, rerun_halves
 
 
 def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> dict:
@@ -82,7 +82,7 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
             out["pp recv"] += m * p2p * ((c != last) + (c != first))
     if cp > 1 and halves["attention"]:
         kv = b * seq_len / cp * cp_exchange_width(model, t)
-        forwards = 2 if "attention" in rerun else 1
+        forwards = cp_exchange_forwards(model, strategy)
         per_layer = (forwards + 1) * (cp - 1) * kv * e + cp * kv * GRAD_BYTES
         out["cp send"] += m * halves["attention"] * per_layer
         out["cp recv"] += m * halves["attention"] * per_layer

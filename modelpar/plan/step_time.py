@@ -101,6 +101,21 @@ def rerun_halves(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
     return tuple(h for h in ("attention", "mlp") if h in modules or "elementwise" in modules)
 
 
+def cp_exchange_forwards(model: ModelSpec, strategy: Strategy) -> int:
+    """Forward passes of the cp exchange per layer and micro-batch: 2 where backward reruns the attention half's
+    forward, except under selective recompute that names only ``elementwise``, which keeps the ring's or the
+    all-gather's attention whole (``modelpar.parallel.kept``; not latent attention's, not all-to-all's)."""
+    if "attention" not in rerun_halves(model, strategy):
+        return 1
+    kept = (
+        strategy.recompute == "selective"
+        and "attention" not in strategy.recompute_modules
+        and strategy.cp_comm in ("ring", "allgather")
+        and not model.shape.mla.enabled
+    )
+    return 1 if kept else 2
+
+
 def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> int:
     """Tensor-parallel collectives of one layer and micro-batch: 2 forward, 2 backward, and each rerun
     half's forward one again."""
@@ -368,7 +383,7 @@ def cp_exposed_per_layer_s(
         return 0.0
     bw = group_bandwidth(hardware, t * cp)  # a cp ring spans tp x cp consecutive ranks
     kv_elements = b * seq_len / cp * cp_exchange_width(model, t)  # this rank's K and V (or latent)
-    forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
+    forwards = cp_exchange_forwards(model, strategy)
     if strategy.cp_comm == "alltoall":  # q/k/v there and the output back, forward; their gradients, backward
         d, kv = model.shape.head_size, max(1, model.shape.kv_heads // t)
         heads = model.shape.heads / t + 2 * kv * cp // math.gcd(kv, cp)  # q, and k, v with kv heads repeated
@@ -397,7 +412,7 @@ def cp_bytes_per_layer(model: ModelSpec, strategy: Strategy, hardware: Hardware,
     if cp == 1:
         return 0.0
     kv_elements = b * seq_len / cp * cp_exchange_width(model, t)
-    forwards = 2 if "attention" in rerun_halves(model, strategy) else 1
+    forwards = cp_exchange_forwards(model, strategy)
     share = (cp - 1) / cp
     if strategy.cp_comm == "alltoall":
         d, kv = model.shape.head_size, max(1, model.shape.kv_heads // t)

@@ -164,6 +164,8 @@ def test_selective_recompute_keeps_the_cp_attention_whole(tmp_path, cp):
     data = dataclasses.replace(cfg.data, global_batch=16, document_mask=True)
     report = step_rank(dataclasses.replace(cfg, model=model, data=data), 0, "first stage")
     assert report.activations == report.planned_activations > 0
+    # and the rerun in backward sends no K/V block again: the planner's cp bytes, without a second forward
+    assert report.traffic["cp send"] == pytest.approx(report.planned_traffic["cp send"], rel=1e-9)
 
 
 @pytest.mark.parametrize("modules", [["elementwise"], ["attention"]])
