@@ -18,8 +18,10 @@ backward of different micro-batches are both ready, the rank runs them as one ov
 two adjacent actions ``F`` then ``B``, with the backward whole (its W right after). Only where no pair is
 possible does it split a backward and defer its W, as DualPipe's cool-down does. On a GPU the pair is where
 one micro-batch's expert all-to-all hides behind the other's compute; in this runtime the two run one after
-the other on one thread, so the pairing is an order, not an overlap. The cap is ``2 * pp + 2``: a pair
-takes its forward before its backward frees anything.
+the other on one thread, so the pairing is an order, not an overlap. The cap is ``2 * pp + 2`` (a pair
+takes its forward before its backward frees anything) or ``2 * pp + 1``, torch's peak: both are built and the one
+with the smaller unit-cost bubble kept, the lower cap at a tie (every m >= 2 pp; only at m just above pp does
+the higher cap idle less).
 """
 
 from __future__ import annotations
@@ -47,7 +49,15 @@ def zero_bubble_v(pp: int, m: int, vpp: int = 2) -> Schedule:
 def dual_pipe_v(pp: int, m: int, vpp: int = 2) -> Schedule:
     """DualPipeV: see the module docstring. ``vpp`` must be 2 (two chunks per rank)."""
     _check("dualpipev", pp, vpp)
-    return add_communication(_list_schedule(pp, m, cap=2 * pp + 2, pairs=True), pp, 2, V)
+    candidates = [
+        add_communication(_list_schedule(pp, m, cap=cap, pairs=True), pp, 2, V) for cap in (2 * pp + 1, 2 * pp + 2)
+    ]
+
+    def cost(schedule: Schedule) -> tuple[float, int]:
+        sim = simulate(schedule, _UNIT)
+        return sim.bubble_fraction, max(sim.peak_in_flight)
+
+    return min(candidates, key=cost)  # the smaller bubble; at a tie, the fewer activations held
 
 
 def _check(name: str, pp: int, vpp: int) -> None:

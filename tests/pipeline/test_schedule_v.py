@@ -28,3 +28,12 @@ def test_zbv_beats_torch_where_m_equals_pp():
     ours = simulate(build_schedule("zbv", 8, 8, 2), UNIT).bubble_fraction
     theirs = simulate(add_communication(torch_order("zbv", 8, 8), 8, 2, Placement.V), UNIT).bubble_fraction
     assert ours < 0.6 * theirs
+
+
+# from m = 2 pp - 1 on (torch's order leaves a forward out at m = pp and, from pp 4, at m = pp + 1)
+@pytest.mark.parametrize("pp, m", [(pp, m) for pp, m in CASES if m >= 2 * pp - 1], ids=str)
+def test_dualpipev_idles_and_holds_no_more_than_torchs(pp, m):
+    ours = simulate(build_schedule("dualpipev", pp, m, 2), UNIT)
+    theirs = simulate(add_communication(torch_order("dualpipev", pp, m), pp, 2, Placement.V), UNIT)
+    assert ours.bubble_fraction <= theirs.bubble_fraction + 1e-12
+    assert max(ours.peak_in_flight) <= max(theirs.peak_in_flight)
