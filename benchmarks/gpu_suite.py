@@ -263,21 +263,7 @@ def run_mfu(s: Section) -> dict:
     else:
         common = ["--warmup", "3", "--steps", "10", "--time-limit", "20"]
         compiled = ["--compile"]
-    out: dict = {}
-    peak = None
-    for variant, flags in (("eager", common), ("compiled", [*common, *compiled])):
-        if s.remaining() < 30:
-            out[variant] = {"error": "skipped: no time left in the section's box"}
-            continue
-        try:
-            out[variant] = mfu.measure(mfu.parse_args(flags), peak=peak)
-            peak = out[variant]["matmul_peak_tflops"]
-        except Exception as exc:  # noqa: BLE001 - recorded; the other variant still runs
-            out[variant] = {"error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        s.save(out)
+    out = _measure_variants(s, mfu, {"eager": common, "compiled": [*common, *compiled]}, min_left_s=30)
     if "error" not in out["eager"] and "error" not in out["compiled"]:
         out["compiled_speedup"] = out["compiled"]["tokens_per_s"] / out["eager"]["tokens_per_s"]
     out["ok"] = all("error" not in out[v] for v in ("eager", "compiled"))
@@ -286,27 +272,36 @@ def run_mfu(s: Section) -> dict:
 
 def run_mfu_fp8(s: Section) -> dict:
     """llama-1b eager with its projections' GEMMs in FP8 (rowwise, tensorwise) beside bf16, in one process."""
+    from modelpar.model.layers.fp8 import FP8_MODES
+
     mfu = _benchmark("gpu_llama1b_mfu")
     common = ["--smoke"] if s.smoke else ["--warmup", "3", "--steps", "8", "--time-limit", "15"]
+    out = _measure_variants(s, mfu, {m: [*common, "--fp8", m] for m in FP8_MODES}, min_left_s=20)
+    for mode in FP8_MODES[1:]:
+        if "error" not in out["off"] and "error" not in out[mode]:
+            out[f"{mode}_speedup"] = out[mode]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    out["ok"] = all("error" not in out[m] for m in FP8_MODES)
+    return out
+
+
+def _measure_variants(s: Section, mfu, variants: dict[str, list[str]], min_left_s: float) -> dict:
+    """``mfu.measure`` of each variant's flags in turn, against the matmul peak measured once; a failing variant
+    is recorded and the next still runs; what is done is saved after each."""
     out: dict = {}
     peak = None
-    for mode in ("off", "rowwise", "tensorwise"):
-        if s.remaining() < 20:
-            out[mode] = {"error": "skipped: no time left in the section's box"}
+    for variant, flags in variants.items():
+        if s.remaining() < min_left_s:
+            out[variant] = {"error": "skipped: no time left in the section's box"}
             continue
         try:
-            out[mode] = mfu.measure(mfu.parse_args([*common, "--fp8", mode]), peak=peak)
-            peak = out[mode]["matmul_peak_tflops"]
-        except Exception as exc:  # noqa: BLE001 - recorded; the other modes still run
-            out[mode] = {"error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
+            out[variant] = mfu.measure(mfu.parse_args(flags), peak=peak)
+            peak = out[variant]["matmul_peak_tflops"]
+        except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
+            out[variant] = {"error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         s.save(out)
-    for mode in ("rowwise", "tensorwise"):
-        if "error" not in out["off"] and "error" not in out[mode]:
-            out[f"{mode}_speedup"] = out[mode]["tokens_per_s"] / out["off"]["tokens_per_s"]
-    out["ok"] = all("error" not in out[m] for m in ("off", "rowwise", "tensorwise"))
     return out
 
 
@@ -516,29 +511,31 @@ def _kernels_md(result: dict) -> list[str]:
     return lines + [f"- skipped: {s}" for s in result.get("skipped", [])]
 
 
-def _mfu_md(result: dict) -> list[str]:
+def _variant_table(result: dict, headings: dict[str, str]) -> list[str]:
+    """The MFU script's summary rows of each variant measured (``headings``: variant -> column heading) side by
+    side, then a line per variant that failed."""
     mfu = _benchmark("gpu_llama1b_mfu")
-    variants = [v for v in ("eager", "compiled") if v in result]
+    variants = [v for v in headings if v in result]
     tables = {v: dict(mfu.summary_rows(result[v])) if "error" not in result[v] else {} for v in variants}
     labels = next((list(t) for t in tables.values() if t), [])
-    lines = ["| | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    lines = ["| | " + " | ".join(headings[v] for v in variants) + " |", "|---" * (len(variants) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(tables[v].get(label, "") for v in variants) + " |" for label in labels]
-    lines += [f"- {v}: {result[v]['error']}" for v in variants if "error" in result[v]]
+    return lines + [f"- {headings[v]}: {result[v]['error']}" for v in variants if "error" in result[v]]
+
+
+def _mfu_md(result: dict) -> list[str]:
+    lines = _variant_table(result, {"eager": "eager", "compiled": "compiled"})
     if "compiled_speedup" in result:
         lines.append(f"\nCompiled blocks: {result['compiled_speedup']:.2f}x the eager tokens/s.")
     return lines
 
 
 def _mfu_fp8_md(result: dict) -> list[str]:
-    mfu = _benchmark("gpu_llama1b_mfu")
-    modes = [m for m in ("off", "rowwise", "tensorwise") if m in result]
-    tables = {m: dict(mfu.summary_rows(result[m])) if "error" not in result[m] else {} for m in modes}
-    labels = next((list(t) for t in tables.values() if t), [])
-    lines = ["| | " + " | ".join(f"fp8={m}" for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
-    lines += [f"| {label} | " + " | ".join(tables[m].get(label, "") for m in modes) + " |" for label in labels]
-    lines += [f"- fp8={m}: {result[m]['error']}" for m in modes if "error" in result[m]]
-    lines += [f"\nfp8={m}: {result[f'{m}_speedup']:.2f}x bf16's tokens/s." for m in modes if f"{m}_speedup" in result]
-    return lines
+    from modelpar.model.layers.fp8 import FP8_MODES
+
+    lines = _variant_table(result, {m: f"fp8={m}" for m in FP8_MODES})
+    speedups = [m for m in FP8_MODES if f"{m}_speedup" in result]
+    return lines + [f"\nfp8={m}: {result[f'{m}_speedup']:.2f}x bf16's tokens/s." for m in speedups]
 
 
 def _host_syncs_md(result: dict) -> list[str]:

@@ -38,14 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -54,13 +47,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from modelpar.bench.torch_schedules import torch_v_class
 from modelpar.model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from modelpar.model.transformer import ModelChunk, build_chunk
 from modelpar.optim import default_decay, lr_at
+from modelpar.pipeline.schedule import V_SCHEDULES
 from modelpar.training.config import TrainConfig
 
 # schedules torch.distributed.pipelining has for ours (zbv and dualpipev: two stages per rank in a V)
-PEER_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+PEER_SCHEDULES = ("gpipe", "1f1b", "interleaved", *V_SCHEDULES)
 
 
 def peer_name(cfg: TrainConfig) -> str | None:
@@ -259,9 +254,8 @@ class Peer:
         ]
         if p.schedule == "interleaved":
             return ScheduleInterleaved1F1B(stages, self.m, loss_fn=self.loss_fn)
-        if p.schedule in ("zbv", "dualpipev"):
-            v = ScheduleZBVZeroBubble if p.schedule == "zbv" else ScheduleDualPipeV
-            return v(stages, self.m, loss_fn=self.loss_fn)
+        if p.schedule in V_SCHEDULES:
+            return torch_v_class(p.schedule)(stages, self.m, loss_fn=self.loss_fn)
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[p.schedule]
         return kind(stages[0], self.m, loss_fn=self.loss_fn)
 
@@ -290,8 +284,7 @@ class Peer:
             else:
                 loss = self._accumulate(inputs, targets)
         if self.schedule is not None:  # from the rank holding the head: the last, or the first under a V
-            v = self.cfg.parallel.schedule in ("zbv", "dualpipev")
-            holder = 0 if v else dist.get_world_size(self.pp_group) - 1
+            holder = 0 if self.cfg.parallel.schedule in V_SCHEDULES else dist.get_world_size(self.pp_group) - 1
             dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, holder), group=self.pp_group)
         self._clip(self.cfg.optim.grad_clip)
         o, total = self.cfg.optim, self.cfg.trainer.steps

@@ -13,12 +13,18 @@ from modelpar.pipeline.actions import Action, ActionKind, Schedule
 from modelpar.pipeline.placement import Placement
 
 
+def torch_v_class(name: str):
+    """torch's schedule class of our V schedule ``name`` (zbv, dualpipev)."""
+    from torch.distributed.pipelining import schedules as ts
+
+    return {"zbv": ts.ScheduleZBVZeroBubble, "dualpipev": ts.ScheduleDualPipeV}[name]
+
+
 def torch_order(name: str, pp: int, m: int) -> Schedule:
     """The compute order torch's schedule class ``name`` generates (no process group needed to ask for it)."""
     from torch.distributed.pipelining import schedules as ts
 
-    cls = {"zbv": ts.ScheduleZBVZeroBubble, "dualpipev": ts.ScheduleDualPipeV}[name]
-    sched = object.__new__(cls)  # the generator reads only these three fields
+    sched = object.__new__(torch_v_class(name))  # the generator reads only these three fields
     sched.pp_group_size, sched._n_microbatches, sched.num_stages = pp, m, 2 * pp
     rows = []
     for rank in range(pp):

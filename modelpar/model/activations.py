@@ -63,7 +63,7 @@ SAVED_OPS = frozenset(
 
 
 # meters (``modelpar.bench.meters.SavedTensorMeter``) watching what the hooks below keep; empty outside one
-_WATCHERS: list = []
+_WATCHERS: list = kept.WATCHERS  # one list: context parallelism's kept results report to the same meters
 
 
 @contextlib.contextmanager
@@ -73,12 +73,10 @@ def watch(watcher) -> Iterator[None]:
     ``offloaded(host) -> packed`` (the host copy of one moved) and ``cached(t)`` (an output selective
     checkpointing caches, held until its storage is freed)."""
     _WATCHERS.append(watcher)
-    kept.WATCHERS.append(watcher)
     try:
         yield
     finally:
         _WATCHERS.remove(watcher)
-        kept.WATCHERS.remove(watcher)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

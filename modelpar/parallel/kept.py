@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-WATCHERS: list = []  # the activation meters watching (``modelpar.model.activations.watch`` adds them)
+WATCHERS: list = []  # the activation meters watching (``modelpar.model.activations.watch`` adds to this list)
 
 _KEPT = "modelpar.kept"  # the key, in selective checkpointing's own storage, of the results ``kept_result`` keeps
 
@@ -46,7 +46,7 @@ def kept_result(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.
         result = compute()
     kept = mode.storage[_KEPT]  # a fresh dict per checkpointed half
     kept.setdefault("results", []).append(result)
-    kept["next"] = 0
+    kept.setdefault("next", 0)
     if WATCHERS:
         for t in result:
             WATCHERS[-1].cached(t)

@@ -42,8 +42,7 @@ def zero_bubble_v(pp: int, m: int, vpp: int = 2) -> Schedule:
     for forward_first in (False, True):
         orders = _list_schedule(pp, m, cap=2 * pp, pairs=False, forward_first=forward_first)
         candidates.append(add_communication(orders, pp, 2, V))
-    # unit costs, as the list run assumes; the first candidate wins ties
-    return min(candidates, key=lambda s: simulate(s, _UNIT).bubble_fraction)
+    return min(candidates, key=lambda s: _unit_cost(s)[0])  # the first candidate wins ties
 
 
 def dual_pipe_v(pp: int, m: int, vpp: int = 2) -> Schedule:
@@ -52,12 +51,13 @@ def dual_pipe_v(pp: int, m: int, vpp: int = 2) -> Schedule:
     candidates = [
         add_communication(_list_schedule(pp, m, cap=cap, pairs=True), pp, 2, V) for cap in (2 * pp + 1, 2 * pp + 2)
     ]
+    return min(candidates, key=_unit_cost)  # the smaller bubble; at a tie, the fewer activations held
 
-    def cost(schedule: Schedule) -> tuple[float, int]:
-        sim = simulate(schedule, _UNIT)
-        return sim.bubble_fraction, max(sim.peak_in_flight)
 
-    return min(candidates, key=cost)  # the smaller bubble; at a tie, the fewer activations held
+def _unit_cost(schedule: Schedule) -> tuple[float, int]:
+    """The simulated bubble and peak activations (chunks) at unit costs, as the list run assumes."""
+    sim = simulate(schedule, _UNIT)
+    return sim.bubble_fraction, max(sim.peak_in_flight)
 
 
 def _check(name: str, pp: int, vpp: int) -> None:
@@ -84,7 +84,6 @@ def _list_schedule(pp: int, m: int, *, cap: int, pairs: bool, forward_first: boo
         for r in range(pp):
             if free_at[r] > t:
                 continue
-            # the backward of the second leg (nearest the input) first, the forward further along the V first:
             # B-first: the second leg's backward (nearest the input) first, the forward further along the V first
             backward = run.ready(r, B, 0, t) or run.ready(r, B, 1, t)
             forwards = (run.ready(r, F, 1, t), run.ready(r, F, 0, t))
