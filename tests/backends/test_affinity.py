@@ -143,9 +143,12 @@ def test_trainer_puts_only_the_tp_groups_socket_threads_idle_for_the_run(mode, t
     for rank in run_on_ranks(4, _trainer_gloo_policies, cfg, token_path):
         assert rank["tp"] and rank["pp"] and not rank["tp"] & rank["pp"]  # one socket thread per group
         made_idle = rank["tp"] if mode == "idle" else set()
-        assert rank["during"] == rank["before"] | made_idle  # the pipeline's p2p thread stays normal
-        assert not rank["during"] & rank["pp"]
+        # a thread left idle by an earlier test may exit while this one runs (its group torn down), so
+        # "before" bounds what else may be idle rather than naming it exactly
+        assert made_idle <= rank["during"]
+        assert rank["during"] - made_idle <= rank["before"]  # nothing else went idle
+        assert not rank["during"] & rank["pp"]  # the pipeline's p2p thread stays normal
         if rank["restorable"]:
             assert rank["after"] == set()
         else:  # unprivileged: what went idle stays idle
-            assert rank["after"] == rank["during"]
+            assert made_idle <= rank["after"] <= rank["during"]
