@@ -38,7 +38,7 @@ def _new_group(kind: str, ranks: Sequence[int]) -> dist.ProcessGroup:
     stay matched."""
     key = (kind, tuple(ranks))
     if key not in _groups:
-        create = functools.partial(dist.new_group, list(ranks), timeout=world_timeout())
+        create = functools.partial(dist.new_group, list(ranks), timeout=world_timeout(), group_desc=kind)
         for observer in _creation_observers:
             create = functools.partial(observer, kind, ranks, create)
         _groups[key] = create()

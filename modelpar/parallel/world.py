@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from modelpar.parallel import collective_trace
+
 DEFAULT_TIMEOUT_S = 300.0
 LOCAL_ADDR = "127.0.0.1"
 _timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)  # of the world; every group we create inherits it
@@ -92,6 +94,7 @@ def init_distributed(
         torch.cuda.set_device(env.local_rank)
     global _timeout
     _timeout = datetime.timedelta(seconds=timeout_s)
+    collective_trace.enable()  # torch's flight recorder of collectives, read back by hang reports
     url = init_method or f"tcp://{env.master_addr}:{env.master_port}"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if init_method is None and env.source == "torchrun" and restart not in (None, "0"):

@@ -3,7 +3,10 @@
 A stuck rank cannot report itself, and the ranks waiting on it only learn that a collective timed out. So
 every rank keeps a small ring of events (step, action, start, end) and a background thread writes it to
 ``<out_dir>/flight/rank-00003.json`` every ``period_s`` (and once more on exit). After a failure the launcher
-reads these files and names the rank that stopped making progress and the action it was in.
+reads these files and names the rank that stopped making progress and the action it was in. A rank that has
+made no progress for ``stall_s`` also dumps torch's recorder of collectives (``parallel.collective_trace``) to
+``<out_dir>/flight/torch/rank_<N>``, once per stall, so the report can name the first collective the ranks
+of a group disagree on.
 """
 
 from __future__ import annotations
@@ -16,12 +19,28 @@ import weakref
 from collections import deque
 from pathlib import Path
 
+from modelpar.parallel import collective_trace
+
+TORCH_DIR = "torch"  # under the flight directory: torch's recorder of collectives, one dump per rank
+
 
 class FlightRecorder:
     """``begin(label)`` / ``end()`` around each action; ``step`` is set by the trainer."""
 
-    def __init__(self, directory: str | Path, rank: int, where: str = "", capacity: int = 64, period_s: float = 1.0):
+    def __init__(
+        self,
+        directory: str | Path,
+        rank: int,
+        where: str = "",
+        capacity: int = 64,
+        period_s: float = 1.0,
+        stall_s: float | None = None,
+    ):
         self.path = Path(directory) / f"rank-{rank:05d}.json"
+        self.trace_dir = Path(directory) / TORCH_DIR
+        self.stall_s = 2 * period_s if stall_s is None else stall_s
+        self._created = time.time()
+        self._traced_stall: float | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.where = where  # e.g. "pp 0 tp 1 dp 0": action labels use pipeline ranks
@@ -69,6 +88,22 @@ class FlightRecorder:
             "events": [{"step": s, "action": a, "start": t0, "end": t1} for s, a, t0, t1 in list(self.events)],
         }
 
+    def stalled_since(self) -> float:
+        """When this rank last made progress: the start of what it is in now (the collective it waits in,
+        if any), else the end of its last action."""
+        current, waiting = self.current, self.waiting
+        if current is not None or waiting is not None:
+            return max(t[1] for t in (current, waiting) if t is not None)
+        return self.events[-1][3] if self.events else self._created
+
+    def dump_trace_if_stalled(self) -> Path | None:
+        """Dump torch's recorder of collectives once per stall of ``stall_s`` or more; the path written."""
+        since = self.stalled_since()
+        if time.time() - since < self.stall_s or since == self._traced_stall:
+            return None
+        self._traced_stall = since
+        return collective_trace.write(self.trace_dir, self.rank)
+
     def dump(self) -> None:
         with self._lock:
             tmp = self.path.with_name(self.path.name + ".tmp")
@@ -88,6 +123,7 @@ def _dump_periodically(ref: weakref.ref, stop: threading.Event, period_s: float)
             return
         try:
             recorder.dump()
+            recorder.dump_trace_if_stalled()
         except OSError:
             return  # the run directory went away: nothing left to report into
         del recorder
@@ -142,4 +178,5 @@ def flight_hang_report(directory: str, alive: list[int]) -> str:
     snapshots = read_flight(directory)
     if not snapshots:
         return ""
-    return "\n" + hang_report(snapshots, suspects=alive or None)
+    trace = collective_trace.trace_report(Path(directory) / TORCH_DIR, len(snapshots))
+    return "\n" + hang_report(snapshots, suspects=alive or None) + (f"\n{trace}" if trace else "")

@@ -17,10 +17,16 @@ pytestmark = pytest.mark.slow
 
 def test_a_rank_that_sleeps_forever_is_named_within_the_timeout(tmp_path):
     timeout_s = 5
-    proc, _ = train(tmp_path, "trainer.steps=4", f"trainer.timeout_s={timeout_s}", faults="sleep@1:1")
+    # native collectives: gloo's recorder logs collectives, not the point-to-point exchange the CPU backend uses
+    overrides = ["trainer.steps=4", f"trainer.timeout_s={timeout_s}", "parallel.collectives=native"]
+    proc, _ = train(tmp_path, *overrides, faults="sleep@1:1")
     ended = time.time()
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "rank 1 (pp 0 tp 1 dp 0) stuck in 0F0 at step 1" in proc.stderr, proc.stderr[-2000:]
+    # torch's recorder, dumped by every stalled rank, names the tensor-parallel all-reduce rank 1 never joined
+    assert "torch flight recorder: group tp (ranks 0, 1): collective #" in proc.stderr, proc.stderr[-2000:]
+    assert "all_reduce of [[2, 32, 32]] was issued by rank 0, not by rank 1" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "flight" / "torch").iterdir()) == [f"rank_{r}" for r in range(4)]
     record = json.loads((tmp_path / "flight" / "rank-00001.json").read_text())
     assert record["current"]["action"] == "0F0"
     assert ended - record["current"]["since"] < timeout_s + 30
