@@ -10,6 +10,7 @@ resume from the newest verified checkpoint in the same way.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,20 @@ def first_line(exc: LaunchError) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def cause_of(exc: LaunchError, width: int = 160) -> str:
+    """One line naming why the job failed: its first line, except where a rank failed by timing out on a hung
+    peer: then the flight report's line naming the hung rank comes first (the first line names only a victim)."""
+    first = first_line(exc)
+    if not re.match(r"rank \d+ failed: ", first):
+        return first
+    stuck = next(
+        (line.strip() for line in str(exc).splitlines()[1:] if re.match(r"\s*rank \d+ .*stuck in ", line)), None
+    )
+    if stuck is None:
+        return first
+    return f"{stuck}; {first if len(first) <= width else first[: width - 3] + '...'}"
+
+
 def run_with_restarts(
     attempt: Callable[[int], None],
     policy: RestartPolicy,
@@ -52,7 +67,7 @@ def run_with_restarts(
             if restart == policy.max_restarts:
                 raise
             wait = policy.delay(restart + 1)
-            cause = first_line(exc)
+            cause = cause_of(exc)
             say(f"modelpar-train: restart {restart + 1} of {policy.max_restarts} in {wait:g} s after: {cause}")
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with log_path.open("a") as log:

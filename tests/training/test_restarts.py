@@ -39,6 +39,22 @@ def test_each_failure_is_one_line_then_a_doubling_wait_then_another_attempt(tmp_
     assert [entry["rank"] for entry in log] == [0, 1]
 
 
+def test_a_timeout_names_the_hung_rank_first_and_a_death_its_own_line():
+    from modelpar.training.restart import cause_of
+
+    timed_out = LaunchError(
+        1,
+        "rank 1 failed: RuntimeError: pipeline rank 0 stuck in 0SEND_F1: Timed out waiting 10000ms\nTraceback ...\n"
+        "rank 3 (pp 1 tp 1 dp 0) stuck in 1F0 at step 300 (no progress for 11 s)\n  rank   0: step 300, in ...",
+    )
+    assert cause_of(timed_out, width=40) == (
+        "rank 3 (pp 1 tp 1 dp 0) stuck in 1F0 at step 300 (no progress for 11 s); "
+        "rank 1 failed: RuntimeError: pipeline..."
+    )
+    died = LaunchError(2, "rank 2 died (signal SIGKILL); the other ranks were stopped\nrank 3 (pp 1) stuck in idle")
+    assert cause_of(died) == "rank 2 died (signal SIGKILL); the other ranks were stopped"
+
+
 def test_the_last_failure_is_raised_when_no_restart_is_left(tmp_path):
     def attempt(n):
         raise LaunchError(0, f"halted: attempt {n}")
