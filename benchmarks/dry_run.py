@@ -20,6 +20,8 @@ PRESETS = [
     "llama-8b-64gpu",
     "llama-8b-128k-64gpu",
     "mixtral-8x7b-64gpu",
+    "qwen3-30b-a3b-64gpu",
+    "llama-70b-512gpu",
     "llama-405b-16384gpu",
     "llama-405b-128k-16384gpu",
     "deepseek-v3-671b-2048gpu",

@@ -123,6 +123,7 @@ class Trainer:
             guard=self.guard,
             flops_per_step=flops * cfg.data.seq_len,
             plugins=tuple(self._step_plugins()),
+            fence=self.async_ckpt.wait_snapshot if self.async_ckpt is not None else None,
         )
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)
@@ -163,6 +164,8 @@ class Trainer:
             metrics, result = self.train_one(self.step)
         finally:
             self.runtime.timing = bench_timing
+        if self.train_one.fence_s > 0 and self._ckpt_report is not None:
+            self._ckpt_report["fence_s"] = self.train_one.fence_s  # the update waited for the save's copy
         if timeline:
             self._draw_timeline(result)
         self.step += 1

@@ -28,6 +28,7 @@ def test_the_files_hold_the_snapshot_byte_for_byte_what_a_synchronous_save_write
     writer = AsyncCheckpointer()
     writer.start(prepare_save(tmp_path / "async", 3, pieces, rank_state, {"layout": {}}))
     assert writer.in_flight == 3
+    writer.wait_snapshot()  # the fence before the next optimizer step
     weight.add_(100.0)  # the next optimizer step, while the writer runs
     path, _ = writer.finish()
     assert writer.in_flight is None and (tmp_path / "async" / "latest").read_text() == path.name
@@ -61,3 +62,33 @@ def test_a_second_start_while_one_is_in_flight_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="still in flight"):
         writer.start(prepare_save(tmp_path, 2, pieces, rank_state, {"layout": {}}))
     writer.finish()
+
+
+def test_the_fence_holds_the_update_until_the_copy_is_made_and_buffers_are_kept_for_the_next_save(
+    tmp_path, monkeypatch
+):
+    import time
+
+    weight, pieces, rank_state = _state(2.0)
+    writer = AsyncCheckpointer()
+    stage = AsyncCheckpointer._stage
+
+    def slow_stage(self, *args):
+        time.sleep(0.3)  # a copy that is still running when the next step wants to update
+        return stage(self, *args)
+
+    monkeypatch.setattr(AsyncCheckpointer, "_stage", slow_stage)
+    blocking = writer.start(prepare_save(tmp_path, 1, pieces, rank_state, {"layout": {}}))
+    assert blocking < 0.3  # the copy is the writer's, not the save call's
+    assert writer.wait_snapshot() > 0.2
+    weight.add_(100.0)
+    first, _ = writer.finish()
+    buffers = dict(writer._staging)
+    assert writer.staged_bytes == weight.numel() * 4
+    writer.start(prepare_save(tmp_path, 2, pieces, rank_state, {"layout": {}}))
+    writer.wait_snapshot()
+    second, _ = writer.finish()
+    assert all(writer._staging[k] is v for k, v in buffers.items())  # the same host buffers, not new ones
+    for path, value in ((first, 2.0), (second, 102.0)):
+        loaded = load_pieces(path, read_index(path), [Piece.whole("layers.0.w", (6, 4))])
+        assert torch.equal(next(iter(loaded.values())), torch.full((6, 4), value))

@@ -69,8 +69,12 @@ def test_without_elastic_another_world_is_refused_naming_the_switch(tmp_path):
 
 def _resumed_on(world, source, token_path, tmp_path):
     """The uninterrupted run of ``source`` (4 steps, saved at 2) and the run resumed at step 2 on ``world``."""
+    source = dict(source)
+    moe = source.pop("moe", None)
     cfg = make_config(tmp_path / "a", **source)
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
+    if moe is not None:
+        cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, **moe)))
     straight = run_on_ranks(cfg.parallel.layout().world_size, train_and_collect, cfg, token_path, None, (2,))
     smaller, _ = elastic_config(_elastic(cfg, out_dir=str(tmp_path / "b")), world)
     assert smaller.parallel.layout().world_size == world
@@ -83,6 +87,8 @@ def _resumed_on(world, source, token_path, tmp_path):
     [
         (dict(dp=4), 2),
         (dict(tp=2, dp=2), 2),
+        # experts over ep2 stay ep2; dropless routing and the sequence-wise balance loss see the same tokens
+        (dict(dp=4, ep=2, moe=dict(experts=4, top_k=2, aux_loss_coef=0.01, aux_loss_scope="sequence")), 2),
         pytest.param(
             dict(tp=2, pp=2, dp=2),
             4,
@@ -92,7 +98,7 @@ def _resumed_on(world, source, token_path, tmp_path):
             ),
         ),
     ],
-    ids=["dp4-to-dp2", "tp2dp2-to-tp2", "tp2pp2dp2-to-tp2pp2"],
+    ids=["dp4-to-dp2", "tp2dp2-to-tp2", "moe-dp4ep2-to-dp2ep2", "tp2pp2dp2-to-tp2pp2"],
 )
 def test_resumed_on_fewer_ranks_the_losses_are_the_uninterrupted_runs(token_path, tmp_path, source, world):
     straight, resumed = _resumed_on(world, source, token_path, tmp_path)
