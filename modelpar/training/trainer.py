@@ -242,12 +242,13 @@ class Trainer:
             if self.rank == 0
             else None,  # what modelpar-generate decodes with
         }
-        optim_state = self.optimizer.state_tensors()
         moments, optimizer_step = optimizer_pieces(self.model.chunks, self.optimizer)
         if moments:
             # the moments go to optim-*.safetensors; ZeRO-1's fp32 masters equal the (fp32) parameters
             meta["optimizer_step"] = optimizer_step  # torch's AdamW step count, the same for every parameter
             optim_state = {}
+        else:  # a CPU copy of the whole state (before the first step: small), only when it is written
+            optim_state = self.optimizer.state_tensors()
         rank_state = {f"optim/{k}": v for k, v in optim_state.items()}
         rank_state["rng/torch"] = torch.get_rng_state()
         if self.faults and self.async_ckpt is None:
