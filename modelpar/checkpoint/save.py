@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from modelpar.checkpoint.store import (
     FORMAT,
@@ -29,19 +28,17 @@ from modelpar.checkpoint.store import (
     fsync_write,
     gather_object,
     region_key,
-    sha256_file,
     step_dir,
     this_rank,
 )
+from modelpar.checkpoint.tensor_file import write_tensors
 
 
 def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".partial")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    written = write_tensors(tmp, tensors)  # hashed as written: the file is not read back
     os.replace(tmp, path)
-    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return written
 
 
 def save_checkpoint(
