@@ -12,12 +12,13 @@ micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
           tp-replicated experts' fp32 gradients all-reduced once; the embedding's output and the head's input
           one pair each                                                   (``tp_collectives_per_layer``)
     pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
-    dp    zero-0: the gradient buckets all-reduced once (4 bytes a value and a flag a tensor; a rank's own
-          experts, ep = dp x cp, not at all); zero-1: reduce-scatter of the fp32 gradients and all-gather of
-          the fp32 master shards (padded to d shards; under ep the experts' over the expert_dp group of d / ep
-          ranks holding the same experts); zero-2/3: FSDP2's reduce-scatter of each unit's padded
-          gradient (``optim.reduce_dtype``) once a step (m times with reduce_every_micro_batch), all-gather of
-          its weights in the compute dtype once a step at zero-2, before each forward and backward at zero-3
+    dp    zero-0: the gradient buckets all-reduced once (4 bytes a value and a flag a tensor; under ep the
+          routed experts' over the expert_dp group of d / ep ranks, not at all when ep = dp x cp); zero-1:
+          reduce-scatter of the fp32 gradients and all-gather of the fp32 master shards (padded to d shards;
+          under ep the experts' over the expert_dp group); zero-2/3: FSDP2's reduce-scatter of each unit's
+          padded gradient (``optim.reduce_dtype``) once a step (m times with reduce_every_micro_batch),
+          all-gather of its weights in the compute dtype once a step at zero-2, before each forward and
+          backward at zero-3
     cp    ring: per layer and micro-batch, each forward's K/V block to the next rank cp-1 times, backward the
           K/V again cp-1 times and dK/dV (fp32) cp times (``cp_exposed_per_layer_s``)
     ep    per MoE layer and micro-batch 4 all-to-alls (6 rerunning the MLP) of k*b*(s/cp)/t rows of h
@@ -38,7 +39,7 @@ from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
-from modelpar.plan.states import shard_group_size, stage_units, state_bytes, zero1_shards
+from modelpar.plan.states import expert_elements, shard_group_size, stage_units, state_bytes, zero1_shards
 from modelpar.plan.step_time import cp_exchange_forwards, cp_exchange_width, rerun_halves
 
 
@@ -105,9 +106,12 @@ def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: in
         return
     group = "dp" if layout.cp == 1 else "dp_cp"
     units = stage_units(model, strategy, seq_len, stage)
-    if strategy.zero == 0:
+    if strategy.zero == 0:  # the routed experts' gradients over the ranks holding the same experts (d / ep)
         states = state_bytes(model, strategy, seq_len, stage)
-        out[f"{group} all_reduce"] += states["buffers"]
+        experts = GRAD_BYTES * expert_elements(model, strategy, seq_len, stage)[0] if layout.ep > 1 else 0
+        out[f"{group} all_reduce"] += states["buffers"] - experts
+        if experts and d // layout.ep > 1:
+            out["expert_dp all_reduce"] += experts
         return
     params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
     if strategy.zero == 1:  # dense over dp x cp, the experts over the ranks holding the same ones

@@ -140,7 +140,7 @@ def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
     elif d > 1:
         tensors = sum(count * len(t) for _, t, count in units)
         if strategy.layout.ep == d:  # each rank's experts are its own: their gradients are not bucketed
-            experts, expert_tensors = _expert_elements(model, strategy, seq_len, stage)
+            experts, expert_tensors = expert_elements(model, strategy, seq_len, stage)
             params, tensors = params - experts, tensors - expert_tensors
         out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
     out["gathered"] = 0.0
@@ -152,11 +152,11 @@ def zero1_shards(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
     d = dp x cp; under ep the routed experts, which differ between the ranks of an ep group, form a partition of
     their own sharded over the d / ep ranks holding the same experts (``modelpar.optim.zero``)."""
     d, ep = strategy.layout.dp * strategy.layout.cp, strategy.layout.ep
-    experts = _expert_elements(model, strategy, seq_len, stage)[0] if ep > 1 else 0
+    experts = expert_elements(model, strategy, seq_len, stage)[0] if ep > 1 else 0
     return math.ceil((params - experts) / d), math.ceil(experts / (d // ep))
 
 
-def _expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
+def expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
     """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
     ``E/ep`` experts in each MoE layer, the multi-token prediction blocks' included)."""
     shape, layout = model.shape, strategy.layout
