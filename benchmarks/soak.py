@@ -92,7 +92,7 @@ def launch(
     run_dir: Path, steps: int, ckpt_every: int, faults: str, timeout_s: float, restarts: int
 ) -> tuple[int, Sampler, list[tuple[float, str]]]:
     """One job (``restarts``: its ``trainer.max_restarts``); its exit code, samples and timed output lines."""
-    env = dict(os.environ, MODELPAR_FAULTS=faults)
+    env = dict(os.environ, MODELPAR_FAULTS=faults, PYTHONUNBUFFERED="1")  # lines timed as they are printed
     args = [
         sys.executable, "-m", "modelpar.cli.train", *SMALL, f"hydra.run.dir={run_dir}", f"trainer.steps={steps}",
         f"trainer.ckpt_every={ckpt_every}", "trainer.resume=auto", f"trainer.timeout_s={timeout_s}",
