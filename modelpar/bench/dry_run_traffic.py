@@ -108,9 +108,10 @@ def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: in
     units = stage_units(model, strategy, seq_len, stage)
     if strategy.zero == 0:  # the routed experts' gradients over the ranks holding the same experts (d / ep)
         states = state_bytes(model, strategy, seq_len, stage)
-        experts = GRAD_BYTES * expert_elements(model, strategy, seq_len, stage)[0] if layout.ep > 1 else 0
+        # (at ep = d the buckets already leave each rank's own experts out, and nothing syncs them)
+        experts = GRAD_BYTES * expert_elements(model, strategy, seq_len, stage)[0] if 1 < layout.ep < d else 0
         out[f"{group} all_reduce"] += states["buffers"] - experts
-        if experts and d // layout.ep > 1:
+        if experts:
             out["expert_dp all_reduce"] += experts
         return
     params = sum(count * r * c for _, tensors, count in units for r, c in tensors)

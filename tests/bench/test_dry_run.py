@@ -177,3 +177,18 @@ def test_selective_recompute_runs_on_the_meta_device_and_equals_the_planner(tmp_
     data = dataclasses.replace(cfg.data, global_batch=16)
     report = step_rank(dataclasses.replace(cfg, model=model, data=data), 0, "first stage")
     assert report.activations == report.planned_activations > 0
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero0_routed_expert_gradients_sync_over_the_ranks_holding_the_same_experts(tmp_path, dp):
+    """At dp4 x ep2 the routed experts' gradients are all-reduced over expert_dp (2 ranks), the rest over dp; at
+    dp2 x ep2 (ep = dp) each rank's experts are its own and nothing syncs them: planned as measured."""
+    from modelpar.model.config import MoEConfig
+
+    cfg = make_config(tmp_path, dp=dp, ep=2)
+    model = dataclasses.replace(cfg.model, vocab_size=64, moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16))
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=2 * dp))
+    report = step_rank(cfg, 0, "first stage")
+    for kind in ("dp all_reduce", "expert_dp all_reduce"):
+        assert report.traffic.get(kind, 0) == pytest.approx(report.planned_traffic.get(kind, 0), rel=1e-3), kind
+    assert (report.traffic.get("expert_dp all_reduce", 0) > 0) == (dp == 4)
