@@ -69,10 +69,8 @@ class TrainStep:
     guard: LossGuard
     flops_per_step: float
     plugins: tuple[StepPlugin, ...] = ()  # the optional features, in the order they are called
-    # called before anything changes the weights or moments (an asynchronous save still copying them); the
-    # seconds it waited are kept in fence_s
-    fence: Callable[[], float] | None = None
-    fence_s: float = 0.0
+    # called before anything changes the weights or moments (an asynchronous save may still be copying them)
+    fence: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.eos_id = resolve_eos_id(self.cfg, str(self.tokens.path))  # None without data.document_mask
@@ -134,7 +132,8 @@ class TrainStep:
                 finding = plugin.verdict(step)
                 skipped = None if finding is None else self._act_on(finding, plugin.setting)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.trainer.steps, cfg.optim.min_lr)
-        self.fence_s = self.fence() if self.fence is not None else 0.0
+        if self.fence is not None:
+            self.fence()
         if skipped is None:
             set_lr(self.optimizer, lr)
             self.optimizer.step()

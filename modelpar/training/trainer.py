@@ -123,7 +123,7 @@ class Trainer:
             guard=self.guard,
             flops_per_step=flops * cfg.data.seq_len,
             plugins=tuple(self._step_plugins()),
-            fence=self.async_ckpt.wait_snapshot if self.async_ckpt is not None else None,
+            fence=self._fence if self.async_ckpt is not None else None,
         )
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)
@@ -164,8 +164,6 @@ class Trainer:
             metrics, result = self.train_one(self.step)
         finally:
             self.runtime.timing = bench_timing
-        if self.train_one.fence_s > 0 and self._ckpt_report is not None:
-            self._ckpt_report["fence_s"] = self.train_one.fence_s  # the update waited for the save's copy
         if timeline:
             self._draw_timeline(result)
         self.step += 1
@@ -279,6 +277,13 @@ class Trainer:
         self.async_ckpt.start(pending, wrap_state=wrap)
         self._ckpt_report = {"step": step, "stall_s": time.perf_counter() - began}
         return None
+
+    def _fence(self) -> None:
+        """Before the step's update: wait for the save in flight to copy the weights and moments (the wait,
+        if any, is reported with that save under ``checkpoint``)."""
+        waited = self.async_ckpt.wait_snapshot()
+        if waited > 0 and self._ckpt_report is not None:
+            self._ckpt_report["fence_s"] = waited
 
     def finish_async_save(self) -> Path | None:
         """Collective: wait for the background writer and publish its checkpoint (no-op when none is in
