@@ -110,9 +110,13 @@ def _names(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _op(entry: dict) -> str:
+    """The operation of a ring entry ("gloo:all_reduce" -> "all_reduce")."""
+    return entry["profiling_name"].split(":")[-1]
+
+
 def _signature(entry: dict) -> str:
-    op = entry["profiling_name"].split(":")[-1]
-    return f"{op} of {entry['input_sizes']} {'/'.join(entry['input_dtypes'])}"
+    return f"{_op(entry)} of {entry['input_sizes']} {'/'.join(entry['input_dtypes'])}"
 
 
 def _issued(trace: dict, name: str, ring: dict[int, dict]) -> int | None:
@@ -162,7 +166,7 @@ def first_disagreement(traces: list[dict]) -> str | None:
             ahead = [r for r in seen if issued[r] >= seq]
             behind = [r for r in seen if issued[r] == low]
             entry = next((ring[r][seq] for r in ahead if seq in ring[r]), None)
-            what = f" {entry['profiling_name'].split(':')[-1]} of {entry['input_sizes']}" if entry else ""
+            what = f" {_op(entry)} of {entry['input_sizes']}" if entry else ""
             found.append(
                 (
                     entry["time_created_ns"] if entry else float("inf"),
