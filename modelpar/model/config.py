@@ -334,8 +334,8 @@ class ModelConfig:
             raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
         if self.fp8 != "off" and self.moe.enabled:
             raise ModelConfigError(
-                f"model.fp8={self.fp8} covers dense layers only (the experts' grouped GEMMs stay high precision); "
-                "set model.fp8=off or model.moe.experts=0"
+                f"model.fp8={self.fp8} covers dense layers only (the experts' grouped GEMMs have no FP8 path: "
+                "torch._scaled_grouped_mm has no CPU kernel to prove it on); set model.fp8=off or model.moe.experts=0"
             )
 
     def _check_latent_attention(self) -> None:
