@@ -8,9 +8,9 @@ reduce-scatter: the input, all-to-all and send: what this rank sends). ``a = b*s
 micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
 
     tp    each block half 2 collective pairs (forward, backward), each rerun half one more: all-gather +
-          reduce-scatter of a (sequence parallel), else all-reduce of a; a MoE MLP under SP none, and its
-          tp-replicated experts' fp32 gradients all-reduced once; the embedding's output and the head's input
-          one pair each                                                   (``tp_collectives_per_layer``)
+          reduce-scatter of a (sequence parallel), else all-reduce of a; a MoE MLP under SP none; the fp32
+          gradients tp leaves partial (routed experts, router, the norms under SP) all-reduced once; the
+          embedding's output and the head's input one pair each           (``tp_collectives_per_layer``)
     pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
     dp    zero-0: the gradient buckets all-reduced once (4 bytes a value and a flag a tensor; under ep the
           routed experts' over the expert_dp group of d / ep ranks, not at all when ep = dp x cp); zero-1:
@@ -67,9 +67,16 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         pairs = sum(n * (2 + (h in rerun)) for h, n in tp_halves.items())
         chunks = partition.chunks_of(stage)
         pairs += sum(partition.has_embedding(c) + partition.has_head(c) for c in chunks)  # embedding out, head in
-        if moe_layers:  # the tp-replicated experts' fp32 gradients, summed over tp once
-            local = shape.moe.experts // layout.ep
-            out["tp all_reduce"] += GRAD_BYTES * moe_layers * local * 3 * shape.hidden * shape.expert_ffn_hidden
+        # the gradients tp leaves partial, summed over tp once (``reduce_tensor_parallel_grads``): the routed
+        # experts' and the router's (each tp rank routes its own tokens) and, under SP, the norms'
+        local = shape.moe.experts // layout.ep
+        experts = local * 3 * shape.hidden * shape.expert_ffn_hidden
+        partial = moe_layers * (experts + shape.moe.experts * shape.hidden)
+        if strategy.sp:
+            qk = 2 * shape.head_size if shape.qk_norm else 0
+            ends = sum(partition.has_head(c) for c in chunks)  # the final norm
+            partial += halves["attention"] * (shape.hidden + qk) + (halves["mlp"] + ends) * shape.hidden
+        out["tp all_reduce"] += GRAD_BYTES * partial
         if strategy.sp:
             out["tp all_gather"] += m * pairs * act
             out["tp reduce_scatter"] += m * pairs * act

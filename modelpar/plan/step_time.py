@@ -10,11 +10,13 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
     tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
                  ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node;
                  a MoE layer under SP 2 (its MLP has none), plus one all-reduce a step of the fp32 gradients
-                 of the experts, which are replicated over tp; and per micro-batch one more for the embedding's
-                 output and one for the head's input (one of them on a rank of a pipeline)
+                 of the routed experts and the router, which are replicated over tp; and per micro-batch one
+                 more for the embedding's output and one for the head's input (one of them on a rank of a
+                 pipeline)
     pp_comm_s  = 2 * (v*m + p - 1) p2p transfers of b*s*h/t elements (scatter/gather), not overlapped (the V
                  schedules' turn on the last rank stays local: counted all the same)
-    dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap);
+    dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap); the routed
+                 experts' over the d/ep ranks that hold the same experts (none where ep = d);
                  ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
     cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
                  as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
@@ -303,8 +305,10 @@ def predict(
     both_ends = p == 1 or strategy.placement is Placement.V  # one rank holds the embedding and the head
     tp_comm_s += m * (2 if both_ends else 1)  # the vocab-parallel embedding's output and the head's input
     tp_comm_s *= ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
-    experts = layers_on_rank * moe_share * shape.moe.experts / layout.ep * 3 * shape.hidden * shape.expert_ffn_hidden
-    tp_comm_s += ring_all_reduce_s(experts * GRAD_BYTES, t, tp_bw, hardware.latency_s) if shape.moe.enabled else 0.0
+    if shape.moe.enabled:  # the routed experts and the router are replicated over tp: their gradients summed
+        router = layers_on_rank * moe_share * shape.hidden * shape.moe.experts
+        replicated = routed_expert_params(model, layout) + router
+        tp_comm_s += ring_all_reduce_s(replicated * GRAD_BYTES, t, tp_bw, hardware.latency_s)
 
     pp_comm_s = 0.0
     if p > 1:
@@ -425,6 +429,16 @@ def cp_bytes_per_layer(model: ModelSpec, strategy: Strategy, hardware: Hardware,
     return forwards * (cp - 1) * send + (cp - 1) * (send + send_grad) + send_grad
 
 
+def routed_expert_params(model: ModelSpec, layout) -> float:
+    """The routed experts' parameters on one rank: ``E / ep`` whole experts of each MoE layer it holds."""
+    shape = model.shape
+    if not shape.moe.enabled:
+        return 0.0
+    layers = layers_per_chunk(shape.layers, layout) * layout.vpp
+    moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
+    return layers * moe_share * shape.moe.experts / layout.ep * 3 * shape.hidden * shape.expert_ffn_hidden
+
+
 def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel) -> float:
     """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages."""
     layout = strategy.layout
@@ -451,7 +465,12 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
         # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
         exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
     elif d > 1:
-        exposed = (1 - costs.dp_overlap) * ring_all_reduce_s(params * GRAD_BYTES, d, bw, hardware.latency_s)
+        # the routed experts are replicated over d / ep ranks only (ep splits them over dp x cp): reduced there
+        experts = routed_expert_params(model, layout) if layout.ep > 1 else 0.0
+        synced = ring_all_reduce_s((params - experts) * GRAD_BYTES, d, bw, hardware.latency_s)
+        if experts and d > layout.ep:
+            synced += ring_all_reduce_s(experts * GRAD_BYTES, d // layout.ep, bw, hardware.latency_s)
+        exposed = (1 - costs.dp_overlap) * synced
     shared = model.tie_embeddings or model.shape.mtp_depth  # the last stage's head or MTP modules embed too
     if p > 1 and shared and strategy.placement is not Placement.V:  # V: one rank, one weight
         embedding = model.shape.vocab_size * model.shape.hidden / t * GRAD_BYTES

@@ -44,6 +44,32 @@ def test_all_to_alls_cost_time_at_ep_above_one_and_flops_count_active_experts(mi
     assert run(8).model_flops_per_step == pytest.approx((6 * active + 12 * 32 * 4096 * 4096) * 256 * 4096, rel=1e-9)
 
 
+def test_zero0_expert_gradients_are_reduced_over_the_ranks_holding_the_same_experts(mixtral):
+    from modelpar.plan.spec import CostModel
+    from modelpar.plan.step_time import dp_exposed_s, ring_all_reduce_s
+
+    costs, bw, lat = CostModel(), H100.inter_node_bw, H100.latency_s
+    expert = 3 * 4096 * 14336
+
+    def exposed(dp, ep):
+        layout = ParallelLayout(tp=2, pp=4, dp=dp, ep=ep)
+        return dp_exposed_s(mixtral, Strategy(layout, 1, 32, "none", 0, True), H100, costs), layout
+
+    def all_reduce(params, n):
+        return ring_all_reduce_s(params * 4, n, bw, lat)
+
+    full, layout = exposed(8, 1)  # every rank holds every expert: one all-reduce over dp 8
+    params = max(stage_params(mixtral, layout, s) for s in (0, 3))
+    assert full == pytest.approx((1 - costs.dp_overlap) * all_reduce(params, 8), rel=1e-9)
+    whole, layout = exposed(8, 8)  # each expert on one rank of the dp group: only the rest is reduced
+    rest = max(stage_params(mixtral, layout, s) for s in (0, 3)) - 8 * expert
+    assert whole == pytest.approx((1 - costs.dp_overlap) * all_reduce(rest, 8), rel=1e-9)
+    half, layout = exposed(8, 4)  # 2 experts a rank, each on 2 ranks: reduced over those 2
+    rest = max(stage_params(mixtral, layout, s) for s in (0, 3)) - 8 * 2 * expert
+    want = all_reduce(rest, 8) + all_reduce(8 * 2 * expert, 2)
+    assert half == pytest.approx((1 - costs.dp_overlap) * want, rel=1e-9)
+
+
 def test_shipped_mixtral_recipe_is_the_planners_first_choice_with_ep8(mixtral):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
