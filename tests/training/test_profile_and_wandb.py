@@ -2,6 +2,7 @@
 
 import json
 import struct
+import time
 from dataclasses import replace
 
 import pytest
@@ -99,12 +100,20 @@ def test_wandb_sink_logs_each_step_and_the_layout_offline(token_path, tmp_path):
     run_on_ranks(2, fit_without_wandb_credentials, cfg, token_path, str(tmp_path / "no-netrc"))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
-    records = wandb_records(next(runs[0].glob("*.wandb")))
-    history = [
-        {item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json) for item in r.history.item}
-        for r in records
-        if r.WhichOneof("record_type") == "history"
-    ]
+    deadline = time.monotonic() + 30  # wandb's writer is a process of its own: under load it may lag finish()
+    while True:
+        records = wandb_records(next(runs[0].glob("*.wandb")))
+        history = [
+            {
+                item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json)
+                for item in r.history.item
+            }
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+        ]
+        if len(history) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [h["_step"] for h in history] == [1, 2, 3]
     assert [h["train/loss"] for h in history] == [m["loss"] for m in logged]
