@@ -215,7 +215,7 @@ def main(argv=None) -> None:
         "data": {"seq_len": base.data.seq_len, "global_batch": base.data.global_batch, "val_path": str(val_path)},
         "max_rel_diff": diffs,
         "seconds": seconds,
-        "held_out": {mode: [{str(k): v for k, v in run.items()} for run in runs] for mode, runs in held.items()},
+        "held_out": {mode: [{str(k): v for k, v in run.items()} for run in seeds] for mode, seeds in held.items()},
         "train_losses": train,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_1min": os.getloadavg()[0]},
         "png": png,

@@ -69,9 +69,8 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         pairs += sum(partition.has_embedding(c) + partition.has_head(c) for c in chunks)  # embedding out, head in
         # the gradients tp leaves partial, summed over tp once (``reduce_tensor_parallel_grads``): the routed
         # experts' and the router's (each tp rank routes its own tokens) and, under SP, the norms'
-        local = shape.moe.experts // layout.ep
-        experts = local * 3 * shape.hidden * shape.expert_ffn_hidden
-        partial = moe_layers * (experts + shape.moe.experts * shape.hidden)
+        experts = expert_elements(model, strategy, seq_len, stage)[0]
+        partial = experts + moe_layers * shape.moe.experts * shape.hidden
         if strategy.sp:
             qk = 2 * shape.head_size if shape.qk_norm else 0
             ends = sum(partition.has_head(c) for c in chunks)  # the final norm
