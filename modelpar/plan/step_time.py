@@ -17,7 +17,9 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
                  schedules' turn on the last rank stays local: counted all the same)
     dp_comm_s  = all-reduce 2(d-1)/d * fp32 gradient bytes, exposed fraction (1 - dp_overlap); the routed
                  experts' over the d/ep ranks that hold the same experts (none where ep = d);
-                 ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed
+                 ZeRO-1: reduce-scatter + all-gather of the fp32 master shards, both exposed; ZeRO-2/3 (FSDP2):
+                 per-unit gathers and reduce-scatters, hidden behind dp_overlap of the compute they run beside,
+                 the first unit's gather exposed (on a CPU, the flat 1 - dp_overlap share)
     cp_comm_s  = context parallelism, per layer per micro-batch: ring: cp-1 K/V blocks (2*b*(s/cp)*kv*d) forward,
                  as many K/V and cp dK/dV (fp32) blocks backward, each hidden behind one block's attention
                  (4*b*(s/cp)*(s/2cp)*h FLOPs forward, 2.5x that backward) where it is shorter; all-gather: an
@@ -320,7 +322,7 @@ def predict(
             p2p_s += ring_all_gather_s(act_bytes, t, hardware.intra_node_bw, hardware.latency_s)
         pp_comm_s = 2 * (v * m + p - 1) * p2p_s
 
-    dp_comm_s = dp_exposed_s(model, strategy, hardware, costs)
+    dp_comm_s = dp_exposed_s(model, strategy, hardware, costs, compute_s)
     cp_comm_s = m * layers_on_rank * cp_exposed_per_layer_s(model, strategy, hardware, seq_len, rate)
     ep_comm_s = m * layers_on_rank * moe_share * ep_comm_per_layer_s(model, strategy, hardware, seq_len)
     bubble_s = bubble_ratio(strategy.schedule_name, p, m, v) * (compute_s + tp_comm_s + cp_comm_s + ep_comm_s)
@@ -439,8 +441,26 @@ def routed_expert_params(model: ModelSpec, layout) -> float:
     return layers * moe_share * shape.moe.experts / layout.ep * 3 * shape.hidden * shape.expert_ffn_hidden
 
 
-def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel) -> float:
-    """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages."""
+def fsdp_traffic_s(
+    model: ModelSpec, strategy: Strategy, hardware: Hardware, params: float, d: int, bw: float
+) -> tuple[float, float]:
+    """ZeRO-2/3's collectives of one step (seconds, all of them; ``dp_exposed_s`` says which are exposed), and
+    one unit's weight gather."""
+    layout, m = strategy.layout, strategy.micro_batches
+    scatters = m if strategy.reduce_every_micro_batch else 1
+    gathers = 2 * m if strategy.zero >= 3 else scatters
+    units = layers_per_chunk(model.shape.layers, layout) * layout.vpp + layout.vpp
+    latency = units * (d - 1) * hardware.latency_s  # per collective of one unit
+    gather = ring_all_gather_s(params * hardware.weight_bytes, d, bw, 0.0) + latency
+    moved = scatters * (ring_all_gather_s(params * GRAD_BYTES, d, bw, 0.0) + latency) + gathers * gather
+    return moved, gather / units
+
+
+def dp_exposed_s(
+    model: ModelSpec, strategy: Strategy, hardware: Hardware, costs: CostModel, compute_s: float = 0.0
+) -> float:
+    """Data-parallel gradient sync left on the critical path, plus the tied-embedding sync between stages.
+    ``compute_s``: the step's compute on this rank, which ZeRO-2/3's per-unit collectives run beside."""
     layout = strategy.layout
     t, p = layout.tp, layout.pp
     d = layout.dp * layout.cp  # weights are replicated over dp x cp, gradients reduced over both
@@ -452,15 +472,19 @@ def dp_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, costs
         # reduce-scatters a unit's gradients once, by its last micro-batch's backward (every backward under
         # optim.reduce_every_micro_batch), and all-gathers its weights wherever they were freed: at stage 2 once,
         # from the first forward to the reducing backward (m times when every backward reduces), at stage 3
-        # before each forward and each backward. Prefetching hides the dp_overlap share.
+        # before each forward and each backward. It prefetches: a unit's collectives run while its neighbours
+        # compute, so they hide behind the compute of the micro-batches they run in (all of them at stage 3 or
+        # when every backward reduces, else the first forward and the last backward: one micro-batch's worth),
+        # of which the ``dp_overlap`` share is usable (the streams contend for the device); the first unit's
+        # gather has nothing to hide behind.
+        # Ranks sharing cores with their collectives' threads (a CPU) hide the dp_overlap share of the traffic.
+        moved, first = fsdp_traffic_s(model, strategy, hardware, params, d, bw)
         m = strategy.micro_batches
-        scatters = m if strategy.reduce_every_micro_batch else 1
-        gathers = 2 * m if strategy.zero >= 3 else scatters
-        units = layers_per_chunk(model.shape.layers, layout) * layout.vpp + layout.vpp
-        latency = units * (d - 1) * hardware.latency_s  # per collective of one unit
-        moved = scatters * (ring_all_gather_s(params * GRAD_BYTES, d, bw, 0.0) + latency)
-        moved += gathers * (ring_all_gather_s(params * hardware.weight_bytes, d, bw, 0.0) + latency)
-        exposed = (1 - costs.dp_overlap) * moved
+        window = compute_s if (strategy.zero >= 3 or strategy.reduce_every_micro_batch) else compute_s / m
+        if hardware.compute_units:
+            exposed = (1 - costs.dp_overlap) * moved
+        else:
+            exposed = first + max(0.0, moved - first - costs.dp_overlap * window)
     elif d > 1 and strategy.zero1:
         # modelpar's ZeRO-1 reduce-scatters after backward and all-gathers fp32 masters after the step.
         exposed = 2 * ring_all_gather_s(params * GRAD_BYTES, d, bw, hardware.latency_s)

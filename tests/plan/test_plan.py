@@ -144,11 +144,32 @@ def test_our_zero_stages_shard_at_rest_and_gather_during_the_step(dp):
 
 
 def test_zero3_pays_weight_gathers_per_micro_batch():
+    from modelpar.plan.step_time import fsdp_traffic_s, group_bandwidth
+
     base = strategy(dp=8, m=4)
-    seconds = {z: predict(dataclasses.replace(base, zero=z), LLAMA_8B, A100, seq_len=2048).dp_comm_s for z in (2, 3)}
+    bw = group_bandwidth(A100, 8)
+    moved = {z: fsdp_traffic_s(LLAMA_8B, dataclasses.replace(base, zero=z), A100, 1e11, 8, bw)[0] for z in (2, 3)}
     # stage 2: one fp32 gradient reduce-scatter and one bf16 weight gather (half the bytes) a step, 1 + 1/2;
     # stage 3 gathers before every forward and backward: 1 + 2 * 4 / 2 = 5, so 10/3 the traffic of stage 2
-    assert seconds[3] == pytest.approx(5 / 1.5 * seconds[2], rel=0.01)
+    assert moved[3] == pytest.approx(5 / 1.5 * moved[2], rel=0.01)
+
+
+def test_fsdp_collectives_hide_behind_the_compute_they_run_beside():
+    from modelpar.plan.step_time import dp_exposed_s, fsdp_traffic_s, group_bandwidth, stage_params
+
+    z3 = dataclasses.replace(strategy(dp=8, m=4), zero=3)
+    params = stage_params(LLAMA_8B, z3.layout, 0, z3.placement)
+    moved, first = fsdp_traffic_s(LLAMA_8B, z3, A100, params, 8, group_bandwidth(A100, 8))
+    costs = CostModel()
+    assert dp_exposed_s(LLAMA_8B, z3, A100, costs, compute_s=0.0) == pytest.approx(moved)  # nothing to hide behind
+    assert dp_exposed_s(LLAMA_8B, z3, A100, costs, compute_s=1e6) == pytest.approx(first)  # all but the first gather
+    half = dp_exposed_s(LLAMA_8B, z3, A100, costs, compute_s=moved)  # dp_overlap of the compute is usable
+    assert half == pytest.approx(moved - costs.dp_overlap * moved, rel=1e-9)
+    # ZeRO-2 with one reduce-scatter a step: only one micro-batch's compute runs beside it
+    z2 = dataclasses.replace(z3, zero=2)
+    moved2, first2 = fsdp_traffic_s(LLAMA_8B, z2, A100, params, 8, group_bandwidth(A100, 8))
+    exposed2 = dp_exposed_s(LLAMA_8B, z2, A100, costs, compute_s=4 * moved2)
+    assert exposed2 == pytest.approx(moved2 - costs.dp_overlap * moved2, rel=1e-9)
 
 
 @pytest.mark.parametrize("dp", [2, 8])

