@@ -63,6 +63,7 @@ class RankReport:
     planned_traffic: dict[str, float]
     blind_reads: int = 0
     planned_activations_bf16: float = 0.0
+    planned_gathered_bf16: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -90,9 +91,11 @@ class RankReport:
 
     @property
     def total_bf16(self) -> float:
-        """Bytes of the recipe's bf16 step: the measured model states (fp32 whatever the compute dtype; FSDP2's
-        gathered weights aside) and the planner's bf16 activations, which this run checks in fp32."""
-        return sum(self.states.values()) + self.planned_activations_bf16
+        """Bytes of the recipe's bf16 step on a GPU: the measured model states (fp32 whatever the compute dtype),
+        and the planner's bf16 figures for what this fp32 run on the CPU's kernels cannot show: FSDP2's gathered
+        weights (bf16 there) with the unsharded gradients, and the activations the GPU's kernels save."""
+        kept = sum(v for k, v in self.states.items() if k != "gathered")
+        return kept + self.planned_gathered_bf16 + self.planned_activations_bf16
 
 
 def _rel(measured: float, planned: float) -> float:
@@ -243,8 +246,12 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
     report.planned_states = {k: float(states.get("gradients" if k == "gradients" else k, 0.0)) for k in STATE_KINDS}
     report.planned_states["gathered"] = float(states.get("gathered", 0.0))
     report.planned_activations = act.device
-    bf16 = dataclasses.replace(hardware, dtype="bf16")  # what the recipe's bf16 step keeps, for ``fits``
+    # what the recipe's bf16 step keeps on a GPU, for ``fits``: its kernels (model.kernels=auto: triton there)
+    gpu_kernels = "triton" if cfg.model.kernels == "auto" else cfg.model.kernels
+    bf16 = dataclasses.replace(hardware, dtype="bf16", kernels=gpu_kernels)
     report.planned_activations_bf16 = stage_activations(model, strategy, seq, bf16, report.stage).device
+    bf16_states = state_bytes(model, strategy, seq, report.stage, activation_bytes(bf16))
+    report.planned_gathered_bf16 = float(bf16_states.get("gathered", 0.0))
     report.planned_traffic = planned_traffic(model, strategy, seq, hardware, report.stage)
     return report
 

@@ -7,8 +7,9 @@ Bytes are the tensor's, as ``modelpar.bench.meta_world`` counts them (all-gather
 reduce-scatter: the input, all-to-all and send: what this rank sends). ``a = b*s/cp*h*e`` is one
 micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
 
-    tp    each block half 2 collective pairs (forward, backward), each rerun half one more: all-gather +
-          reduce-scatter of a (sequence parallel), else all-reduce of a; a MoE MLP under SP none; the fp32
+    tp    each block half 2 collective pairs (forward, backward): all-gather + reduce-scatter of a (sequence
+          parallel), else all-reduce of a; reruns repeat each rerun half's all-gather (SP) and, under full
+          recompute, the attention half's closing one (``rerun_tp_exchanges``); a MoE MLP under SP none; the fp32
           gradients tp leaves partial (routed experts, router, the norms under SP) all-reduced once; the
           embedding's output and the head's input one pair each           (``tp_collectives_per_layer``)
     pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
@@ -40,7 +41,7 @@ from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
 from modelpar.plan.states import expert_elements, shard_group_size, stage_units, state_bytes, zero1_shards
-from modelpar.plan.step_time import cp_exchange_forwards, cp_exchange_width, rerun_halves
+from modelpar.plan.step_time import cp_exchange_forwards, cp_exchange_width, rerun_halves, rerun_tp_exchanges
 
 
 def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> dict:
@@ -53,20 +54,24 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
     rerun = set(rerun_halves(model, strategy))
     out: dict[str, float] = defaultdict(float)
     halves = {"attention": 0, "mlp": 0}
-    moe_layers = 0
+    moe_layers = whole = 0
     for c in partition.chunks_of(stage):
         for (held, moe_layer), count in chunk_piece_counts(partition, c, shape.moe):
             for half in held:
                 halves[half] += count
+            whole += count * (len(held) == 2)
             moe_layers += count * (moe_layer and "mlp" in held)
         if shape.mtp_depth and partition.has_head(c):  # the MTP blocks, of the last layer's kind, beside the head
             halves = {half: n + shape.mtp_depth for half, n in halves.items()}
             moe_layers += shape.mtp_depth * shape.moe.is_moe_layer(shape.layers - 1)
     if t > 1:
         tp_halves = dict(halves, mlp=halves["mlp"] - moe_layers * strategy.sp)  # tp_collectives_per_layer
-        pairs = sum(n * (2 + (h in rerun)) for h, n in tp_halves.items())
         chunks = partition.chunks_of(stage)
+        pairs = 2 * sum(tp_halves.values())
         pairs += sum(partition.has_embedding(c) + partition.has_head(c) for c in chunks)  # embedding out, head in
+        opening, closing = rerun_tp_exchanges(model, strategy)  # per layer; the closing one where both halves are
+        gathers = pairs + (sum(n for h, n in tp_halves.items() if h in rerun) if opening else 0)
+        scatters = pairs + closing * whole
         # the gradients tp leaves partial, summed over tp once (``reduce_tensor_parallel_grads``): the routed
         # experts' and the router's (each tp rank routes its own tokens) and, under SP, the norms'
         experts = expert_elements(model, strategy, seq_len, stage)[0]
@@ -77,10 +82,10 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
             partial += halves["attention"] * (shape.hidden + qk) + (halves["mlp"] + ends) * shape.hidden
         out["tp all_reduce"] += GRAD_BYTES * partial
         if strategy.sp:
-            out["tp all_gather"] += m * pairs * act
-            out["tp reduce_scatter"] += m * pairs * act
+            out["tp all_gather"] += m * gathers * act
+            out["tp reduce_scatter"] += m * scatters * act
         else:
-            out["tp all_reduce"] += m * pairs * act
+            out["tp all_reduce"] += m * scatters * act
     if layout.pp > 1:
         p2p = act / t if strategy.sp else act
         last, first = layout.pp * layout.vpp - 1, 0

@@ -143,6 +143,35 @@ def _walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple, bool],
     return tuple(out)
 
 
+def gradient_live_sets(strategy: Strategy, stage: int) -> tuple[tuple[int, ...], ...]:
+    """The sets of ``stage``'s local chunks that hold gradients accumulated unsharded at once (ZeRO-2/3 over
+    several micro-batches): a chunk's from its first weight-gradient action (B, or W under a split backward)
+    through its last micro-batch's, which reduce-scatters them. Interleaved 1F1B at ``m = p`` finishes a chunk's
+    backwards before the next one starts, so one chunk's gradients at a time, not the stage's."""
+    p, v, m = strategy.layout.pp, strategy.layout.vpp, strategy.micro_batches
+    if v == 1:
+        return ((0,),)
+    if strategy.schedule_name in V_SCHEDULES:
+        m = folded_micro_batches(p, m)
+    return _gradient_walk(strategy.schedule_name, p, m, v)[stage]
+
+
+@functools.lru_cache(maxsize=1024)
+def _gradient_walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    out = []
+    for actions in build_schedule(schedule, pp, m, vpp):
+        grads_at = W if any(a.kind is W for a in actions) else B
+        live, sets = set(), set()
+        for a in actions:
+            if a.kind is grads_at:
+                live.add(a.chunk)
+                sets.add(tuple(sorted(live)))
+                if a.micro_batch == m - 1:
+                    live.discard(a.chunk)
+        out.append(tuple(sorted(sets)))
+    return tuple(out)
+
+
 # -- model states ----------------------------------------------------------------------------------------------
 
 

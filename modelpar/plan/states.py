@@ -26,7 +26,13 @@ from __future__ import annotations
 import math
 
 from modelpar.model.layers.embedding import padded_vocab_size
-from modelpar.plan.chunks import a_layer, chunk_piece_counts, forward_after_backward, strategy_partition
+from modelpar.plan.chunks import (
+    a_layer,
+    chunk_piece_counts,
+    forward_after_backward,
+    gradient_live_sets,
+    strategy_partition,
+)
 from modelpar.plan.spec import ModelSpec, Strategy
 
 
@@ -176,6 +182,17 @@ def expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: i
     return layers * per_layer, 3 * layers
 
 
+def chunk_sizes(units: list[tuple[str, list, int]]) -> list[int]:
+    """Parameters of each local chunk of ``stage_units`` (each chunk's entries end with its root)."""
+    sizes, size = [], 0
+    for kind, tensors, count in units:
+        size += count * sum(r * c for r, c in tensors)
+        if kind != "block":
+            sizes.append(size)
+            size = 0
+    return sizes
+
+
 def gathered_bytes(
     units: list[tuple[str, list, int]], strategy: Strategy, weight_bytes: int = 4, stage: int = 0
 ) -> float:
@@ -188,7 +205,9 @@ def gathered_bytes(
     roots plus a root's buffer as each forward gathers them again, or the block computing plus the next block's
     buffer (of the same chunk), in backward the roots and the block in backward (full recompute reruns each block
     module: as in forward). Gradients: while micro-batches accumulate (m > 1, not ``reduce_every_micro_batch``),
-    every one is held unsharded from the first backward on, so the peak is the forward's gathers where the stage
+    each chunk's are held unsharded from its first backward to its last (``gradient_live_sets``: all of the
+    stage's at once but for interleaved schedules that finish one chunk before the next), so the peak is the
+    forward's gathers where the stage
     runs a forward after its first backward (``forward_after_backward``), else the backward's; with one reduce per
     micro-batch the gradients are the roots' (reduced last) and one block's. Measured on CPU
     (``modelpar.bench.meters.GatheredMeter``);
@@ -211,5 +230,7 @@ def gathered_bytes(
         forward = roots + max(largest_root, pair)
         backward = forward if strategy.recompute == "full" else roots + block
     if strategy.micro_batches > 1 and not strategy.reduce_every_micro_batch:
-        return 4.0 * params + (forward if forward_after_backward(strategy, stage) else backward) * weight_bytes
+        sizes = chunk_sizes(units)
+        held = max(sum(sizes[c] for c in live) for live in gradient_live_sets(strategy, stage))
+        return 4.0 * held + (forward if forward_after_backward(strategy, stage) else backward) * weight_bytes
     return 4.0 * (roots + block) + forward * weight_bytes

@@ -7,7 +7,7 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
                  layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
                  dispatch, which no parallelism shrinks); with model.fp8 the projections' FLOPs at the FP8 peak
                  (``fp8_time_factor``: H100/H200 twice bf16)
-    tp_comm_s  = per layer per micro-batch 4 collectives (6 with full recompute) of b*s*h elements,
+    tp_comm_s  = per layer per micro-batch 4 collectives of b*s*h elements (and what reruns repeat),
                  ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node;
                  a MoE layer under SP 2 (its MLP has none), plus one all-reduce a step of the fp32 gradients
                  of the routed experts and the router, which are replicated over tp; and per micro-batch one
@@ -120,10 +120,22 @@ def cp_exchange_forwards(model: ModelSpec, strategy: Strategy) -> int:
     return 1 if kept else 2
 
 
-def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> int:
-    """Tensor-parallel collectives of one layer and micro-batch: 2 forward, 2 backward, and each rerun
-    half's forward one again."""
-    return 4 + len(rerun_halves(model, strategy))
+def rerun_tp_exchanges(model: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """Tensor-parallel exchanges of [b, s, h] that backward's reruns repeat per layer: (opening, closing). A
+    rerun stops at the last tensor its backward needs (torch's checkpoint stops early), so a half's closing
+    reduce-scatter (all-reduce without SP) reruns only where the rest of the rerun needs its output: the attention
+    half's under full recompute (the MLP's norm reads it); under SP each rerun half's opening all-gather reruns
+    (its matmuls read the gathered input), without SP a half opens with no exchange."""
+    halves = rerun_halves(model, strategy)
+    return (len(halves) if strategy.sp else 0), int(strategy.recompute == "full")
+
+
+def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> float:
+    """Tensor-parallel collectives of one layer and micro-batch, in all-reduces of [b, s, h] (under SP an
+    all-gather or a reduce-scatter is half of one): 2 forward, 2 backward, and what reruns repeat
+    (``rerun_tp_exchanges``)."""
+    opening, closing = rerun_tp_exchanges(model, strategy)
+    return 4 + (0.5 * (opening + closing) if strategy.sp else closing)
 
 
 def tp_collectives_per_layer(model: ModelSpec, strategy: Strategy, moe_share: float) -> float:
@@ -132,7 +144,7 @@ def tp_collectives_per_layer(model: ModelSpec, strategy: Strategy, moe_share: fl
     gradients are summed over tp once a step instead)."""
     count = collectives_per_layer(model, strategy)
     if strategy.sp and moe_share:
-        count -= moe_share * (2 + ("mlp" in rerun_halves(model, strategy)))
+        count -= moe_share * (2 + 0.5 * ("mlp" in rerun_halves(model, strategy)))  # and its rerun's all-gather
     return count
 
 
