@@ -183,12 +183,21 @@ def attention_blocks(head_dim: int, device: torch.device, dtype: torch.dtype = t
 
 def attention_defaults(head_dim: int, dtype: torch.dtype, arch: int) -> dict[str, dict[str, int]]:
     """The default tiles of each attention kernel on ``arch``, one of ``ATTENTION_CANDIDATES`` each."""
-    # Chosen from the ahead-of-time table (benchmarks/results/kernels_aot.md) on sm_90a, bf16: at head dim 64 the
-    # earlier forward (128 x 64, 4 warps, 3 stages) and dk/dv (32 x 128, 4 warps) tiles reached 255 registers and
-    # spilled 40 and up to 128 bytes per thread; 8 warps on 128 x 64 and 32 x 64 keep them at 128 and 123.
+    # Chosen from the ahead-of-time tables (benchmarks/results/kernels_aot.md: sm_90a bf16; kernels_aot_sm80.md:
+    # sm_80, both dtypes, every candidate): the largest candidate that neither spills nor overflows shared memory
+    # in any variant (documents, windows, cp blocks) at the head dim's tile. On sm_90a at head dim 64 the earlier
+    # forward (128 x 64, 4 warps, 3 stages) and dk/dv (32 x 128, 4 warps) tiles reached 255 registers and spilled
+    # 40 and up to 128 bytes per thread; 8 warps on 128 x 64 and 32 x 64 keep them at 128 and 123. On sm_80 at
+    # head dim 128 the 128 x 64 forward spilled 8 bytes with documents and a window: 64 x 64 there. fp32 (the
+    # tests' dtype on a GPU) needs twice the registers and shared memory of bf16: its 128 x 64 forward spilled
+    # up to 11 KB per thread on sm_80 and its larger backward tiles overflowed 163 KiB.
     c = ATTENTION_CANDIDATES
+    if dtype == torch.float32:
+        kv, q = (1, 1) if head_dim <= 64 else (4, 1) if head_dim <= 128 else (4, 4)
+        return {"forward": c["forward"][5], "backward_kv": c["backward_kv"][kv], "backward_q": c["backward_q"][q]}
     if head_dim > 128:  # multi-head latent attention's 192 (a 256 tile): 32 x 64 dk/dv spilled 8-16 bytes
         return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][4], "backward_q": c["backward_q"][1]}
     if head_dim <= 64:
         return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][0]}
-    return {"forward": c["forward"][0], "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][1]}
+    forward = c["forward"][3] if arch < 90 else c["forward"][0]
+    return {"forward": forward, "backward_kv": c["backward_kv"][1], "backward_q": c["backward_q"][1]}
