@@ -246,9 +246,8 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
     report.planned_states = {k: float(states.get("gradients" if k == "gradients" else k, 0.0)) for k in STATE_KINDS}
     report.planned_states["gathered"] = float(states.get("gathered", 0.0))
     report.planned_activations = act.device
-    # what the recipe's bf16 step keeps on a GPU, for ``fits``: its kernels (model.kernels=auto: triton there)
-    gpu_kernels = "triton" if cfg.model.kernels == "auto" else cfg.model.kernels
-    bf16 = dataclasses.replace(hardware, dtype="bf16", kernels=gpu_kernels)
+    # what the recipe's bf16 step keeps on a GPU, for ``fits``: the GPU preset resolves model.kernels=auto
+    bf16 = dataclasses.replace(HARDWARE["h100-80gb"], dtype="bf16")
     report.planned_activations_bf16 = stage_activations(model, strategy, seq, bf16, report.stage).device
     bf16_states = state_bytes(model, strategy, seq, report.stage, activation_bytes(bf16))
     report.planned_gathered_bf16 = float(bf16_states.get("gathered", 0.0))

@@ -122,14 +122,15 @@ def v_in_flight_mixes(schedule: str, pp: int, m: int, stage: int) -> tuple[tuple
 
 
 @functools.lru_cache(maxsize=1024)
-def _walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple, bool], ...]:
-    """Per stage: its ``in_flight_mixes`` and whether it runs a forward after its first backward, from one
-    build of the schedule's action lists."""
+def _walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple, bool, tuple], ...]:
+    """Per stage: its ``in_flight_mixes``, whether it runs a forward after its first backward, and its
+    ``gradient_live_sets``, from one build of the schedule's action lists."""
     out = []
     for actions in build_schedule(schedule, pp, m, vpp):
-        frees_at = W if any(a.kind is W for a in actions) else B
+        frees_at = W if any(a.kind is W for a in actions) else B  # also where weight gradients are made
         held = [0] * vpp
         mixes, backward_seen, forward_after = set(), False, False
+        live, live_sets = set(), set()
         for a in actions:
             if a.kind is F:
                 held[a.chunk] += 1
@@ -139,7 +140,11 @@ def _walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple, bool],
                 backward_seen = True
             if a.kind is frees_at:
                 held[a.chunk] -= 1
-        out.append((tuple(sorted(mixes)), forward_after))
+                live.add(a.chunk)
+                live_sets.add(tuple(sorted(live)))
+                if a.micro_batch == m - 1:  # the chunk's last: its gradients reduce-scattered
+                    live.discard(a.chunk)
+        out.append((tuple(sorted(mixes)), forward_after, tuple(sorted(live_sets))))
     return tuple(out)
 
 
@@ -153,23 +158,7 @@ def gradient_live_sets(strategy: Strategy, stage: int) -> tuple[tuple[int, ...],
         return ((0,),)
     if strategy.schedule_name in V_SCHEDULES:
         m = folded_micro_batches(p, m)
-    return _gradient_walk(strategy.schedule_name, p, m, v)[stage]
-
-
-@functools.lru_cache(maxsize=1024)
-def _gradient_walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    out = []
-    for actions in build_schedule(schedule, pp, m, vpp):
-        grads_at = W if any(a.kind is W for a in actions) else B
-        live, sets = set(), set()
-        for a in actions:
-            if a.kind is grads_at:
-                live.add(a.chunk)
-                sets.add(tuple(sorted(live)))
-                if a.micro_batch == m - 1:
-                    live.discard(a.chunk)
-        out.append(tuple(sorted(sets)))
-    return tuple(out)
+    return _walk(strategy.schedule_name, p, m, v)[stage][2]
 
 
 # -- model states ----------------------------------------------------------------------------------------------
