@@ -10,7 +10,8 @@ hidden sizes, tp shards of them) while ``grid.compiling_for`` makes it pick the 
 would (16-byte alignment, divisibility by 16 of the integer arguments), then compiled with ``triton.compile`` for
 the target (sm_80: A100; sm_90a: H100, H200), and ``cuobjdump --dump-resource-usage`` of the cubin gives
 registers, stack (spill) bytes and static shared memory. Attention kernels are compiled in every candidate
-config (``grid.ATTENTION_CANDIDATES``), the one the launcher picked marked as the default.
+config that fits the arch's shared memory (``grid.attention_candidates``), the one the launcher picked marked as
+the default.
 
 Occupancy per SM is what the registers, shared memory and warps allow: blocks = min(32, 64 // warps,
 65536 // (warps * ceil(32 * regs, 256)), shared-memory per SM // (shared + 1 KiB reserved per block)).
@@ -246,7 +247,7 @@ def _config(launch: Launch) -> dict:
 
 def plan_jobs(arch_names, dtype_names, defaults_only: bool, presets=tuple(PRESETS), tp_sizes=TP_SIZES) -> list[Job]:
     """Every distinct compile, attention kernels expanded to each candidate config."""
-    from modelpar_kernels.grid import ATTENTION_CANDIDATES
+    from modelpar_kernels.grid import attention_candidates
 
     jobs: dict[tuple, Job] = {}
     for arch_name in arch_names:
@@ -257,7 +258,10 @@ def plan_jobs(arch_names, dtype_names, defaults_only: bool, presets=tuple(PRESET
                 picked = _config(launch)
                 configs = [picked]
                 if name in ATTENTION_KERNELS and not defaults_only:
-                    configs += [c for c in ATTENTION_CANDIDATES[ATTENTION_KERNELS[name]] if c.items() - picked.items()]
+                    candidates = attention_candidates(ATTENTION_KERNELS[name], picked["BLOCK_D"],
+                                                      picked.get("BLOCK_DV", picked["BLOCK_D"]),
+                                                      DTYPES[dtype_name], arch.capability)  # fmt: skip
+                    configs += [c for c in candidates if c.items() - picked.items()]
                 for config in configs:
                     default = config is picked
                     if not default:

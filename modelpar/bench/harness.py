@@ -69,7 +69,7 @@ from modelpar.bench.peers import Peer, peer_name, torch_context_parallel_problem
 from modelpar.bench.report import text_table, write_results
 from modelpar.bench.summary import pool_passes, summarize
 from modelpar.data import DataError, WindowSampler
-from modelpar.parallel.collectives import record_comm
+from modelpar.parallel.collectives import record_comm, record_waits
 from modelpar.parallel.pool import run_on_ranks, shutdown_pools
 from modelpar.pipeline import StepResult, partition_uniform
 from modelpar.pipeline.actions import SEND_B, SEND_F
@@ -182,6 +182,9 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
         for _, fn in sides:
             _timed(fn, device)
     out |= _measure_memory_and_comm(trainer, ours, device)
+    if opts.trace_comm:
+        out["exposed_comm"] = exposed_comm(ours, device)
+    out["pair_handovers"] = trainer.runtime.pair_handovers
     profiler = cProfile.Profile() if opts.profile_rank == dist.get_rank() else None
     times: dict[str, list[float]] = {name: [] for name, _ in sides}
     cpu_times: dict[str, list[float]] = {name: [] for name, _ in sides}
@@ -202,6 +205,21 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
         out["profile"] = text.getvalue()
     return out
+
+
+COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def exposed_comm(step, device: torch.device) -> dict[str, dict[str, float]]:
+    """One step under ``collectives.record_waits``: per collective kind, the host seconds spent waiting in it
+    (on every thread; a profiler trace shows the same waits as ``kind:tag`` ranges) and how many waits. What
+    was hidden behind other work is not in them."""
+    dist.barrier()
+    with record_waits() as log:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return {kind: {"seconds": log.seconds[kind], "count": log.count[kind]} for kind in COLLECTIVE_KINDS}
 
 
 def _measure_memory_and_comm(trainer: Trainer, step, device: torch.device) -> dict:

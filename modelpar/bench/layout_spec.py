@@ -25,7 +25,7 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
     (``gpipe 1f1b interleaved zb-h1``), ``native`` / ``exchange`` for ``parallel.collectives``, ``uniform`` /
     ``params`` / ``flops`` / ``blocks`` for ``parallel.partition``, ``rc`` for ``parallel.recompute=full``,
     ``ring`` / ``allgather`` / ``alltoall`` for ``parallel.cp_comm`` (``hybridN``: hybrid, all-to-all groups of N),
-    ``sel`` for ``parallel.recompute=selective`` (``sel`` alone:
+    ``inorder`` for ``parallel.overlap_pairs=false``, ``sel`` for ``parallel.recompute=selective`` (``sel`` alone:
     the default modules, elementwise; ``sel.attention``, ``sel.attention.mlp``, ...: those), ``off`` for
     ``parallel.offload_activations``; ``single`` is tp=cp=pp=dp=1. E.g. ``tp2-pp2-1f1b``,
     ``pp2-vpp2-interleaved``, ``tp2-native``, ``pp2-uniform``, ``single-rc``, ``cp2-allgather``, ``cp4-hybrid2``,
@@ -55,6 +55,8 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
             values["offload_activations"] = True
         elif token == "sp":
             values["sp"] = True
+        elif token == "inorder":  # parallel.overlap_pairs=false
+            values["overlap_pairs"] = False
         elif token in ("ring", "allgather", "alltoall"):  # parallel.cp_comm
             values["cp_comm"] = token
         elif _HYBRID_TOKEN.match(token):
@@ -68,7 +70,8 @@ def parse_layout(spec: str, base: ParallelConfig) -> ParallelConfig:
         else:
             raise ValueError(
                 f"bench.sweep entry {spec!r}: cannot read {token!r}; use tpN, cpN, ppN, dpN, epN, vppN, mN, sp, rc, "
-                f"sel, off, ring, allgather, alltoall, hybridN, native, exchange, uniform, params, flops, blocks or a "
+                f"sel, off, inorder, ring, allgather, alltoall, hybridN, native, exchange, uniform, params, flops, "
+                f"blocks or a "
                 f"schedule ({', '.join(SCHEDULES)}), e.g. 'tp2-pp2-1f1b'"
             )
     values["schedule"] = values["schedule"] or ("interleaved" if values["vpp"] > 1 else "1f1b")
@@ -82,6 +85,7 @@ def layout_name(p: ParallelConfig) -> str:
         modules = list(p.recompute_modules)
         rc = "-sel" + ("" if modules == list(DEFAULT_SELECTIVE) else "." + ".".join(modules))
     rc += "-off" * p.offload_activations
+    rc += "-inorder" * (p.schedule == "dualpipev" and not p.overlap_pairs)
     if p.tp == p.pp == p.dp == p.cp == 1:
         return "single" + (f"-m{p.microbatches}" if p.microbatches != 8 else "") + rc
     parts = [f"{k}{getattr(p, k)}" for k in ("tp", "cp", "pp", "dp", "ep", "vpp") if getattr(p, k) > 1]

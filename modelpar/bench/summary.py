@@ -100,7 +100,16 @@ def summarize(cfg: BenchRecipe, per_rank: list[dict], peak_tflops: float, peer: 
         "activation_peak_bytes_per_stage": [r["activation_peak_bytes"] for r in pipeline],
         "memory_per_stage": memory_vs_prediction(cfg, per_rank),
         "comm_bytes_per_step": _sum_comm(per_rank),
+        "pair_handovers": sum(r.get("pair_handovers", 0) for r in per_rank),
     }
+    if "exposed_comm" in per_rank[0]:  # bench.trace_comm: the mean over ranks of one profiled step
+        row["exposed_comm_s"] = {
+            kind: statistics.fmean(r["exposed_comm"][kind]["seconds"] for r in per_rank)
+            for kind in per_rank[0]["exposed_comm"]
+        }
+        row["comm_count_per_rank"] = {
+            kind: per_rank[0]["exposed_comm"][kind]["count"] for kind in per_rank[0]["exposed_comm"]
+        }
     row["losses_agree"] = row["first_loss_rel_diff"] <= 1e-5 if theirs else None
     row["_timeline"] = timelines[-1]
     return row

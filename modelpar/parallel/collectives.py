@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from modelpar.parallel import handoff
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,17 @@ class CommLog:
 
 
 _active: list[CommLog] = []
-_tags: list[str] = []
+
+
+class _TagStack(threading.local):
+    """``comm_tag`` labels, one stack per thread: two paired micro-batches (``modelpar.parallel.handoff``)
+    each label their own collectives."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+
+
+_tags = _TagStack()
 
 
 @contextlib.contextmanager
@@ -77,26 +91,26 @@ def label_module(module: torch.nn.Module, tag: str) -> None:
 
 
 def _push_tag(tag: str, module, args) -> None:
-    _tags.append(tag)
+    _tags.stack.append(tag)
 
 
 def _pop_tag(module, args, output) -> None:
-    _tags.pop()
+    _tags.stack.pop()
 
 
 @contextlib.contextmanager
 def comm_tag(tag: str) -> Iterator[None]:
     """Label the collectives issued inside the block (e.g. "embedding", "loss", "layer")."""
-    _tags.append(tag)
+    _tags.stack.append(tag)
     try:
         yield
     finally:
-        _tags.pop()
+        _tags.stack.pop()
 
 
 def current_tag() -> str:
     """The innermost ``comm_tag`` label ("" outside any)."""
-    return _tags[-1] if _tags else ""
+    return _tags.stack[-1] if _tags.stack else ""
 
 
 _sizes: dict = {}  # process group -> its size, asked of torch.distributed once
@@ -122,7 +136,7 @@ def _record(kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) ->
             group_size=group_size(group),
             elements=tensor.numel(),
             bytes=tensor.numel() * tensor.element_size(),
-            tag=_tags[-1] if _tags else "",
+            tag=_tags.stack[-1] if _tags.stack else "",
         )
         for log in _active:
             log.events.append(event)
@@ -153,23 +167,54 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 
 
 def _profiled(kind: str) -> contextlib.AbstractContextManager:
-    return profiler_range(f"{kind}:{_tags[-1]}" if _tags else kind)
+    return profiler_range(f"{kind}:{_tags.stack[-1]}" if _tags.stack else kind)
+
+
+@dataclass
+class WaitLog:
+    """Host seconds this process spent waiting in each kind of collective, and how many waits (``record_waits``)."""
+
+    seconds: Counter = field(default_factory=Counter)
+    count: Counter = field(default_factory=Counter)
+
+
+_wait_logs: list[WaitLog] = []
+
+
+@contextlib.contextmanager
+def record_waits() -> Iterator[WaitLog]:
+    """Time every wait in a collective (``blocking``) while the block runs, on every thread (a DualPipeV pair's
+    forward runs on its own, which a ``torch.profiler`` trace started on this one does not see)."""
+    log = WaitLog()
+    _wait_logs.append(log)
+    try:
+        yield log
+    finally:
+        _wait_logs.remove(log)
 
 
 @contextlib.contextmanager
 def blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
     """Tell the observer (if any) that this rank waits in collective ``kind`` over ``group`` until the block ends;
-    a profiler trace shows the block as ``kind:tag``."""
+    a profiler trace shows the block as ``kind:tag``; ``record_waits`` times it."""
     observer = _observer
+    start = time.perf_counter() if _wait_logs else 0.0
     with _profiled(kind):
-        if observer is None:
-            yield
-            return
-        observer.wait(f"{kind} over {group_size(group)} ranks")
         try:
-            yield
+            if observer is None:
+                yield
+                return
+            observer.wait(f"{kind} over {group_size(group)} ranks")
+            try:
+                yield
+            finally:
+                observer.done_waiting()
         finally:
-            observer.done_waiting()
+            if _wait_logs:
+                waited = time.perf_counter() - start
+                for log in _wait_logs:
+                    log.seconds[kind] += waited
+                    log.count[kind] += 1
 
 
 # torch renamed all_gather_into_tensor; keep working on releases before the rename
@@ -269,10 +314,17 @@ def all_to_all(
     tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Rows ``send_splits[r]`` of ``tensor`` (dim 0, in rank order) go to rank r; returns the rows received,
-    ``recv_splits[r]`` from rank r, in rank order (uneven splits). Records the bytes this rank sends."""
+    ``recv_splits[r]`` from rank r, in rank order (uneven splits). Records the bytes this rank sends.
+
+    Posted without waiting, then ``handoff.while_in_flight()`` lets a paired micro-batch compute (DualPipeV's
+    overlapped pairs; nothing outside one) before the wait, which is all a trace's ``all_to_all:tag`` range
+    shows: the exchange's exposed time."""
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
     _record("all_to_all", tensor, group)
+    with profiler_range("post:all_to_all"):
+        work = dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=group, async_op=True)
+    handoff.while_in_flight()
     with blocking("all_to_all", group):
-        dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=group)
+        work.wait()
     return out

@@ -92,11 +92,15 @@ class Action:
 
 
 class Schedule(list):
-    """One ordered action list per pipeline rank, and the chunk placement those lists assume."""
+    """One ordered action list per pipeline rank, and the chunk placement those lists assume.
 
-    def __init__(self, rows=(), placement: Placement = INTERLEAVED):
+    ``pairs``: (forward, backward) actions of different micro-batches, adjacent in their rank's list, that
+    the runtime may run as one overlapped pair (DualPipeV); empty for the other schedules."""
+
+    def __init__(self, rows=(), placement: Placement = INTERLEAVED, pairs=()):
         super().__init__(rows)
         self.placement = Placement(placement)
+        self.pairs: frozenset[tuple[Action, Action]] = frozenset(pairs)
 
 
 def placement_of(schedule: list[list[Action]]) -> Placement:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from modelpar.parallel.collectives import profiler_range
 from modelpar.parallel.groups import ParallelGroups
+from modelpar.parallel.handoff import Pair
 from modelpar.pipeline.actions import (
     RECV_B,
     RECV_F,
@@ -234,6 +235,12 @@ class PipelineRuntime:
         # per-action records (a barrier to share a time origin, CUDA events on GPU): off in plain training; the
         # trainer turns them on for the steps it checks for stragglers, benchmarks for every step
         self.timing = False
+        # DualPipeV's (forward, backward) pairs run at once, handing over at each all-to-all (see ``_run_pair``);
+        # off: they run one after the other. The trainer turns it off under FSDP2 (ZeRO-2/3), whose per-block
+        # gather and reduce state follows one forward or backward at a time.
+        self.pairs = getattr(schedule, "pairs", frozenset())
+        self.overlap_pairs = True
+        self.pair_handovers = 0  # turns handed over inside pairs, over all steps (a test and a bench read it)
 
     # -- one step -----------------------------------------------------------------------------------------
 
@@ -262,7 +269,19 @@ class PipelineRuntime:
         clock = _CudaClock() if timing and self.device.type == "cuda" else _HostClock()
         marks: dict[Action, tuple] = {}
         observer = self.observer
-        for batch in comm_batches(self.actions):
+        batches = comm_batches(self.actions)
+        pairs = self.pairs if self.overlap_pairs else frozenset()
+        skip_to = 0
+        for i, batch in enumerate(batches):
+            if i < skip_to:
+                continue
+            if batch[0].kind.is_compute and pairs:
+                j = next((k for k in range(i + 1, len(batches)) if batches[k][0].kind.is_compute), None)
+                if j is not None and (batch[0], batches[j][0]) in pairs:
+                    self._run_pair(batch[0], batches[i + 1 : j], batches[j][0], state, micro_batches, targets, clock,
+                                   marks)  # fmt: skip
+                    skip_to = j + 1
+                    continue
             if batch[0].kind.is_compute:
                 recv = input_recv(batch[0], self.pp, self.last_stage, self.placement)
                 if recv is not None:
@@ -296,6 +315,38 @@ class PipelineRuntime:
                 TimedAction(a, clock.seconds(marks[a][0]), clock.seconds(marks[a][1])) for a in self.actions
             )
         return StepResult(loss, records, state.peak)
+
+    def _run_pair(self, forward, between, backward, state, micro_batches, targets, clock, marks) -> None:
+        """A DualPipeV pair at once (``modelpar.parallel.handoff``): the forward on a helper thread, the
+        backward here, each running while the other's collectives are in flight. Both inputs are waited for
+        first (the schedule receives the backward's before the forward); the transfers listed between the two
+        are posted when the forward ends."""
+        for action in (forward, backward):
+            recv = input_recv(action, self.pp, self.last_stage, self.placement)
+            if recv is not None:
+                self.observer.begin(f"wait {recv}", waiting=True)
+                with profiler_range(f"wait {recv}"):
+                    self._wait_through(state.batch_of[recv], state, clock)
+                self.observer.end()
+
+        def side(action, after=()):
+            def run():
+                start = clock.mark() if self.timing else None
+                with profiler_range(str(action)):
+                    self._compute(action, state, micro_batches, targets)
+                if self.timing:
+                    marks[action] = (start, clock.mark())
+                for comm in after:
+                    with profiler_range(" ".join(map(str, comm))):
+                        self._post(comm, state, clock)
+
+            return run
+
+        self.observer.begin(f"{forward} with {backward}")
+        pair = Pair(on_turn=lambda s: setattr(self, "current", (forward, backward)[s]))
+        pair.run(side(forward, between), side(backward))
+        self.pair_handovers += pair.handovers
+        self.observer.end()
 
     def _compute(
         self,

@@ -26,7 +26,7 @@ the higher cap idle less).
 
 from __future__ import annotations
 
-from modelpar.pipeline.actions import Action, B, F, Schedule, ScheduleError, W
+from modelpar.pipeline.actions import Action, B, F, Schedule, ScheduleError, W, input_recv
 from modelpar.pipeline.p2p_order import add_communication
 from modelpar.pipeline.placement import Placement
 from modelpar.pipeline.simulate import Costs, simulate
@@ -48,10 +48,43 @@ def zero_bubble_v(pp: int, m: int, vpp: int = 2) -> Schedule:
 def dual_pipe_v(pp: int, m: int, vpp: int = 2) -> Schedule:
     """DualPipeV: see the module docstring. ``vpp`` must be 2 (two chunks per rank)."""
     _check("dualpipev", pp, vpp)
-    candidates = [
-        add_communication(_list_schedule(pp, m, cap=cap, pairs=True), pp, 2, V) for cap in (2 * pp + 1, 2 * pp + 2)
-    ]
+    candidates = []
+    for cap in (2 * pp + 1, 2 * pp + 2):
+        paired: set[tuple[Action, Action]] = set()
+        orders = _list_schedule(pp, m, cap=cap, pairs=True, paired=paired)
+        candidates.append(_keep_pairs_together(add_communication(orders, pp, 2, V), paired))
     return min(candidates, key=_unit_cost)  # the smaller bubble; at a tie, the fewer activations held
+
+
+def _keep_pairs_together(schedule: Schedule, pairs: set[tuple[Action, Action]]) -> Schedule:
+    """The schedule with the pairs the runtime can run at once: those whose backward's input is received
+    before the forward (``add_communication`` stamps it before the forward's start). The transfers between
+    the two (the forward's send, receives for later actions) are posted when the forward ends, while the
+    backward may still run. ``pair_proof`` is the list that posts them after the backward instead, later
+    than any run does; ``simulate`` proves it (``check_schedule``) as it proves every schedule."""
+    kept = set()
+    pp, last = len(schedule), 2 * len(schedule) - 1
+    for row in schedule:
+        position = {a: i for i, a in enumerate(row)}
+        for forward, backward in pairs:
+            if forward not in position or position[backward] < position[forward]:
+                continue
+            recv = input_recv(backward, pp, last, schedule.placement)
+            if recv is None or position[recv] < position[forward]:
+                kept.add((forward, backward))
+    return Schedule(schedule, schedule.placement, kept)
+
+
+def pair_proof(schedule: Schedule) -> Schedule:
+    """``schedule`` with each pair's in-between transfers moved after its backward (see ``_keep_pairs_together``)."""
+    rows = []
+    for row in schedule:
+        row = list(row)
+        for forward, backward in sorted(p for p in schedule.pairs if p[0].rank == (row[0].rank if row else -1)):
+            i, j = row.index(forward), row.index(backward)
+            row[i : j + 1] = [forward, backward, *row[i + 1 : j]]
+        rows.append(row)
+    return Schedule(rows, schedule.placement)
 
 
 def _unit_cost(schedule: Schedule) -> tuple[float, int]:
@@ -65,11 +98,14 @@ def _check(name: str, pp: int, vpp: int) -> None:
         raise ScheduleError(f"{name} runs two model chunks per rank in a V (got vpp={vpp}); use vpp=2")
 
 
-def _list_schedule(pp: int, m: int, *, cap: int, pairs: bool, forward_first: bool = False) -> list[list[Action]]:
+def _list_schedule(
+    pp: int, m: int, *, cap: int, pairs: bool, forward_first: bool = False, paired: set | None = None
+) -> list[list[Action]]:
     """Per-rank compute orders (F, B, W on local chunks 0 and 1) from one unit-cost greedy run.
 
     ``forward_first`` (zbv only) changes the priority to F > B > W, with each B's W taken right after it
     while the rank still has forwards to run (so the cap is not reached early) and deferred once it has none.
+    ``paired`` (dualpipev) collects the (forward, backward) pairs.
     """
     run = _Run(pp, m)
     held = [0] * pp  # activations from F until W
@@ -90,6 +126,8 @@ def _list_schedule(pp: int, m: int, *, cap: int, pairs: bool, forward_first: boo
             forward = next((a for a in forwards if a is not None and held[r] + 1 + (a.chunk == 0) <= cap), None)
             if pairs and forward is not None and backward is not None:
                 step = [forward, backward, _weight(backward)]
+                if paired is not None:
+                    paired.add((forward, backward))
             elif forward_first and forward is not None:
                 step = [forward]
             elif forward_first and backward is not None:

@@ -124,7 +124,13 @@ class Timeline:
         return self.end - self.start
 
     def compute_time(self, rank: int) -> float:
-        return sum(t.duration for t in self.rows[rank] if t.action.kind.is_compute)
+        """Time the rank computes: the union of its compute intervals (a DualPipeV pair's two overlap)."""
+        total, reach = 0.0, float("-inf")
+        for t in sorted((t for t in self.rows[rank] if t.action.kind.is_compute), key=lambda t: t.start):
+            if t.end > reach:
+                total += t.end - max(t.start, reach)
+                reach = t.end
+        return total
 
     @property
     def bubble_fraction(self) -> float:

@@ -65,6 +65,9 @@ class ParallelConfig:
     cp_a2a: int = 0  # hybrid: the all-to-all group size, a divisor of cp (cp: plain alltoall, 1: plain ring)
     ep: int = 1  # expert parallel: the experts split over ep of the dp x cp ranks (modelpar/parallel/experts.py)
     etp: int = 1  # expert tensor parallel: only 1 (experts are replicated over tp, tokens split over it)
+    # schedule=dualpipev: run each overlapped forward/backward pair at once, one micro-batch computing while the
+    # other's all-to-all is in flight (modelpar/parallel/handoff.py); pairs run in order under ZeRO-2/3
+    overlap_pairs: bool = True
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, cp=self.cp, ep=self.ep)

@@ -90,6 +90,7 @@ class Trainer:
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
         for hook in ("before_backward", "before_weight_backward", "after_weight_backward"):  # FSDP2's
             setattr(self.runtime, hook, getattr(self.optimizer, hook, None))
+        self.runtime.overlap_pairs = cfg.parallel.overlap_pairs and cfg.optim.zero < 2
         self.tokens, self.sampler = build_data(cfg, data_path, g)
         self.data_path = data_path
         self.micro_batches = cfg.parallel.microbatches

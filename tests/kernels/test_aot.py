@@ -88,3 +88,32 @@ def test_widths_are_those_of_the_shipped_presets(name):
         recipe["vocab_size"],
     )
     assert preset.ffn_hidden == recipe.get("moe", {}).get("ffn_hidden", recipe["ffn_hidden"])
+
+
+def _attention_rows(table: str):
+    rows = json.loads((ROOT / "benchmarks" / "results" / table).read_text())["rows"]
+    for r in rows:
+        if r["kernel"] in aot.ATTENTION_KERNELS and r["status"] == "compiled":
+            yield r, aot.ATTENTION_KERNELS[r["kernel"]], aot.DTYPES[r["dtype"]], aot.ARCHS[r["arch"]]
+
+
+@pytest.mark.parametrize("table", ["kernels_aot_sm80.json", "kernels_aot.json"])
+def test_the_candidate_list_drops_every_tile_that_overflows_shared_memory_and_keeps_the_defaults(table):
+    from modelpar_kernels.grid import SHARED_MEMORY_PER_BLOCK, attention_candidates
+
+    assert {a.capability: a.smem_per_block for a in aot.ARCHS.values()} == SHARED_MEMORY_PER_BLOCK
+    overflowing = defaults = 0
+    for r, kernel, dtype, arch in _attention_rows(table):
+        c = r["config"]
+        d, dv = c["BLOCK_D"], c.get("BLOCK_DV", c["BLOCK_D"])
+        tile = {k: c[k] for k in aot.TILE_KEYS}
+        kept = tile in attention_candidates(kernel, d, dv, dtype, arch.capability)
+        if r["shared"] > arch.smem_per_block:  # compiled by the old lists: the new one must not offer it
+            overflowing += 1
+            assert not kept, r
+        if r["default"]:
+            defaults += 1
+            assert kept, r
+    assert defaults > 0
+    if table == "kernels_aot_sm80.json":
+        assert overflowing == 96  # every fp32 tile the sm_80 table found above 163 KiB

@@ -141,6 +141,8 @@ LAYOUTS = [
     # two chunks per rank in a V: rank 0 holds the first and the last chunk
     ("softmax", dict(pp=2, vpp=2, microbatches=2, schedule="zbv", scope_="micro_batch")),
     ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=2, schedule="dualpipev")),
+    # m = 2 pp: two of DualPipeV's overlapped pairs, one micro-batch computing while the other's all-to-all flies
+    ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev")),
     ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=2, schedule="zbv", zero_=3)),
     # group-limited routing and the sequence-wise loss, against one device at one micro-batch
     ("deepseek", dict(dp=2, ep=2, microbatches=2)),
