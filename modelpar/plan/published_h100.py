@@ -28,7 +28,11 @@ the same strategy does not (``Engine``), priced at the planner's own rates:
   read or write each, fp32 two) each op of torchtitan's block makes beyond modelpar's fused kernels, counted from
   the ops it runs (not measured), at the HBM bandwidth;
 - Grand Teton's 500 W limit slows the tensor cores by ``GRAND_TETON_CLOCK``: the one figure fitted here, on the
-  compiled 8B row (``fit_grand_teton_clock``), and then used unchanged for the eager 8B and the 405B rows.
+  compiled 8B row (``fit_grand_teton_clock``), and then used unchanged for the eager 8B and the 405B rows;
+- Megatron's dropless router waits for the busiest experts: ``dropless_excess``, fitted on the same source's
+  four long-context rows that give one run with the router forced to balance and one dropless, then used for
+  the 4K step row, which was not in the fit. modelpar's own MoE step routes dropless too, and the planner does
+  not yet price it there.
 
 Qwen3's EP8 is Megatron's, carved from tp x dp (2 x 4); modelpar carves ep from dp x cp, so the row runs ep4 over
 dp4 with the experts replicated over tp2 (each tp rank routes its half of the tokens: the same all-to-all volume).
@@ -37,9 +41,11 @@ dp4 with the experts replicated over tp2 (each tp rank routes its half of the to
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from modelpar.model.config import ModelConfig, MoEConfig
+from modelpar.model.flops import training_flops_per_token
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.plan.presets import HARDWARE
 from modelpar.plan.spec import GIB, CostModel, Hardware, ModelSpec, Prediction, Strategy
@@ -118,13 +124,45 @@ class Engine:
     rerun_matmuls: tuple[str, ...] = ()  # projections op-level checkpointing reruns in backward
     eager: bool = False  # element-wise ops unfused (EAGER_PASSES)
     ep_in_node: bool = False  # its rank order keeps each expert-parallel group in one node (NVLink)
+    dropless: bool = False  # routes without a capacity: the step waits for the busiest experts (``dropless_excess``)
 
 
 MODELPAR_LIKE = Engine("fused kernels")
 TORCHTITAN_EAGER = Engine("torchtitan eager, op-level SAC", rerun_matmuls=("wk", "wo", "w3"), eager=True)
 TORCHTITAN_COMPILED = Engine("torchtitan compiled, op-level SAC", rerun_matmuls=("wk", "wo", "w3"))
 TORCHTITAN_FULL_AC = Engine("torchtitan eager, full AC", eager=True)
-MEGATRON_MOE = Engine("Megatron-Core, EP group in a node", ep_in_node=True)
+MEGATRON_MOE = Engine("Megatron-Core, EP group in a node, dropless", ep_in_node=True, dropless=True)
+
+
+# Dropless routing's load imbalance. The same source's long-context table (Qwen3-235B-A22B, 256 H100, BF16, TP4,
+# PP8 VPP4 EP8, CP so that each rank holds 16K tokens, GBS 256, DeepEP) gives TFLOP/s per GPU with the router
+# forced to balance and dropless: (sequence, forced, dropless).
+QWEN3_FORCED_VS_DROPLESS = [(16384, 295, 237), (32768, 335, 277), (65536, 368, 320), (131072, 389, 357)]
+
+
+def routed_share(shape: ModelConfig, seq_len: int) -> float:
+    """The routed experts' share of a step's model FLOPs."""
+    experts = 6.0 * shape.layers * shape.moe.top_k * 3 * shape.hidden * shape.moe.ffn_hidden
+    return experts / training_flops_per_token(shape, seq_len)
+
+
+def _dropless_excess_fit() -> tuple[float, float]:
+    """(a, b) of ``dropless_excess``: least squares over ``QWEN3_FORCED_VS_DROPLESS``."""
+    shape = qwen3_235b_shape()
+    xs = [math.log2(s / 4096) for s, _, _ in QWEN3_FORCED_VS_DROPLESS]
+    ys = [(forced / dropless - 1) / routed_share(shape, s) for s, forced, dropless in QWEN3_FORCED_VS_DROPLESS]
+    x0, y0 = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - x0) * (y - y0) for x, y in zip(xs, ys, strict=True)) / sum((x - x0) ** 2 for x in xs)
+    return y0 - b * x0, b
+
+
+def dropless_excess(seq_len: int) -> float:
+    """How much longer the routed experts take under dropless routing than balanced, as a fraction: ``a + b *
+    log2(seq / 4096)``, each long-context row giving (forced / dropless - 1) / ``routed_share``. Within one
+    sequence (one micro-batch) tokens of one document pick alike, so the excess grows with the sequence: the rows
+    give 0.81 at 16K to 1.41 at 128K; the fit gives 0.43 at 4K, an extrapolation two doublings below them."""
+    a, b = _dropless_excess_fit()
+    return a + b * math.log2(seq_len / 4096)
 
 
 def projection_params(shape: ModelConfig, name: str) -> int:
@@ -323,7 +361,10 @@ def predicted_h100(run: H100Run, hardware: Hardware | None = None) -> tuple[Pred
     hardware = hardware or run.hardware
     costs = CostModel()
     p = predict(run.strategy, run.model, hardware, seq_len=run.seq_len, costs=costs)
-    return p, p.total_s + engine_extra_s(run, hardware, costs, p)
+    step_s = p.total_s + engine_extra_s(run, hardware, costs, p)
+    if run.engine.dropless:  # as the forced / dropless rows relate: the step by 1 + excess x routed share
+        step_s *= 1 + dropless_excess(run.seq_len) * routed_share(run.model.shape, run.seq_len)
+    return p, step_s
 
 
 def h100_residual(run: H100Run, hardware: Hardware | None = None) -> tuple[float, float]:
