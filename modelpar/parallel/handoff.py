@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -41,8 +40,7 @@ def while_in_flight() -> None:
 class Pair:
     """Run ``first`` (on a helper thread) and ``second`` (on this one), first first, taking turns at each
     ``while_in_flight``. ``on_turn(side)`` is told whenever side 0 or 1 takes the turn. ``handovers`` counts
-    the turns handed over; ``hidden_s`` is the host time the side that handed over spent waiting for the turn
-    back (the other side's compute, during which its collective progressed)."""
+    the turns handed over."""
 
     def __init__(self, on_turn: Callable[[int], None] = lambda side: None):
         self._cond = threading.Condition()
@@ -50,7 +48,6 @@ class Pair:
         self._done = [False, False]
         self._on_turn = on_turn
         self.handovers = 0
-        self.hidden_s = 0.0
 
     def run(self, first: Callable[[], None], second: Callable[[], None]) -> None:
         global _active
@@ -77,10 +74,8 @@ class Pair:
             if self._done[other]:
                 return
             self.handovers += 1
-            start = time.perf_counter()
             self._give(other)
             self._cond.wait_for(lambda: self._turn == me)
-            self.hidden_s += time.perf_counter() - start
 
     def _side(self, side: int, fn: Callable[[], None], errors: list, settings) -> None:
         with self._cond:

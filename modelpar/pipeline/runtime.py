@@ -283,12 +283,7 @@ class PipelineRuntime:
                     skip_to = j + 1
                     continue
             if batch[0].kind.is_compute:
-                recv = input_recv(batch[0], self.pp, self.last_stage, self.placement)
-                if recv is not None:
-                    observer.begin(f"wait {recv}", waiting=True)
-                    with profiler_range(f"wait {recv}"):
-                        self._wait_through(state.batch_of[recv], state, clock)
-                    observer.end()
+                self._wait_for_input(batch[0], state, clock)
                 observer.begin(str(batch[0]))
                 start = clock.mark() if timing else None
                 with profiler_range(str(batch[0])):  # a trace names each action (0F1, 1B0, ...)
@@ -316,18 +311,22 @@ class PipelineRuntime:
             )
         return StepResult(loss, records, state.peak)
 
+    def _wait_for_input(self, action: Action, state: _StepState, clock) -> None:
+        """Wait through the batch holding the receive ``action`` consumes (none: nothing to wait for)."""
+        recv = input_recv(action, self.pp, self.last_stage, self.placement)
+        if recv is not None:
+            self.observer.begin(f"wait {recv}", waiting=True)
+            with profiler_range(f"wait {recv}"):
+                self._wait_through(state.batch_of[recv], state, clock)
+            self.observer.end()
+
     def _run_pair(self, forward, between, backward, state, micro_batches, targets, clock, marks) -> None:
         """A DualPipeV pair at once (``modelpar.parallel.handoff``): the forward on a helper thread, the
         backward here, each running while the other's collectives are in flight. Both inputs are waited for
         first (the schedule receives the backward's before the forward); the transfers listed between the two
         are posted when the forward ends."""
         for action in (forward, backward):
-            recv = input_recv(action, self.pp, self.last_stage, self.placement)
-            if recv is not None:
-                self.observer.begin(f"wait {recv}", waiting=True)
-                with profiler_range(f"wait {recv}"):
-                    self._wait_through(state.batch_of[recv], state, clock)
-                self.observer.end()
+            self._wait_for_input(action, state, clock)
 
         def side(action, after=()):
             def run():

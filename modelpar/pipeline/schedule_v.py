@@ -40,7 +40,7 @@ def zero_bubble_v(pp: int, m: int, vpp: int = 2) -> Schedule:
     _check("zbv", pp, vpp)
     candidates = []
     for forward_first in (False, True):
-        orders = _list_schedule(pp, m, cap=2 * pp, pairs=False, forward_first=forward_first)
+        orders = _list_schedule(pp, m, cap=2 * pp, forward_first=forward_first)
         candidates.append(add_communication(orders, pp, 2, V))
     return min(candidates, key=lambda s: _unit_cost(s)[0])  # the first candidate wins ties
 
@@ -51,12 +51,12 @@ def dual_pipe_v(pp: int, m: int, vpp: int = 2) -> Schedule:
     candidates = []
     for cap in (2 * pp + 1, 2 * pp + 2):
         paired: set[tuple[Action, Action]] = set()
-        orders = _list_schedule(pp, m, cap=cap, pairs=True, paired=paired)
-        candidates.append(_keep_pairs_together(add_communication(orders, pp, 2, V), paired))
+        orders = _list_schedule(pp, m, cap=cap, paired=paired)
+        candidates.append(_with_runnable_pairs(add_communication(orders, pp, 2, V), paired))
     return min(candidates, key=_unit_cost)  # the smaller bubble; at a tie, the fewer activations held
 
 
-def _keep_pairs_together(schedule: Schedule, pairs: set[tuple[Action, Action]]) -> Schedule:
+def _with_runnable_pairs(schedule: Schedule, pairs: set[tuple[Action, Action]]) -> Schedule:
     """The schedule with the pairs the runtime can run at once: those whose backward's input is received
     before the forward (``add_communication`` stamps it before the forward's start). The transfers between
     the two (the forward's send, receives for later actions) are posted when the forward ends, while the
@@ -76,7 +76,7 @@ def _keep_pairs_together(schedule: Schedule, pairs: set[tuple[Action, Action]]) 
 
 
 def pair_proof(schedule: Schedule) -> Schedule:
-    """``schedule`` with each pair's in-between transfers moved after its backward (see ``_keep_pairs_together``)."""
+    """``schedule`` with each pair's in-between transfers moved after its backward (see ``_with_runnable_pairs``)."""
     rows = []
     for row in schedule:
         row = list(row)
@@ -99,13 +99,14 @@ def _check(name: str, pp: int, vpp: int) -> None:
 
 
 def _list_schedule(
-    pp: int, m: int, *, cap: int, pairs: bool, forward_first: bool = False, paired: set | None = None
+    pp: int, m: int, *, cap: int, forward_first: bool = False, paired: set | None = None
 ) -> list[list[Action]]:
     """Per-rank compute orders (F, B, W on local chunks 0 and 1) from one unit-cost greedy run.
 
     ``forward_first`` (zbv only) changes the priority to F > B > W, with each B's W taken right after it
     while the rank still has forwards to run (so the cap is not reached early) and deferred once it has none.
-    ``paired`` (dualpipev) collects the (forward, backward) pairs.
+    ``paired`` (dualpipev): run a ready forward and backward as one pair, and collect the (forward, backward)
+    pairs into it.
     """
     run = _Run(pp, m)
     held = [0] * pp  # activations from F until W
@@ -124,10 +125,9 @@ def _list_schedule(
             backward = run.ready(r, B, 0, t) or run.ready(r, B, 1, t)
             forwards = (run.ready(r, F, 1, t), run.ready(r, F, 0, t))
             forward = next((a for a in forwards if a is not None and held[r] + 1 + (a.chunk == 0) <= cap), None)
-            if pairs and forward is not None and backward is not None:
+            if paired is not None and forward is not None and backward is not None:
                 step = [forward, backward, _weight(backward)]
-                if paired is not None:
-                    paired.add((forward, backward))
+                paired.add((forward, backward))
             elif forward_first and forward is not None:
                 step = [forward]
             elif forward_first and backward is not None:

@@ -41,6 +41,7 @@ dp4 with the experts replicated over tp2 (each tp rank routes its half of the to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -146,6 +147,7 @@ def routed_share(shape: ModelConfig, seq_len: int) -> float:
     return experts / training_flops_per_token(shape, seq_len)
 
 
+@functools.cache
 def _dropless_excess_fit() -> tuple[float, float]:
     """(a, b) of ``dropless_excess``: least squares over ``QWEN3_FORCED_VS_DROPLESS``."""
     shape = qwen3_235b_shape()
