@@ -134,8 +134,21 @@ def first_disagreement(traces: list[dict]) -> str | None:
     """One line naming the earliest collective on which a group's ranks part ways: issued by some members and
     not (yet) by others, or issued as different operations or shapes at the same place in the sequence; None
     when every group's ranks agree (a hang is then in point-to-point traffic or outside collectives)."""
+    found = _disagreements(traces)
+    return min(found)[1] if found else None
+
+
+def lagging_ranks(traces: list[dict]) -> list[int]:
+    """The ranks that had not issued the earliest collective their group's other members issued (the likely
+    stuck ones); [] when no group's ranks part ways that way."""
+    found = [d for d in _disagreements(traces) if d[2]]
+    return min(found)[2] if found else []
+
+
+def _disagreements(traces: list[dict]) -> list[tuple[float, str, list[int]]]:
+    """(when, line, the ranks behind) for each group whose ranks part ways, at its first such collective."""
     by_rank = {t["rank"]: t for t in traces if "rank" in t}
-    found: list[tuple[float, str]] = []
+    found: list[tuple[float, str, list[int]]] = []
     for name, (desc, ranks) in _groups(traces).items():
         seen = [r for r in ranks if r in by_rank]
         if len(seen) < 2:
@@ -158,7 +171,7 @@ def first_disagreement(traces: list[dict]) -> str | None:
             if len(set(signatures.values())) > 1:
                 when = min(ring[r][seq]["time_created_ns"] for r in seen)
                 parts = "; ".join(f"rank {r} {s}" for r, s in signatures.items())
-                found.append((when, f"{label}: collective #{seq} differs: {parts}"))
+                found.append((when, f"{label}: collective #{seq} differs: {parts}", []))
                 break
         low = min(issued.values())
         if low < max(issued.values()):
@@ -172,11 +185,10 @@ def first_disagreement(traces: list[dict]) -> str | None:
                     entry["time_created_ns"] if entry else float("inf"),
                     f"{label}: collective #{seq}{what} was issued by {_names(ahead)}, not by {_names(behind)} "
                     f"(last issued #{low})",
+                    behind,
                 )
             )
-    if not found:
-        return None
-    return min(found)[1]
+    return found
 
 
 def trace_report(directory: str | Path, ranks: int | None = None) -> str:

@@ -140,11 +140,13 @@ def read_flight(directory: str | Path) -> list[dict]:
     return out
 
 
-def hang_report(snapshots: list[dict], suspects: list[int] | None = None) -> str:
+def hang_report(snapshots: list[dict], suspects: list[int] | None = None, lagging: list[int] = ()) -> str:
     """One line naming the rank that stopped making progress, then a line per rank.
 
     ``suspects``: ranks still running after the others gave up (the launcher knows them). Among the
-    candidates, a rank computing (not waiting on a receive) for the longest time is the stuck one.
+    candidates, a rank computing (not waiting on a receive) for the longest time is the stuck one; ``lagging``
+    (ranks that torch's recorder shows behind their group's collectives) go first among those computing, so a
+    peer whose last snapshot predates its wait is not named in their place.
     """
     if not snapshots:
         return "no flight records were written"
@@ -159,7 +161,7 @@ def hang_report(snapshots: list[dict], suspects: list[int] | None = None) -> str
         return bool(s["current"] and s["current"].get("waiting"))
 
     candidates = [s for s in snapshots if suspects and s["rank"] in suspects] or snapshots
-    stuck = min(candidates, key=lambda s: (waiting(s), stalled_since(s)))
+    stuck = min(candidates, key=lambda s: (waiting(s), s["rank"] not in lagging, stalled_since(s)))
     current = stuck["current"]["action"] if stuck["current"] else "between actions"
     where = f" ({stuck['where']})" if stuck.get("where") else ""
     lines = [
@@ -178,5 +180,8 @@ def flight_hang_report(directory: str, alive: list[int]) -> str:
     snapshots = read_flight(directory)
     if not snapshots:
         return ""
-    trace = collective_trace.trace_report(Path(directory) / TORCH_DIR, len(snapshots))
-    return "\n" + hang_report(snapshots, suspects=alive or None) + (f"\n{trace}" if trace else "")
+    trace_dir = Path(directory) / TORCH_DIR
+    trace = collective_trace.trace_report(trace_dir, len(snapshots))
+    lagging = collective_trace.lagging_ranks(collective_trace.read(trace_dir)) if trace else []
+    report = hang_report(snapshots, suspects=alive or None, lagging=lagging)
+    return "\n" + report + (f"\n{trace}" if trace else "")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from modelpar.parallel import collective_trace
-from modelpar.parallel.collective_trace import first_disagreement
+from modelpar.parallel.collective_trace import first_disagreement, lagging_ranks
+from modelpar.training.flight import hang_report
 
 
 def _entry(group: str, seq: int, op: str = "all_reduce", sizes=((4,),), t: int = 0) -> dict:
@@ -43,6 +44,19 @@ def test_a_collective_one_rank_never_issued_is_named_with_who_did():
         "group tp (ranks 0, 1, 2): collective #3 all_reduce of [[2, 8]] was issued by ranks 0, 2, not by rank 1 "
         "(last issued #2)"
     )
+    assert lagging_ranks(traces) == [1]
+
+
+def test_the_recorder_breaks_a_tie_between_two_ranks_computing_since_the_same_moment():
+    # rank 0's last snapshot predates its wait in the all-reduce rank 1 never joined: both look busy alike
+    snaps = [
+        {"rank": r, "step": 1, "now": 10.0, "current": {"action": "0F0", "since": 2.0, "waiting": False}}
+        for r in (0, 1)
+    ]
+    assert hang_report(snaps).startswith("rank 0 stuck in 0F0")
+    assert hang_report(snaps, lagging=[1]).startswith("rank 1 stuck in 0F0 at step 1 (no progress for 8 s)")
+    snaps[1]["current"]["waiting"] = True  # a rank seen waiting stays behind one computing, recorder or not
+    assert hang_report(snaps, lagging=[1]).startswith("rank 0 stuck")
 
 
 def test_different_operations_at_the_same_place_are_named_and_the_earliest_disagreement_wins():
@@ -59,6 +73,7 @@ def test_different_operations_at_the_same_place_are_named_and_the_earliest_disag
 def test_ranks_that_agree_yield_no_disagreement():
     same = [_entry("1", s, t=s) for s in (1, 2, 3)]
     assert first_disagreement([_trace(0, [0, 1], same), _trace(1, [0, 1], same)]) is None
+    assert lagging_ranks([_trace(0, [0, 1], same), _trace(1, [0, 1], same)]) == []
 
 
 def _dump_with_one_extra_collective() -> dict:
