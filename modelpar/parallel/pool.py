@@ -17,11 +17,13 @@ a call with another ``rank_setup`` than the pool's replaces the pool. ``modelpar
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -71,6 +73,16 @@ def current_groups() -> ParallelGroups:
     return ParallelGroups.build(_current_layout)
 
 
+def _exit_cause(code: int | None) -> str:
+    """``signal SIGABRT`` for a process a signal ended (a negative exit code), else ``exit code N``."""
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}; its stderr holds each thread's stack"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -80,6 +92,9 @@ def _worker_main(
     rank_setup: Callable[[int], None] | None,
 ) -> None:
     global _current_layout
+    # a rank killed by a fatal signal (a crash in native code: SIGSEGV, SIGABRT) prints every thread's Python
+    # stack to its stderr, which the caller's test shows: where it happened, not only its exit code
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     if rank_setup is not None:
         rank_setup(rank)
@@ -187,7 +202,7 @@ class _RankPool:
             except queue.Empty:
                 dead = [r for r in sorted(pending) if not self.procs[r].is_alive()]
                 for r in dead:
-                    failures[r] = f"rank {r} died (exit code {self.procs[r].exitcode}) while running {name}"
+                    failures[r] = f"rank {r} died ({_exit_cause(self.procs[r].exitcode)}) while running {name}"
                     pending.discard(r)
                 if dead:
                     deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)

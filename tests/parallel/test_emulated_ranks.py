@@ -1,5 +1,6 @@
 """The emulated-rank harness: results in rank order, and every failure path named and cleaned up."""
 
+import faulthandler
 import os
 import time
 
@@ -30,6 +31,12 @@ def _sleep_on(bad_rank, seconds):
 def _exit_on(bad_rank):
     if dist.get_rank() == bad_rank:
         os._exit(3)
+    return dist.get_rank()
+
+
+def _abort_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os.abort()  # what glibc does on a corrupted heap
     return dist.get_rank()
 
 
@@ -72,6 +79,13 @@ def test_rank_calling_os_exit_is_reported_without_waiting_for_the_timeout():
     with pytest.raises(RankError, match=r"rank 1 died \(exit code 3\)"):
         run_on_ranks(2, _exit_on, 1, timeout_s=60.0)
     assert time.perf_counter() - start < 10
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_it_and_its_python_stack_is_printed():
+    # faulthandler prints each thread's stack to the rank's stderr (the forkserver's, so not this test's capture)
+    assert run_on_ranks(2, faulthandler.is_enabled) == [True, True]
+    with pytest.raises(RankError, match=r"rank 0 died \(signal SIGABRT; its stderr holds each thread's stack\)"):
+        run_on_ranks(2, _abort_on, 0, timeout_s=60.0)
 
 
 def test_unpicklable_function_is_refused_in_the_caller():

@@ -74,7 +74,9 @@ def test_at_128k_the_plan_needs_cp_and_the_shipped_recipe_is_within_2_percent_of
     planned = plan(LLAMA_8B, H100, gpus=64, global_batch=32, seq_len=131072)
     best = planned[0].strategy
     assert best.layout.cp > 1
-    without_cp = plan(LLAMA_8B, H100, gpus=64, global_batch=32, seq_len=131072, space=SearchSpace(cp=1))
+    # the search at cp = 1 is this one's cp = 1 part (layouts are planned one by one): read it, not rerun it
+    without_cp = [e for e in planned if e.strategy.layout.cp == 1]
+    assert without_cp, "no strategy fits at cp = 1"
     assert planned[0].prediction.tokens_per_s > without_cp[0].prediction.tokens_per_s
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
