@@ -144,7 +144,8 @@ def test_our_zero_stages_shard_at_rest_and_gather_during_the_step(dp):
 
 
 def test_zero3_pays_weight_gathers_per_micro_batch():
-    from modelpar.plan.step_time import fsdp_traffic_s, group_bandwidth
+    from modelpar.plan.dp_time import fsdp_traffic_s
+    from modelpar.plan.links import group_bandwidth
 
     base = strategy(dp=8, m=4)
     bw = group_bandwidth(A100, 8)
@@ -155,7 +156,9 @@ def test_zero3_pays_weight_gathers_per_micro_batch():
 
 
 def test_fsdp_collectives_hide_behind_the_compute_they_run_beside():
-    from modelpar.plan.step_time import dp_exposed_s, fsdp_traffic_s, group_bandwidth, stage_params
+    from modelpar.plan.dp_time import dp_exposed_s, fsdp_traffic_s
+    from modelpar.plan.links import group_bandwidth
+    from modelpar.plan.memory import stage_params
 
     z3 = dataclasses.replace(strategy(dp=8, m=4), zero=3)
     params = stage_params(LLAMA_8B, z3.layout, 0, z3.placement)

@@ -45,8 +45,9 @@ def test_all_to_alls_cost_time_at_ep_above_one_and_flops_count_active_experts(mi
 
 
 def test_zero0_expert_gradients_are_reduced_over_the_ranks_holding_the_same_experts(mixtral):
+    from modelpar.plan.dp_time import dp_exposed_s
+    from modelpar.plan.links import ring_all_reduce_s
     from modelpar.plan.spec import CostModel
-    from modelpar.plan.step_time import dp_exposed_s, ring_all_reduce_s
 
     costs, bw, lat = CostModel(), H100.inter_node_bw, H100.latency_s
     expert = 3 * 4096 * 14336
