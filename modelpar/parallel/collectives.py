@@ -250,14 +250,16 @@ def installed_algorithm() -> CollectiveAlgorithm | None:
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of ``tensor`` (contiguous) over ``group``; returns it."""
+    """In-place all-reduce of ``tensor`` (contiguous) over ``group``; returns it. Posted, then handed over
+    (``handoff.while_in_flight``, as ``all_to_all``), then waited on."""
     _record("all_reduce", tensor, group)
-    with blocking("all_reduce", group):
+    with profiler_range("post:all_reduce"):
         work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
-        if work is not None:
-            work.wait()
-        else:
-            dist.all_reduce(tensor, op=op, group=group)
+        if work is None:
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    handoff.while_in_flight()
+    with blocking("all_reduce", group):
+        work.wait()
     return tensor
 
 

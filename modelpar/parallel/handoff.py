@@ -1,7 +1,8 @@
 """Two micro-batches on one rank, each running while the other's collective is in flight.
 
 DualPipeV pairs the forward of one micro-batch with the backward of another on the same rank
-(``modelpar.pipeline.schedule_v``): while one waits for its expert all-to-all, the other computes. ``Pair``
+(``modelpar.pipeline.schedule_v``): while one waits for its expert all-to-all (or a tensor-parallel
+all-reduce: ``collectives.all_reduce``, and the column-parallel backward's), the other computes. ``Pair``
 runs the two sides on two host threads that take turns: only the side holding the turn runs, and it hands
 the turn over at each ``while_in_flight()``, called right after a collective is posted and before it is
 waited on. The other side then runs until its own next posted collective (or its end) and hands back. So

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from modelpar.parallel import handoff
 from modelpar.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -74,6 +75,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             work = all_reduce_async(grad_x, ctx.tp.group)
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = torch.matmul(flat_grad.t(), x.reshape(-1, x.shape[-1]).to(grad_y.dtype)).to(weight.dtype)
+        handoff.while_in_flight()  # still in flight: a paired micro-batch computes (DualPipeV)
         with blocking("all_reduce", ctx.tp.group):
             work.wait()
         return grad_x, grad_w, None

@@ -14,6 +14,7 @@ from torch import nn
 from modelpar import ParallelLayout
 from modelpar.parallel.experts import ExpertParallelGroup, all_to_all_tokens
 from modelpar.parallel.handoff import Pair, while_in_flight
+from modelpar.parallel.regions import TensorParallelGroup, column_parallel_matmul, reduce_from_tp_region
 from modelpar.pipeline.partition import partition_uniform
 from modelpar.pipeline.runtime import PipelineRuntime
 from modelpar.pipeline.schedule import build_schedule, placement_for
@@ -105,6 +106,22 @@ class _Exchange(nn.Module):
         return x + out.reshape(x.shape)
 
 
+class _TensorParallel(nn.Module):
+    """A column-parallel then a row-parallel matmul over the group (a tp=2 MLP's collectives): an all-reduce in
+    forward (the row-parallel sum) and one in backward (the column-parallel input's gradient)."""
+
+    def __init__(self, hidden: int, tp: TensorParallelGroup):
+        super().__init__()
+        self.tp = tp
+        torch.manual_seed(7)
+        self.up = nn.Linear(hidden, hidden, bias=False)
+        self.down = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        inner = torch.tanh(column_parallel_matmul(x, self.up.weight, self.tp))
+        return x + reduce_from_tp_region(self.down(inner), self.tp)
+
+
 def _with_exchange(chunk: nn.Sequential, exchange: nn.Module) -> nn.Sequential:
     """The chunk with ``exchange`` after its blocks (before the head, if it holds it)."""
     layers = list(chunk.named_children())
@@ -112,12 +129,15 @@ def _with_exchange(chunk: nn.Sequential, exchange: nn.Module) -> nn.Sequential:
     return nn.Sequential(OrderedDict([*layers[:at], ("exchange", exchange), *layers[at:]]))
 
 
-def _step(cfg: ToyConfig, m: int, overlap: bool):
+def _step(cfg: ToyConfig, m: int, overlap: bool, exchange: str = "all_to_all"):
     groups = current_groups()
-    ep = ExpertParallelGroup(group=groups.dp_group, rank=groups.dp_rank, size=groups.layout.dp)
     partition = replace(partition_uniform(cfg.layers, groups.layout.pp, 2), placement=placement_for("dualpipev"))
     chunks = toy_model.chunk_modules(cfg, partition, groups.pp_rank)
-    chunks = [_with_exchange(c, _Exchange(cfg.hidden, ep)) for c in chunks]
+    if exchange == "all_to_all":  # the dp group as an ep group
+        ep = ExpertParallelGroup(group=groups.dp_group, rank=groups.dp_rank, size=groups.layout.dp)
+        chunks = [_with_exchange(c, _Exchange(cfg.hidden, ep)) for c in chunks]
+    else:
+        chunks = [_with_exchange(c, _TensorParallel(cfg.hidden, TensorParallelGroup.of(groups))) for c in chunks]
     runtime = PipelineRuntime(
         chunks,
         groups,
@@ -127,18 +147,19 @@ def _step(cfg: ToyConfig, m: int, overlap: bool):
     )
     runtime.overlap_pairs = overlap
     tokens, targets = toy_model.batch(cfg, m)
-    tokens, targets = tokens + groups.dp_rank, targets  # each dp rank its own batch
+    tokens, targets = tokens + groups.dp_rank, targets  # each dp rank its own batch (tp ranks share theirs)
     tokens = tokens % cfg.vocab
     result = runtime.step(tokens, targets)
     grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
     return result.loss, grads, runtime.pair_handovers, len(runtime.pairs)
 
 
-def test_pairs_at_once_compute_bit_for_bit_what_they_compute_in_order():
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_reduce"])
+def test_pairs_at_once_compute_bit_for_bit_what_they_compute_in_order(exchange):
     cfg, m = ToyConfig(layers=4, batch=4), 8  # 20 rows a micro-batch, 10 to each ep rank
-    layout = ParallelLayout(pp=2, dp=2)
-    ordered = run_on_ranks(4, _step, cfg, m, False, layout=layout)
-    at_once = run_on_ranks(4, _step, cfg, m, True, layout=layout)
+    layout = ParallelLayout(pp=2, dp=2) if exchange == "all_to_all" else ParallelLayout(pp=2, tp=2)
+    ordered = run_on_ranks(4, _step, cfg, m, False, exchange, layout=layout)
+    at_once = run_on_ranks(4, _step, cfg, m, True, exchange, layout=layout)
     for (loss_a, grads_a, handed_a, pairs), (loss_b, grads_b, handed_b, _) in zip(ordered, at_once, strict=True):
         assert pairs > 0 and handed_a == 0 and handed_b > 0  # the pairs really took turns
         assert loss_a == loss_b
