@@ -235,9 +235,9 @@ class PipelineRuntime:
         # per-action records (a barrier to share a time origin, CUDA events on GPU): off in plain training; the
         # trainer turns them on for the steps it checks for stragglers, benchmarks for every step
         self.timing = False
-        # DualPipeV's (forward, backward) pairs run at once, handing over at each all-to-all (see ``_run_pair``);
-        # off: they run one after the other. The trainer turns it off under FSDP2 (ZeRO-2/3), whose per-block
-        # gather and reduce state follows one forward or backward at a time.
+        # DualPipeV's (forward, backward) pairs run at once, handing over at each all-to-all or tp all-reduce
+        # (see ``_run_pair``); off: they run one after the other. Where FSDP2 frees gathered weights after a
+        # forward or backward, the trainer keeps only the pairs through two different chunks.
         self.pairs = getattr(schedule, "pairs", frozenset())
         self.overlap_pairs = True
         self.pair_handovers = 0  # turns handed over inside pairs, over all steps (a test and a bench read it)

@@ -66,7 +66,8 @@ class ParallelConfig:
     ep: int = 1  # expert parallel: the experts split over ep of the dp x cp ranks (modelpar/parallel/experts.py)
     etp: int = 1  # expert tensor parallel: only 1 (experts are replicated over tp, tokens split over it)
     # schedule=dualpipev: run each overlapped forward/backward pair at once, one micro-batch computing while the
-    # other's all-to-all is in flight (modelpar/parallel/handoff.py); pairs run in order under ZeRO-2/3
+    # other's all-to-all or tp all-reduce is in flight (modelpar/parallel/handoff.py); under ZeRO-3 (and ZeRO-2
+    # reducing every micro-batch) only the pairs through the rank's two different chunks
     overlap_pairs: bool = True
 
     def layout(self) -> ParallelLayout:

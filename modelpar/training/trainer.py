@@ -90,7 +90,12 @@ class Trainer:
         self.optimizer = build_rank_optimizer(cfg, self.model, g)
         for hook in ("before_backward", "before_weight_backward", "after_weight_backward"):  # FSDP2's
             setattr(self.runtime, hook, getattr(self.optimizer, hook, None))
-        self.runtime.overlap_pairs = cfg.parallel.overlap_pairs and cfg.optim.zero < 2
+        self.runtime.overlap_pairs = cfg.parallel.overlap_pairs
+        if cfg.optim.zero >= 3 or (cfg.optim.zero == 2 and cfg.optim.reduce_every_micro_batch):
+            # FSDP2 frees a chunk's gathered weights after each forward (ZeRO-3) or backward (reducing ones): a
+            # pair through one chunk could free what its other side still reads, so such pairs run in order;
+            # pairs through the rank's two chunks (two FSDP2 roots, disjoint weights) still run at once
+            self.runtime.pairs = frozenset(p for p in self.runtime.pairs if p[0].chunk != p[1].chunk)
         self.tokens, self.sampler = build_data(cfg, data_path, g)
         self.data_path = data_path
         self.micro_batches = cfg.parallel.microbatches

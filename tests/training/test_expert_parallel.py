@@ -52,7 +52,8 @@ def moe_config(tmp_path, router: str, zero_: int = 0, scope_: str | None = None,
 def train_and_collect(cfg, data_path: str):
     """On every rank: train ``cfg.trainer.steps`` steps; return (loss, grad norm) per step, this rank's pieces of
     every logical tensor's gradient at the first step (as the optimizer applies it: reduced over every group,
-    clipped; not under ZeRO, whose reduced gradients live in its shards) and of every parameter at the end."""
+    clipped; not under ZeRO, whose reduced gradients live in its shards) and of every parameter at the end, and
+    the turns DualPipeV's pairs handed over."""
     from modelpar.checkpoint.reshard import model_pieces
     from modelpar.training.trainer import Trainer
 
@@ -75,7 +76,7 @@ def train_and_collect(cfg, data_path: str):
         metrics = trainer.train_step()
         losses.append((metrics.loss, metrics.grad_norm))
     pieces = {(p.name, p.region): t.detach().clone() for p, t in model_pieces(trainer.model.chunks).items()}
-    return losses, first_grads, pieces
+    return losses, first_grads, pieces, trainer.runtime.pair_handovers
 
 
 _references: dict = {}
@@ -89,7 +90,7 @@ def reference(router: str, microbatches: int, token_path: str, tmp_path_factory,
     key = (router, microbatches, scope)
     if key not in _references:
         cfg = moe_config(tmp_path_factory.mktemp("ref"), router, microbatches=microbatches, scope_=scope)
-        ((losses, grads, pieces),) = run_on_ranks(1, train_and_collect, cfg, token_path)
+        ((losses, grads, pieces, _),) = run_on_ranks(1, train_and_collect, cfg, token_path)
         _references[key] = losses, assemble([(None, grads)]), assemble([(None, pieces)])
     return _references[key]
 
@@ -143,6 +144,9 @@ LAYOUTS = [
     ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=2, schedule="dualpipev")),
     # m = 2 pp: two of DualPipeV's overlapped pairs, one micro-batch computing while the other's all-to-all flies
     ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev")),
+    ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", zero_=2)),  # pairs under FSDP2
+    ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", zero_=3)),
+    ("sigmoid", dict(pp=2, vpp=2, cp=2, ep=2, microbatches=8, schedule="dualpipev", zero_=3)),
     ("sigmoid", dict(pp=2, vpp=2, dp=2, ep=2, microbatches=2, schedule="zbv", zero_=3)),
     # group-limited routing and the sequence-wise loss, against one device at one micro-batch
     ("deepseek", dict(dp=2, ep=2, microbatches=2)),
@@ -163,15 +167,18 @@ def test_expert_parallel_layout_matches_single_device(router, layout, token_path
     )
     world = cfg.parallel.layout().world_size
     results = run_on_ranks(world, train_and_collect, cfg, token_path)
-    for losses, _, _ in results:
+    for losses, *_ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
-    grads = assemble([(None, g) for _, g, _ in results])
+    if layout.get("schedule") == "dualpipev" and layout["microbatches"] >= 2 * layout["pp"]:
+        # the pairs ran at once, taking turns (at m = 2 pp only the last pipeline rank has a pair)
+        assert any(handed > 0 for *_, handed in results), [r[-1] for r in results]
+    grads = assemble([(None, g) for _, g, _, _ in results])
     compared = {} if cfg.optim.zero else ref_grads  # ZeRO keeps its reduced gradients in its own shards
     assert grads.keys() == compared.keys()
     for name, ref in compared.items():  # the same weights, the same batch: the same function's gradient
         scale = float(ref.abs().max())
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
-    params = assemble([(None, p) for _, _, p in results])
+    params = assemble([(None, p) for _, _, p, _ in results])
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
         # AdamW turns fp32 round-off of differently ordered sums into ~1e-6 of weight after 3 steps (dense
