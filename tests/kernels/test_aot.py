@@ -116,7 +116,7 @@ def test_the_candidates_leave_out_the_fp32_tiles_that_overflowed_sm80(kernel, d,
     assert tile in attention_candidates(kernel, d, dv, torch.bfloat16, 90)  # half the bytes fit an H100
 
 
-@pytest.mark.parametrize("table", ["kernels_aot_sm80.json", "kernels_aot.json"])
+@pytest.mark.parametrize("table", ["kernels_aot_sm80.json", "kernels_aot_sm90a.json", "kernels_aot.json"])
 def test_the_shared_memory_bound_holds_on_the_tables_and_keeps_every_default(table):
     from modelpar_kernels.grid import SHARED_MEMORY_PER_BLOCK, attention_candidates, attention_shared_estimate
 
