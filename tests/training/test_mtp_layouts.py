@@ -31,7 +31,7 @@ def mtp_config(tmp_path, **parallel):
 
 @pytest.fixture(scope="module")
 def reference(token_path, tmp_path_factory):
-    ((losses, grads, pieces),) = run_on_ranks(
+    ((losses, grads, pieces, _),) = run_on_ranks(
         1, train_and_collect, mtp_config(tmp_path_factory.mktemp("r")), token_path
     )
     return losses, assemble([(None, grads)]), assemble([(None, pieces)])
@@ -42,14 +42,14 @@ def test_mtp_layout_matches_single_device(layout, reference, token_path, tmp_pat
     ref_losses, ref_grads, ref_params = reference
     cfg = mtp_config(tmp_path, **layout)
     results = run_on_ranks(cfg.parallel.layout().world_size, train_and_collect, cfg, token_path)
-    for losses, _, _ in results:
+    for losses, *_ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
-    grads = assemble([(None, g) for _, g, _ in results])
+    grads = assemble([(None, g) for _, g, _, _ in results])
     assert grads.keys() == ref_grads.keys() and "mtp.1.eh_proj.weight" in grads
     for name, ref in ref_grads.items():
         scale = float(ref.abs().max())
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
-    params = assemble([(None, p) for _, _, p in results])
+    params = assemble([(None, p) for _, _, p, _ in results])
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=3e-6, msg=lambda m, n=name: f"{n}: {m}")
 
