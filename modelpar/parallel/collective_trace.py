@@ -191,9 +191,10 @@ def _disagreements(traces: list[dict]) -> list[tuple[float, str, list[int]]]:
     return found
 
 
-def trace_report(directory: str | Path, ranks: int | None = None) -> str:
-    """The lines a hang report gains from torch's recorder ("" when there are no dumps)."""
-    traces = read(directory)
+def trace_report(directory: str | Path, ranks: int | None = None, traces: list[dict] | None = None) -> str:
+    """The lines a hang report gains from torch's recorder ("" when there are no dumps); ``traces``: the
+    dumps already ``read`` from ``directory``."""
+    traces = read(directory) if traces is None else traces
     if not traces:
         return ""
     line = (

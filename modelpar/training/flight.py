@@ -181,7 +181,7 @@ def flight_hang_report(directory: str, alive: list[int]) -> str:
     if not snapshots:
         return ""
     trace_dir = Path(directory) / TORCH_DIR
-    trace = collective_trace.trace_report(trace_dir, len(snapshots))
-    lagging = collective_trace.lagging_ranks(collective_trace.read(trace_dir)) if trace else []
-    report = hang_report(snapshots, suspects=alive or None, lagging=lagging)
+    traces = collective_trace.read(trace_dir)  # once, for the report's line and its tie-break
+    trace = collective_trace.trace_report(trace_dir, len(snapshots), traces)
+    report = hang_report(snapshots, suspects=alive or None, lagging=collective_trace.lagging_ranks(traces))
     return "\n" + report + (f"\n{trace}" if trace else "")
