@@ -122,6 +122,13 @@ class FullyShardedAdamW(DataParallelOptimizer):
         hybrid = first is not None and first.device_mesh.ndim > 1
         self.shard_group = first.device_mesh.get_group(first.device_mesh.ndim - 1) if hybrid else None
 
+    @property
+    def frees_weights_inside_a_step(self) -> bool:
+        """Whether a chunk's gathered weights are freed after a forward or backward before the step ends (stage
+        3, or every backward reducing): two micro-batches through one chunk at once could then free what the
+        other still reads (the trainer runs such DualPipeV pairs in order)."""
+        return self._reshard_every_backward or self.reduce_every_micro_batch
+
     def expect_micro_batches(self, micro_batches: int) -> None:
         """Gradients accumulate unsharded until each chunk's last micro-batch, which reduce-scatters them once
         (``before_backward``, or ``after_weight_backward`` under a split backward); with

@@ -91,9 +91,8 @@ class Trainer:
         for hook in ("before_backward", "before_weight_backward", "after_weight_backward"):  # FSDP2's
             setattr(self.runtime, hook, getattr(self.optimizer, hook, None))
         self.runtime.overlap_pairs = cfg.parallel.overlap_pairs
-        if cfg.optim.zero >= 3 or (cfg.optim.zero == 2 and cfg.optim.reduce_every_micro_batch):
-            # FSDP2 frees a chunk's gathered weights after each forward (ZeRO-3) or backward (reducing ones): a
-            # pair through one chunk could free what its other side still reads, so such pairs run in order;
+        if getattr(self.optimizer, "frees_weights_inside_a_step", False):
+            # a pair through one chunk could free what its other side still reads: such pairs run in order;
             # pairs through the rank's two chunks (two FSDP2 roots, disjoint weights) still run at once
             self.runtime.pairs = frozenset(p for p in self.runtime.pairs if p[0].chunk != p[1].chunk)
         self.tokens, self.sampler = build_data(cfg, data_path, g)
