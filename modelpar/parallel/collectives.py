@@ -249,6 +249,14 @@ def installed_algorithm() -> CollectiveAlgorithm | None:
     return _algorithm
 
 
+def wait_after_hand_over(work, kind: str, group: dist.ProcessGroup | None) -> None:
+    """Wait on a posted collective ``kind`` after ``handoff.while_in_flight()`` let a paired micro-batch compute
+    (a no-op outside a pair); the wait is what ``blocking`` observes, times and shows in a trace."""
+    handoff.while_in_flight()
+    with blocking(kind, group):
+        work.wait()
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``tensor`` (contiguous) over ``group``; returns it. Posted, then handed over
     (``handoff.while_in_flight``, as ``all_to_all``), then waited on."""
@@ -257,9 +265,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.Re
         work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
         if work is None:
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    handoff.while_in_flight()
-    with blocking("all_reduce", group):
-        work.wait()
+    wait_after_hand_over(work, "all_reduce", group)
     return tensor
 
 
@@ -326,7 +332,5 @@ def all_to_all(
     _record("all_to_all", tensor, group)
     with profiler_range("post:all_to_all"):
         work = dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=group, async_op=True)
-    handoff.while_in_flight()
-    with blocking("all_to_all", group):
-        work.wait()
+    wait_after_hand_over(work, "all_to_all", group)
     return out

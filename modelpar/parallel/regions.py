@@ -7,15 +7,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelpar.parallel import handoff
 from modelpar.parallel.collectives import (
     all_gather,
     all_reduce,
     all_reduce_async,
-    blocking,
     comm_tag,
     current_tag,
     reduce_scatter,
+    wait_after_hand_over,
 )
 
 # Megatron's conjugate pairs: each op's backward is the other's forward, so a column-parallel layer followed by
@@ -75,9 +74,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             work = all_reduce_async(grad_x, ctx.tp.group)
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = torch.matmul(flat_grad.t(), x.reshape(-1, x.shape[-1]).to(grad_y.dtype)).to(weight.dtype)
-        handoff.while_in_flight()  # still in flight: a paired micro-batch computes (DualPipeV)
-        with blocking("all_reduce", ctx.tp.group):
-            work.wait()
+        wait_after_hand_over(work, "all_reduce", ctx.tp.group)  # still in flight: a paired micro-batch computes
         return grad_x, grad_w, None
 
 
