@@ -12,6 +12,8 @@ the last (with the head and its logits).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass
 
@@ -170,13 +172,44 @@ def shared_tables_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hard
     return 0.0 if strategy.offload and table >= OFFLOAD_MIN_BYTES else 2 * table
 
 
+# What saved activations never read of a strategy: the search's ZeRO variants of one strategy share its stages'
+# bytes, so the memo's key is every other field (a field added to Strategy joins the key)
+_NOT_READ = ("zero", "zero_group", "reduce_every_micro_batch")
+_READ = tuple(f.name for f in dataclasses.fields(Strategy) if f.name not in _NOT_READ)
+_SEARCH_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("stage_activations_memo", default=None)
+
+
+@contextlib.contextmanager
+def memoised_stages():
+    """Inside, ``stage_activations`` keeps its answers (a search's many strategies share each stage's bytes);
+    the models asked about must not change meanwhile (a model is told apart by its identity)."""
+    token = _SEARCH_MEMO.set({})
+    try:
+        yield
+    finally:
+        _SEARCH_MEMO.reset(token)
+
+
 def stage_activations(
     model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, exact: bool = True
 ) -> StageActivations:
     """Peak saved activations of pipeline stage ``stage`` over the strategy's schedule (module docstring).
     ``exact=False`` (the planner's search): interleaved schedules count in-flight chunks in closed form
     instead of walking the action list (``in_flight_estimate``), the V schedules walk it at the folded ``m``
-    (``v_in_flight_mixes``)."""
+    (``v_in_flight_mixes``). Kept inside ``memoised_stages``, by the strategy less what it never reads."""
+    memo = _SEARCH_MEMO.get()
+    if memo is None:
+        return _stage_activations(model, strategy, seq_len, hardware, stage, exact)
+    key = (id(model), *(getattr(strategy, name) for name in _READ), seq_len, hardware, stage, exact)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _stage_activations(model, strategy, seq_len, hardware, stage, exact)
+    return found
+
+
+def _stage_activations(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, exact: bool
+) -> StageActivations:
     layout = strategy.layout
     partition = strategy_partition(model, strategy, seq_len)
     memo: dict = {}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
+from modelpar.plan.activations import memoised_stages
 from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.spec import (
     GIB,
@@ -187,6 +188,25 @@ def plan(
     layouts = valid_layouts(model, gpus, global_batch, space, seq_len)
     if not layouts:
         raise PlanError(no_layout_message(model, gpus, global_batch, space, seq_len))
+    with memoised_stages():
+        planned, closest = _search(model, hardware, layouts, global_batch, seq_len, costs, space, progress)
+    if not planned:
+        raise PlanError(nothing_fits_message(closest, hardware))
+    planned.sort(key=lambda e: (-e.prediction.tokens_per_s, e.prediction.memory.total))
+    return planned
+
+
+def _search(
+    model: ModelSpec,
+    hardware: Hardware,
+    layouts: list[ParallelLayout],
+    global_batch: int,
+    seq_len: int,
+    costs: CostModel | None,
+    space: SearchSpace,
+    progress: Callable[[list[ParallelLayout]], Iterable[ParallelLayout]] | None,
+) -> tuple[list[PlannedLayout], PlannedLayout | None]:
+    """(the strategies that fit, the closest miss) over ``layouts``."""
     planned, closest = [], None
     fits_as_is: set[Strategy] = set()  # strategies that fit without recompute: recomputing them only costs time
     for layout in progress(layouts) if progress else layouts:
@@ -210,10 +230,7 @@ def plan(
                 planned.append(entry)
             elif closest is None or prediction.memory.total < closest.prediction.memory.total:
                 closest = entry
-    if not planned:
-        raise PlanError(nothing_fits_message(closest, hardware))
-    planned.sort(key=lambda e: (-e.prediction.tokens_per_s, e.prediction.memory.total))
-    return planned
+    return planned, closest
 
 
 def _without_recompute(strategy: Strategy) -> Strategy:

@@ -298,7 +298,7 @@ def predict(
     act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
     layers_on_rank = layers_per_chunk(shape.layers, layout) * v
     tp_bw = group_bandwidth(hardware, t)
-    moe_share = sum(shape.moe.is_moe_layer(i) for i in range(shape.layers)) / shape.layers
+    moe_share = sum(map(shape.moe.is_moe_layer, range(shape.layers))) / shape.layers if shape.moe.enabled else 0.0
     tp_comm_s = m * layers_on_rank * tp_collectives_per_layer(model, strategy, moe_share)
     both_ends = p == 1 or strategy.placement is Placement.V  # one rank holds the embedding and the head
     tp_comm_s += m * (2 if both_ends else 1)  # the vocab-parallel embedding's output and the head's input
