@@ -169,6 +169,14 @@ ATTENTION_CANDIDATES: dict[str, list[dict[str, int]]] = {
         _tile(32, 16, 4, 2),
     ],
 }
+# fp32 holds twice the bytes per element in registers: on sm_90a even the smallest tiles above spill at head dims
+# 128 and up (benchmarks/results/kernels_aot_sm90a_fp32.md), so fp32 there also tries these (on sm_80 the tiles
+# above do not spill in fp32: benchmarks/results/kernels_aot_sm80.md)
+FP32_CANDIDATES: dict[str, list[dict[str, int]]] = {
+    "forward": [_tile(32, 16, 4, 2), _tile(16, 16, 4, 2)],
+    "backward_kv": [_tile(16, 32, 4, 1), _tile(16, 16, 4, 2)],
+    "backward_q": [_tile(16, 16, 4, 2)],
+}
 # The opt-in shared memory of one block (CUDA C Programming Guide, compute capabilities): sm_80 and sm_90.
 SHARED_MEMORY_PER_BLOCK = {80: 166912, 90: 232448}
 
@@ -191,13 +199,12 @@ def attention_shared_estimate(kernel: str, tile: dict[str, int], block_d: int, b
 def attention_candidates(kernel: str, block_d: int, block_dv: int, dtype, arch: int) -> list[dict[str, int]]:
     """The tiles of ``kernel`` worth compiling at these head-dim tiles, dtype and arch: every candidate whose
     shared-memory estimate fits one block. fp32 drops the largest ones at head dims 128 and up (they need more
-    than sm_80's 163 KiB); bf16 keeps all but two forward tiles at sm_80's 256 tile."""
+    than sm_80's 163 KiB) and on sm_90a adds ``FP32_CANDIDATES``; bf16 keeps all but two forward tiles at sm_80's
+    256 tile."""
     limit = SHARED_MEMORY_PER_BLOCK[90 if arch >= 90 else 80]
-    return [
-        t
-        for t in ATTENTION_CANDIDATES[kernel]
-        if attention_shared_estimate(kernel, t, block_d, block_dv, dtype) <= limit
-    ]
+    small = FP32_CANDIDATES[kernel] if dtype == torch.float32 and arch >= 90 else []
+    tiles = ATTENTION_CANDIDATES[kernel] + small
+    return [t for t in tiles if attention_shared_estimate(kernel, t, block_d, block_dv, dtype) <= limit]
 
 
 INTERPRETER_TILE = _tile(16, 16, 1, 1)  # small, so CPU tests cross several blocks and the masked tails
@@ -221,8 +228,29 @@ def attention_defaults(head_dim: int, dtype: torch.dtype, arch: int) -> dict[str
     # 40 and up to 128 bytes per thread; 8 warps on 128 x 64 and 32 x 64 keep them at 128 and 123. On sm_80 at
     # head dim 128 the 128 x 64 forward spilled 8 bytes with documents and a window: 64 x 64 there. fp32 (the
     # tests' dtype on a GPU) needs twice the registers and shared memory of bf16: its 128 x 64 forward spilled
-    # up to 11 KB per thread on sm_80 and its larger backward tiles overflowed 163 KiB.
+    # up to 11 KB per thread on sm_80 and its larger backward tiles overflowed 163 KiB. On sm_90a (wgmma's
+    # operand layouts) those fp32 tiles spilled 8-8,016 bytes in 71 of 164 defaults: there fp32 takes the tiles of
+    # the sm_90a fp32 table that spill in no variant, ``FP32_CANDIDATES`` at head dims 128 and up.
     c = ATTENTION_CANDIDATES
+    if dtype == torch.float32 and arch >= 90:
+        small = FP32_CANDIDATES
+        if head_dim <= 64:
+            return {
+                "forward": c["forward"][5],
+                "backward_kv": small["backward_kv"][1],
+                "backward_q": c["backward_q"][3],
+            }
+        if head_dim <= 128:
+            return {
+                "forward": small["forward"][0],
+                "backward_kv": small["backward_kv"][0],
+                "backward_q": c["backward_q"][3],
+            }
+        return {
+            "forward": small["forward"][1],
+            "backward_kv": small["backward_kv"][1],
+            "backward_q": small["backward_q"][0],
+        }
     if dtype == torch.float32:
         kv, q = (1, 1) if head_dim <= 64 else (4, 1) if head_dim <= 128 else (4, 4)
         return {"forward": c["forward"][5], "backward_kv": c["backward_kv"][kv], "backward_q": c["backward_q"][q]}

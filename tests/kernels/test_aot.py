@@ -133,3 +133,31 @@ def test_the_shared_memory_bound_holds_on_the_tables_and_keeps_every_default(tab
             defaults += 1
             assert tile in attention_candidates(kernel, d, dv, dtype, arch.capability), r
     assert defaults > 0
+
+
+@pytest.mark.parametrize(
+    "table", ["kernels_aot.json", "kernels_aot_sm80.json", "kernels_aot_sm90a.json", "kernels_aot_sm90a_fp32.json"]
+)
+def test_the_launchers_defaults_are_the_tables_and_spill_in_no_variant(table):
+    """The committed tables are current: each attention default the launcher picks today is the tile the table
+    marks default, and that tile compiled with no spill and within shared memory in every variant."""
+    from modelpar_kernels.grid import attention_defaults
+
+    by_width: dict[tuple, list[dict]] = {}
+    for r, kernel, _, arch in _attention_rows(table):
+        c = r["config"]
+        by_width.setdefault((kernel, r["dtype"], arch.name, c["BLOCK_D"], c.get("BLOCK_DV", c["BLOCK_D"])), []).append(
+            r
+        )
+    checked = 0
+    for (kernel, dtype_name, arch_name, d, _), rows in by_width.items():
+        head_dim = d if d <= 128 else 192  # the tiles are powers of two: 192 (latent attention) takes 256
+        picked = attention_defaults(head_dim, aot.DTYPES[dtype_name], aot.ARCHS[arch_name].capability)[kernel]
+        marked = {tuple(r["config"][k] for k in aot.TILE_KEYS) for r in rows if r["default"]}
+        assert marked == {tuple(picked[k] for k in aot.TILE_KEYS)}, (kernel, dtype_name, arch_name, d)
+        launched = [r for r in rows if all(r["config"][k] == picked[k] for k in aot.TILE_KEYS)]
+        variants = {r["variant"] for r in rows}
+        assert {r["variant"] for r in launched} == variants
+        assert all(r["spill_bytes"] == 0 and r["shared"] <= aot.ARCHS[arch_name].smem_per_block for r in launched)
+        checked += len(launched)
+    assert checked > 0
