@@ -18,12 +18,8 @@ interrupted prepare ends with the same bytes as an uninterrupted one. A finished
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import math
-import multiprocessing
-import os
 import sys
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -34,202 +30,21 @@ import numpy as np
 
 from modelpar.data.prepare import _token_dtype, _write_json_atomically
 from modelpar.data.records import BAD_REASONS, SourceReader, corpus_files
+from modelpar.data.shard_writer import SplitWriter
 from modelpar.data.shards import MANIFEST, MANIFEST_FORMAT, VAL_SPLIT
 from modelpar.data.token_file import DataError
-from modelpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from modelpar.data.tokenize_pool import tokenize_batch, tokenizer_pool
+from modelpar.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 ids
 DEFAULT_BATCH_BYTES = 1 << 20
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def _shard_name(index: int) -> str:
-    return f"shard-{index:05d}.npy"
-
-
-def _header(length: int, dtype: np.dtype) -> bytes:
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (length,)}
-    )
-    return buffer.getvalue()
-
-
-class _PartialShard:
-    """The shard being filled, under a fixed hidden name beside its final one so a resumed prepare finds it.
-
-    numpy pads the header so the length field grows in place; it is rewritten when the shard is committed.
-    """
-
-    def __init__(self, dest: Path, dtype: np.dtype, tokens: int = 0, documents: int = 0):
-        self.dest, self.dtype, self.length, self.documents = dest, dtype, tokens, documents
-        self.tmp = dest.with_name(f".{dest.name}.partial")
-        self.offset = len(_header(0, dtype))
-        if tokens and not self.tmp.exists() and dest.exists():
-            os.replace(dest, self.tmp)  # committed after the manifest was last saved: take it up again
-        if tokens:  # resuming: keep what the manifest vouches for, drop anything written after it
-            self.file = self.tmp.open("r+b")
-            self.file.truncate(self.offset + tokens * dtype.itemsize)
-            self.file.seek(0, os.SEEK_END)
-        else:
-            self.file = self.tmp.open("w+b")
-            self.file.write(_header(0, dtype))
-
-    def append(self, ids: np.ndarray, documents: int) -> None:
-        self.file.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
-        self.length += len(ids)
-        self.documents += documents
-
-    def sync(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def commit(self) -> dict:
-        """Finish the header, fsync, move into place; returns the shard's manifest entry."""
-        self.file.seek(0)
-        self.file.write(_header(self.length, self.dtype))
-        self.sync()
-        self.file.seek(0)
-        digest = hashlib.file_digest(self.file, "sha256").hexdigest()
-        self.file.close()
-        os.replace(self.tmp, self.dest)
-        return {"file": self.dest.name, "tokens": self.length, "documents": self.documents, "sha256": digest}
-
-    def close(self) -> None:
-        self.file.close()
-
-    def discard(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-class _SplitWriter:
-    """One split's shards: committed ones and the partial one, cut every ``shard_tokens`` ids."""
-
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
-        self.shards: list[dict] = list(state["shards"]) if state else []
-        partial = state["partial"] if state else {"tokens": 0, "documents": 0}
-        self.current = self._open(partial["tokens"], partial["documents"])
-
-    def _open(self, tokens: int = 0, documents: int = 0) -> _PartialShard:
-        return _PartialShard(self.folder / _shard_name(len(self.shards)), self.dtype, tokens, documents)
-
-    def write(self, ids: np.ndarray, doc_ends: np.ndarray) -> int:
-        """Append ``ids: [n]`` whose documents end at offsets ``doc_ends`` (exclusive); returns shards committed."""
-        committed, pos = 0, 0
-        while pos < len(ids):
-            take = min(len(ids) - pos, self.shard_tokens - self.current.length)
-            documents = np.searchsorted(doc_ends, pos + take, "right") - np.searchsorted(doc_ends, pos, "right")
-            self.current.append(ids[pos : pos + take], int(documents))
-            pos += take
-            if self.current.length == self.shard_tokens:
-                self.shards.append(self.current.commit())
-                self.current = self._open()
-                committed += 1
-        return committed
-
-    @property
-    def tokens(self) -> int:
-        return sum(s["tokens"] for s in self.shards) + (self.current.length if self.current else 0)
-
-    @property
-    def documents(self) -> int:
-        return sum(s["documents"] for s in self.shards) + (self.current.documents if self.current else 0)
-
-    def state(self) -> dict:
-        self.current.sync()
-        return {
-            "shards": list(self.shards),
-            "partial": {"tokens": self.current.length, "documents": self.current.documents},
-        }
-
-    def finish(self) -> None:
-        if self.current.length:
-            self.shards.append(self.current.commit())
-        else:
-            self.current.discard()
-        self.current = None
-
-
 def is_held_out(document: int, val_fraction: float) -> bool:
     """Whether document ``document`` (counted from 0) goes to the held-out split: every ``1/f``-th does,
     starting with the first, so any fraction > 0 of a corpus holds out at least one document."""
     return math.ceil((document + 1) * val_fraction) > math.ceil(document * val_fraction)
-
-
-# -- the workers -----------------------------------------------------------------------------------------------
-
-_worker_tokenizer: Tokenizer | None = None
-_worker_dtype: np.dtype | None = None
-
-
-def _init_worker(spec: str | None, eos_token: str | None, dtype: str) -> None:
-    """Build this process's tokenizer once (a byte tokenizer, or a ``tokenizer.json`` given as text)."""
-    global _worker_tokenizer, _worker_dtype
-    # one thread per worker: the pool is the parallelism, and tokenizers' own threads would oversubscribe
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if spec is None:
-        _worker_tokenizer = ByteTokenizer()
-    else:
-        import tokenizers
-
-        _worker_tokenizer = BPETokenizer(backend=tokenizers.Tokenizer.from_str(spec), eos_token=eos_token)
-    _worker_dtype = np.dtype(dtype)
-
-
-def _tokenize(batch: list[tuple[str, bool, bool]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(text, ends_document, held_out)`` items -> ids and document ends of the train and held-out splits."""
-    tok = _worker_tokenizer
-    eos = np.array([tok.eos_id], dtype=_worker_dtype)
-    encoded = tok.encode_documents([text for text, _, _ in batch])
-    out = []
-    for split in (False, True):
-        pieces, ends, length = [], [], 0
-        for ids, (_, ends_document, held) in zip(encoded, batch, strict=True):
-            if held is not split:
-                continue
-            pieces.append(ids.astype(_worker_dtype, copy=False))
-            length += len(ids)
-            if ends_document:
-                pieces.append(eos)
-                length += 1
-                ends.append(length)
-        out.append(np.concatenate(pieces) if pieces else np.empty(0, dtype=_worker_dtype))
-        out.append(np.asarray(ends, dtype=np.int64))
-    return out[0], out[1], out[2], out[3]
-
-
-class _InProcess:
-    """``workers=0``: tokenise in this process with the same code the workers run."""
-
-    class _Done:
-        def __init__(self, value):
-            self.value = value
-
-        def get(self):
-            return self.value
-
-    def apply_async(self, fn, args):
-        return self._Done(fn(*args))
-
-    def terminate(self) -> None:
-        pass
-
-    def join(self) -> None:
-        pass
-
-
-def _pool(workers: int, tokenizer: Tokenizer, dtype: np.dtype):
-    spec = tokenizer.backend.to_str() if isinstance(tokenizer, BPETokenizer) else None
-    eos = tokenizer.eos_token if isinstance(tokenizer, BPETokenizer) else None
-    if workers == 0:
-        _init_worker(spec, eos, dtype.name)
-        return _InProcess()
-    # fork: a worker starts in milliseconds with the tokenizer's module loaded (no tokenizer threads ran yet)
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(workers, _init_worker, (spec, eos, dtype.name))
 
 
 # -- the prepare -----------------------------------------------------------------------------------------------
@@ -410,18 +225,18 @@ class _Run:
 
     def go(self, state: dict | None, progress: bool) -> PrepareResult:
         shard_tokens = self.head["shard_tokens"]
-        self.train = _SplitWriter(self.output, self.dtype, shard_tokens, state and state["train"])
-        self.val = _SplitWriter(self.output / VAL_SPLIT, self.dtype, shard_tokens, state and state["val"])
+        self.train = SplitWriter(self.output, self.dtype, shard_tokens, state and state["train"])
+        self.val = SplitWriter(self.output / VAL_SPLIT, self.dtype, shard_tokens, state and state["val"])
         cursor = _Cursor(**state["cursor"]) if state else _Cursor()
         sizes = [p.stat().st_size for p in self.sources]
         self.before = np.concatenate([[0], np.cumsum(sizes)]).tolist()  # bytes of the sources before each
         bar = _Progress(self.before[-1], progress)
-        pool = _pool(self.workers, self.tokenizer, self.dtype)
+        pool = tokenizer_pool(self.workers, self.tokenizer, self.dtype)
         in_flight: deque = deque()
         limit = 2 * max(self.workers, 1)
         try:
             for batch, after in self._batches(cursor, bar):
-                in_flight.append((pool.apply_async(_tokenize, (batch,)), after))
+                in_flight.append((pool.apply_async(tokenize_batch, (batch,)), after))
                 while len(in_flight) >= limit:
                     if self._write(*in_flight.popleft(), bar):
                         return self._stopped(state)
