@@ -72,6 +72,8 @@ NEEDS_CUDA = "benchmarks/gpu_suite.py needs a CUDA device (none found); run it o
 
 # -- inside a section's process ----------------------------------------------------------------------------
 
+SMOKE_MIN_LEFT_S = 5.0  # --smoke: a piece is skipped for time only with fewer seconds than this left in its box
+
 
 @dataclass
 class Section:
@@ -87,6 +89,11 @@ class Section:
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    def too_late_for(self, gpu_s: float) -> bool:
+        """Whether to skip a piece that may take ``gpu_s`` on the GPU: fewer seconds than that are left in the
+        box (a smoke piece takes seconds, more on a busy machine: there ``SMOKE_MIN_LEFT_S``)."""
+        return self.remaining() < (SMOKE_MIN_LEFT_S if self.smoke else gpu_s)
 
     def save(self, result: dict, *, complete: bool = False) -> None:
         """Leave ``result`` where the suite reads it, atomically (a kill mid-write keeps the previous one)."""
@@ -131,7 +138,7 @@ def run_tests(s: Section) -> dict:
     for name, selection in runs:
         row = {"name": name, "args": selection}
         out["runs"].append(row)
-        if s.remaining() < 5:
+        if s.too_late_for(SMOKE_MIN_LEFT_S):
             row["error"] = "skipped: no time left in the section's box"
             continue
         with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +197,7 @@ def run_kernels(s: Section) -> dict:
     )
     for label, each in (("triton, eager", setting), ("compile", compiled)):
         for name, build in kb.OP_BUILDERS.items():
-            if s.remaining() < (5 if s.smoke else 30):  # a compile of one op's forward and backward may take 30 s
+            if s.too_late_for(30):  # a compile of one op's forward and backward may take 30 s
                 out["skipped"].append(f"{name} ({label}): no time left in the section's box")
                 continue
             for op in build(each):
@@ -290,7 +297,7 @@ def _measure_variants(s: Section, mfu, variants: dict[str, list[str]], min_left_
     out: dict = {}
     peak = None
     for variant, flags in variants.items():
-        if s.remaining() < (5 if s.smoke else min_left_s):  # a smoke variant takes seconds, more on a busy machine
+        if s.too_late_for(min_left_s):
             out[variant] = {"error": "skipped: no time left in the section's box"}
             continue
         try:
