@@ -232,25 +232,15 @@ def attention_defaults(head_dim: int, dtype: torch.dtype, arch: int) -> dict[str
     # operand layouts) those fp32 tiles spilled 8-8,016 bytes in 71 of 164 defaults: there fp32 takes the tiles of
     # the sm_90a fp32 table that spill in no variant, ``FP32_CANDIDATES`` at head dims 128 and up.
     c = ATTENTION_CANDIDATES
-    if dtype == torch.float32 and arch >= 90:
+    if dtype == torch.float32 and arch >= 90:  # (forward, dk/dv, dq) up to head dims 64, 128 and beyond
         small = FP32_CANDIDATES
-        if head_dim <= 64:
-            return {
-                "forward": c["forward"][5],
-                "backward_kv": small["backward_kv"][1],
-                "backward_q": c["backward_q"][3],
-            }
-        if head_dim <= 128:
-            return {
-                "forward": small["forward"][0],
-                "backward_kv": small["backward_kv"][0],
-                "backward_q": c["backward_q"][3],
-            }
-        return {
-            "forward": small["forward"][1],
-            "backward_kv": small["backward_kv"][1],
-            "backward_q": small["backward_q"][0],
-        }
+        tiers = [
+            (c["forward"][5], small["backward_kv"][1], c["backward_q"][3]),
+            (small["forward"][0], small["backward_kv"][0], c["backward_q"][3]),
+            (small["forward"][1], small["backward_kv"][1], small["backward_q"][0]),
+        ]
+        forward, kv, q = tiers[0 if head_dim <= 64 else 1 if head_dim <= 128 else 2]
+        return {"forward": forward, "backward_kv": kv, "backward_q": q}
     if dtype == torch.float32:
         kv, q = (1, 1) if head_dim <= 64 else (4, 1) if head_dim <= 128 else (4, 4)
         return {"forward": c["forward"][5], "backward_kv": c["backward_kv"][kv], "backward_q": c["backward_q"][q]}
