@@ -25,7 +25,7 @@ class BenchOptions:
     peak_tflops: float = 0.0  # per rank; 0: measure a one-thread fp32 matmul
     results_dir: str = ""  # empty: the run's directory (a multirun's sweep directory); or a path: benchmarks/results
     name: str = "bench"  # file stem of the results
-    profile_rank: int = -1  # >= 0: cProfile our timed steps on this rank, top functions to <name>_profile_*.txt
+    profile_rank: int = -1  # >= 0: cProfile the timed steps (ours, the peer) on this rank: <name>_profile_*.txt
     # one more step with every collective wait timed: each kind's waited (exposed) seconds and count, per rank
     trace_comm: bool = False
     timeout_s: float = 1800.0

@@ -2,7 +2,7 @@
 
 The planner's time model (``modelpar.plan.step_time.predict``) prices each exchange from a byte count; this module
 states those counts per rank of one pipeline stage, with the planner's own split of the layers
-(``strategy_partition``) and parameter shapes (``stage_units``, ``state_bytes``).
+(``strategy_partition``) and parameter shapes (``stage_units``, ``zero0_buckets``).
 Bytes are the tensor's, as ``modelpar.bench.meta_world`` counts them (all-gather: the gathered output,
 reduce-scatter: the input, all-to-all and send: what this rank sends). ``a = b*s/cp*h*e`` is one
 micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
@@ -40,7 +40,7 @@ from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
-from modelpar.plan.states import expert_elements, shard_group_size, stage_units, state_bytes, zero1_shards
+from modelpar.plan.states import expert_elements, shard_group_size, stage_units, zero0_buckets, zero1_shards
 from modelpar.plan.step_time import cp_exchange_forwards, cp_exchange_width, rerun_halves, rerun_tp_exchanges
 
 
@@ -118,10 +118,10 @@ def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: in
     group = "dp" if layout.cp == 1 else "dp_cp"
     units = stage_units(model, strategy, seq_len, stage)
     if strategy.zero == 0:  # the routed experts' gradients over the ranks holding the same experts (d / ep)
-        states = state_bytes(model, strategy, seq_len, stage)
+        elements, tensors = zero0_buckets(model, strategy, seq_len, stage)  # a gradient and a flag per tensor
         # (at ep = d the buckets already leave each rank's own experts out, and nothing syncs them)
         experts = GRAD_BYTES * expert_elements(model, strategy, seq_len, stage)[0] if 1 < layout.ep < d else 0
-        out[f"{group} all_reduce"] += states["buffers"] - experts
+        out[f"{group} all_reduce"] += GRAD_BYTES * (elements + tensors) - experts
         if experts:
             out["expert_dp all_reduce"] += experts
         return

@@ -52,6 +52,7 @@ import contextlib
 import cProfile
 import io
 import itertools
+import marshal
 import os
 import pstats
 import time
@@ -185,7 +186,8 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     if opts.trace_comm:
         out["exposed_comm"] = exposed_comm(ours, device)
     out["pair_handovers"] = trainer.runtime.pair_handovers
-    profiler = cProfile.Profile() if opts.profile_rank == dist.get_rank() else None
+    profiled = opts.profile_rank == dist.get_rank()
+    profilers = {name: cProfile.Profile() for name, _ in sides} if profiled else {}
     times: dict[str, list[float]] = {name: [] for name, _ in sides}
     cpu_times: dict[str, list[float]] = {name: [] for name, _ in sides}
     losses: dict[str, list[float]] = {name: [] for name, _ in sides}
@@ -193,18 +195,25 @@ def _bench_rank(cfg: BenchRecipe, data_path: str) -> dict:
     for _ in range(opts.rounds):
         for name, fn in sides:
             for _ in range(opts.steps_per_round):
-                seconds, loss, cpu = _timed(fn, device, profiler if name == "ours" else None)
+                seconds, loss, cpu = _timed(fn, device, profilers.get(name))
                 times[name].append(seconds)
                 cpu_times[name].append(cpu)
                 losses[name].append(loss)
                 if name == "ours":
                     records.append(ours.last.records)
     out |= {"times": times, "cpu_times": cpu_times, "losses": losses, "records": records}
-    if profiler is not None:
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
-        out["profile"] = text.getvalue()
+    if profilers:
+        out["profile"] = {name: _profile_text(profiler) for name, profiler in profilers.items()}
+        out["profile_stats"] = {name: pstats.Stats(profiler).stats for name, profiler in profilers.items()}
     return out
+
+
+def _profile_text(profiler: cProfile.Profile) -> str:
+    """The top functions by own time, then by cumulative time (what a step does beyond its peer shows there)."""
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    return text.getvalue()
 
 
 COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -320,11 +329,13 @@ def run(cfg: BenchRecipe) -> dict[str, dict]:
                 shutdown_pools()  # gloo socket threads stuck at idle priority must not slow the next layout
             pooled[i] = per_rank if k == 0 else [pool_passes(a, b) for a, b in zip(pooled[i], per_rank, strict=True)]
             for r in per_rank:
-                if "profile" in r:
-                    out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_rank{r['rank']}_pass{k}.txt"
+                for side, text in r.get("profile", {}).items():
+                    out = Path(opts.results_dir) / f"{opts.name}_profile_{name}_{side}_rank{r['rank']}_pass{k}.txt"
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    out.write_text(r["profile"])
-                    print(f"modelpar-bench: wrote {out}", flush=True)
+                    out.write_text(text)
+                    with open(out.with_suffix(".prof"), "wb") as f:  # pstats.Stats(path) reads it
+                        marshal.dump(r["profile_stats"][side], f)
+                    print(f"modelpar-bench: wrote {out} and {out.with_suffix('.prof').name}", flush=True)
     rows = [summarize(case, pooled[i], peak, peer_of(case)) for i, case in enumerate(cases)]
     all_rows, written = write_results(cfg, rows)
     print(text_table({r["layout"]: all_rows[r["layout"]] for r in rows}), flush=True)

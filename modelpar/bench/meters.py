@@ -170,7 +170,8 @@ def trainer_state_bytes(trainer) -> dict[str, int]:
     - ``weights``: the parameters (their dp shard under ZeRO-2/3);
     - ``gradients``: ``param.grad`` (sharded under ZeRO-2/3) plus ZeRO-1's reduced gradient shard;
     - ``optimizer``: AdamW's two moments, and ZeRO-1's fp32 master shard;
-    - ``buffers``: zero-0's gradient buckets (a flat copy of every gradient it all-reduces)."""
+    - ``buffers``: what zero-0's all-reduce buckets hold besides the gradients living in them (a has-gradient
+      flag per parameter, and the space of a parameter with no gradient this step)."""
     params = [p for p, _ in trainer.model.params]
     outer = trainer.optimizer
     inner = outer.optimizer
@@ -182,7 +183,9 @@ def trainer_state_bytes(trainer) -> dict[str, int]:
             out["optimizer"] += _nbytes(part.master)
         out["gradients"] += sum(_nbytes(s) for s in getattr(inner, "_shards", []))
     for sync in getattr(outer, "syncs", []):
-        out["buffers"] += sum(_nbytes(bucket.flat) for bucket in sync.buckets)
+        for bucket in sync.buckets:
+            in_use = sum(_nbytes(v) for p, v in zip(bucket.params, bucket.views, strict=True) if p.grad is v)
+            out["buffers"] += _nbytes(bucket.flat) - in_use
     return out
 
 

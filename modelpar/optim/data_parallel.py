@@ -17,6 +17,7 @@ and ``ZeroOneOptimizer`` (``zero=1``: AdamW state sharded over dp, gradients red
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -60,6 +61,20 @@ class DataParallelOptimizer(ABC):
     def expect_micro_batches(self, micro_batches: int) -> None:
         """Instead of ``final_backward()``, when a pipeline runtime runs the backwards: call at the step's start."""
         return None  # only an overlapped all-reduce needs to know
+
+    def local_gradients(self, see: Callable[[int, torch.Tensor], None]) -> tuple[list[int], Callable[[], None]]:
+        """Show ``see(segment, gradient)`` this rank's own gradient of every step before the data-parallel
+        reduction mixes it, in segments of flat gradient. Returns the segments' sizes (the same on every dp
+        replica) and ``flush``, to call after the step's backward and before ``reduce_gradients``: it shows what
+        has not been shown yet. Here each parameter with a gradient is a segment, all shown by ``flush``."""
+        params = [p for p, _ in self.params_with_info]
+
+        def flush() -> None:
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    see(i, p.grad)
+
+        return [p.numel() for p in params], flush
 
     @abstractmethod
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
@@ -150,6 +165,26 @@ class ReplicatedAdamW(DataParallelOptimizer):
     def expect_micro_batches(self, micro_batches: int) -> None:
         for sync in self.syncs:
             sync.expect_micro_batches(micro_batches)
+
+    def local_gradients(self, see: Callable[[int, torch.Tensor], None]) -> tuple[list[int], Callable[[], None]]:
+        """Each all-reduce bucket is a segment, shown just before its all-reduce averages it in place (during
+        the last backward, or by ``flush``); parameters with no other replica to sync with are one each."""
+        sizes: list[int] = []
+        for sync in self.syncs:
+            if sync.buckets:
+                sync.before_launch = functools.partial(lambda first, b, g: see(first + b, g), len(sizes))
+                sizes += [bucket.numel for bucket in sync.buckets]
+        loose = [p for sync in self.syncs if not sync.buckets for p in sync.params]
+        first = len(sizes)
+
+        def flush() -> None:
+            for sync in self.syncs:
+                sync.launch_pending()
+            for i, p in enumerate(loose):
+                if p.grad is not None:
+                    see(first + i, p.grad)
+
+        return sizes + [p.numel() for p in loose], flush
 
     def reduce_gradients(self, other_reductions: Callable[[], None] = _nothing, defer_flags: bool = False) -> None:
         read_back = not defer_flags or all(not sync.buckets for sync in self.syncs)  # one replica: no flags to read

@@ -108,7 +108,10 @@ def sum_tied_embedding(tied: Sequence[torch.nn.Parameter], embedding_group) -> N
     with collectives.comm_tag("tied_embedding"):
         collectives.all_reduce(flat, embedding_group)
     for p, piece in zip(tied, flat.split([g.numel() for g in grads]), strict=True):
-        p.grad = piece.view_as(p).clone()
+        if p.grad is None:
+            p.grad = piece.view_as(p).clone()
+        else:  # in place: a zero-0 gradient stays in its all-reduce bucket
+            p.grad.copy_(piece.view_as(p))
 
 
 __all__ = ["average_whole_experts", "finalize_grads", "reduce_tensor_parallel_grads", "sum_tied_embedding"]

@@ -17,7 +17,8 @@ them finishes parameters in a different order or never produces some gradient; `
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +32,14 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 @dataclass(eq=False)
 class _Bucket:
-    """Parameters whose gradients travel in one all-reduce.
+    """Parameters whose gradients travel in one all-reduce, and the memory those gradients live in.
 
     ``flat: [numel + len(params)]`` holds the gradients back to back, then one has-a-gradient flag per parameter,
-    so after the sum a parameter that no rank gave a gradient keeps ``grad = None`` (as it would at dp=1).
+    so after the sum a parameter that no rank gave a gradient keeps ``grad = None`` (as it would at dp=1). Once a
+    parameter's gradient is armed (its step's accumulations are counted), ``param.grad`` becomes ``views[pos]``:
+    autograd adds the later micro-batches into the bucket in place and the all-reduce averages it where it
+    lies, so a gradient is copied once per step (into the bucket) and never back, and no second gradient-sized
+    buffer exists.
     """
 
     params: list[torch.Tensor]
@@ -42,40 +47,53 @@ class _Bucket:
     flat: torch.Tensor
     ready: set[int] = field(default_factory=set)  # positions whose final gradient has accumulated
     work: dist.Work | None = None
+    views: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        spans = zip(self.params, self.offsets[:-1], self.offsets[1:], strict=True)
+        self.views = [self.flat[start:end].view_as(p) for p, start, end in spans]
 
     @property
     def numel(self) -> int:
         return self.offsets[-1]
 
+    def gradients(self) -> torch.Tensor:
+        """Every parameter's gradient back to back (the flags excluded)."""
+        return self.flat[: self.numel]
+
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.params)
 
-    def launch(self, group: dist.ProcessGroup) -> None:
-        flags = self.flat[self.numel :]
+    def adopt(self, pos: int) -> None:
+        """Move parameter ``pos``'s gradient into the bucket (a no-op once it lives there)."""
+        p, view = self.params[pos], self.views[pos]
+        if p.grad is not None and p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+
+    def launch(self, group: dist.ProcessGroup, before: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Start the all-reduce; ``before(gradients())`` first sees this rank's own gradients."""
         for pos, p in enumerate(self.params):
-            grad = self.flat[self.offsets[pos] : self.offsets[pos + 1]]
             if p.grad is None:
-                grad.zero_()
+                self.views[pos].zero_()
             else:
-                grad.copy_(p.grad.reshape(-1))
-        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=flags.dtype))
+                self.adopt(pos)
+        self.flat[self.numel :].copy_(torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype))
+        if before is not None:
+            before(self.gradients())
         self.work = collectives.all_reduce_async(self.flat, group)
 
     def unpack_average(self, dp_size: int, read_back: bool = True) -> None:
-        """Wait for the sum and write ``sum / dp`` back into each ``param.grad``. Which parameters some rank gave
-        a gradient is read back to the host (``read_back``), or left to ``drop_unused`` with the flags the caller
-        read itself; until then every parameter holds its (zero, where none) average."""
+        """Wait for the sum and divide it by ``dp_size`` in place: each ``param.grad`` is then its view of the
+        average. Which parameters some rank gave a gradient is read back to the host (``read_back``), or left to
+        ``drop_unused`` with the flags the caller read itself; until then every parameter holds its (zero, where
+        none) average."""
         self.work.wait()
         self.flat.div_(dp_size)
         any_grad = self.flat[self.numel :].tolist() if read_back else [1.0] * len(self.params)
-        for pos, p in enumerate(self.params):
-            if not any_grad[pos]:
-                continue
-            average = self.flat[self.offsets[pos] : self.offsets[pos + 1]].view_as(p)
-            if p.grad is None:
-                p.grad = average.clone()
-            else:
-                p.grad.copy_(average)
+        for p, view, used in zip(self.params, self.views, any_grad, strict=True):
+            if used and p.grad is not view:  # this rank had none, another replica had one
+                p.grad = view
         self.ready.clear()
         self.work = None
 
@@ -120,8 +138,10 @@ class GradientSynchronizer:
                 loss(micro_batch).backward()        # loss already scaled by 1/m
         sync.wait()                                 # param.grad: mean over the global batch
 
-    ``wait()`` overwrites ``param.grad`` with the average of what each bucket copied at launch, so other
-    gradient reductions (tp, tied embeddings) belong after it.
+    Each ``param.grad`` lives in its bucket from its first armed accumulation on (``_Bucket``), and ``wait()``
+    leaves it there holding the average, so other gradient reductions (tp, tied embeddings) belong after it.
+    Something that must read this rank's own gradients reads them in ``before_launch``: the all-reduce
+    overwrites them in place.
 
     ``divisor`` (default: the group's size): each gradient becomes the group's sum divided by it; expert
     weights sum over their expert data-parallel ranks and divide by all of dp x cp (their local gradients
@@ -153,7 +173,14 @@ class GradientSynchronizer:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._accumulations_left: dict[int, int] = {}  # id(param) -> accumulations until its gradient is final
         self._next_launch = 0
+        # (bucket index, its local gradients back to back), called just before the bucket's all-reduce
+        self.before_launch: Callable[[int, torch.Tensor], None] | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if self.dp_size > 1]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters this synchroniser averages, in their given order."""
+        return self._params
 
     def arm(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """The next gradient accumulated into these parameters (default: all) is final: send it when its bucket is full.
@@ -183,8 +210,7 @@ class GradientSynchronizer:
     def wait(self, read_back: bool = True) -> None:
         """Launch the buckets still pending (parameters without a gradient), then write the averages back.
         ``read_back=False``: the has-gradient flags stay on the device (``flags``/``drop_unused``)."""
-        while self._next_launch < len(self.buckets):
-            self._launch_next()
+        self.launch_pending()
         for bucket in self.buckets:
             bucket.unpack_average(self.divisor, read_back)
         if not self.buckets and self.divisor != 1:  # one holder of these gradients: only the division is left
@@ -215,6 +241,7 @@ class GradientSynchronizer:
         left = self._accumulations_left.get(key)
         if left is None:
             return
+        bucket.adopt(pos)  # the step's later accumulations add into the bucket
         if left > 1:
             self._accumulations_left[key] = left - 1
             return
@@ -223,6 +250,13 @@ class GradientSynchronizer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].is_ready():
             self._launch_next()
 
+    def launch_pending(self) -> None:
+        """Start the all-reduce of every bucket not yet started (``wait()`` does it too)."""
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
+
     def _launch_next(self) -> None:
-        self.buckets[self._next_launch].launch(self.dp_group)
+        b = self._next_launch
+        before = None if self.before_launch is None else functools.partial(self.before_launch, b)
+        self.buckets[b].launch(self.dp_group, before)
         self._next_launch += 1

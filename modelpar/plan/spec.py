@@ -191,7 +191,7 @@ class Strategy:
 class MemoryBreakdown:
     """Bytes on one rank; ``stage`` names which pipeline stage (first, last, or ``stage r``) this is.
 
-    ``weights``, ``grads``, ``optimizer`` and ``buffers`` (zero-0's gradient buckets) are held at the optimizer
+    ``weights``, ``grads``, ``optimizer`` and ``buffers`` (zero-0's has-gradient flags) are held at the optimizer
     step; ``gathered`` is FSDP2's unsharded weights and gradients at their peak (ZeRO-2/3). ``activations`` is
     what the step needs for them at its peak: ``saved`` (kept on the device between forward and backward),
     the ``working`` set a recomputed half rebuilds, and the ``host`` copies of offload where the device's

@@ -5,7 +5,7 @@ is the trainer's, ``parallel.partition=flops`` unless given). modelpar keeps fp3
 ``trainer.dtype`` (bf16 runs autocast over them), fp32 gradients and AdamW's two fp32 moments::
 
     zero  weights      gradients            optimizer              buffers / gathered (peak)
-    0     4P           4P                   8P                     buckets 4(P + tensors), where dp x cp > 1
+    0     4P           4P (in the buckets)  8P                     flags 4 * tensors, where dp x cp > 1
     1     4P           4P + 4S (its shard)  8S + 4S (fp32 master)  -                      S = ceil(P / d)
           (under ep: S = ceil(dense / d) + ceil(experts / (d / ep)), the experts sharded over their own group)
     2     4*Q          4*Q                  8*Q                    every weight + a block's gather buffer
@@ -143,14 +143,22 @@ def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
         shard = zero1_shards(model, strategy, seq_len, stage, params)
         out["gradients"] += 4.0 * sum(shard)  # the reduced shard
         out["optimizer"] = 12.0 * sum(shard)  # two moments and the fp32 master
-    elif d > 1:
-        tensors = sum(count * len(t) for _, t, count in units)
-        if strategy.layout.ep == d:  # each rank's experts are its own: their gradients are not bucketed
-            experts, expert_tensors = expert_elements(model, strategy, seq_len, stage)
-            params, tensors = params - experts, tensors - expert_tensors
-        out["buffers"] = 4.0 * (params + tensors)  # every gradient back to back, and a has-gradient flag each
+    elif d > 1:  # the gradients live in the all-reduce buckets, beside a has-gradient flag each
+        out["buffers"] = 4.0 * zero0_buckets(model, strategy, seq_len, stage)[1]
     out["gathered"] = 0.0
     return out
+
+
+def zero0_buckets(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
+    """(gradient elements, tensors) in zero-0's all-reduce buckets on pipeline stage ``stage`` when dp x cp > 1:
+    every parameter's but, at ep = dp x cp, the routed experts' (each rank's own, synced with no one)."""
+    units = stage_units(model, strategy, seq_len, stage)
+    params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
+    tensors = sum(count * len(t) for _, t, count in units)
+    if strategy.layout.ep == strategy.layout.dp * strategy.layout.cp:
+        experts, expert_tensors = expert_elements(model, strategy, seq_len, stage)
+        params, tensors = params - experts, tensors - expert_tensors
+    return params, tensors
 
 
 def zero1_shards(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, params: int) -> tuple[int, int]:

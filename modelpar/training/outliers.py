@@ -1,12 +1,15 @@
 """Poisoned or faulty workers: each dp replica's gradient compared with the others' before the update applies.
 
-Per step, every rank sketches its local gradient (after backward, before the dp average is written back) as a count
-sketch of ``SKETCH`` numbers: each parameter's gradient, viewed as rows of ``SKETCH`` elements, is summed over its
-rows with one fixed random sign per row (drawn once from a seed shared by every replica), so element ``i`` lands in
-bucket ``i mod SKETCH``. Two elements that share a bucket come from different rows (or different parameters) and so
-carry independent signs: the cross terms of a sketch's inner product have mean zero, and inner products and cosines
-of sketches estimate those of the whole gradients. The sum is one matrix-vector product per parameter, a single
-read of the gradient; plus the local gradient norm. One all-gather over the dp group gives every replica all
+Per step, every rank sketches its local gradient (before the dp reduction mixes it) as a count sketch of ``SKETCH``
+numbers. The gradient comes in segments the optimizer hands over (``DataParallelOptimizer.local_gradients``): under
+zero-0 each all-reduce bucket's gradients back to back, seen just before the bucket's all-reduce overwrites them in
+place (so while the next buckets' backward still runs), otherwise one parameter each, after backward. Each segment,
+viewed as rows of ``SKETCH`` elements, is summed over its rows with one fixed random sign per row (drawn once from
+a seed shared by every replica), so element ``i`` lands in bucket ``i mod SKETCH``. Two elements that share a
+bucket come from different rows (or different segments) and so carry independent signs: the cross terms of a
+sketch's inner product have mean zero, and inner products and cosines of sketches estimate those of the whole
+gradients. The sum is one matrix-vector product per segment, a single read of the gradient; plus the local
+gradient norm. One all-gather over the dp group gives every replica all
 sketches; on the device, each replica's sketch is compared with the mean of the others' (leave-one-out cosine) and
 its norm with the median norm. A replica whose cosine is negative and ``trainer.grad_outlier_cosine`` or more below
 the median replica's (a sign-flipped gradient, where honest replicas agree), or whose norm exceeds
@@ -32,31 +35,41 @@ SKETCH = 1024  # buckets of the count sketch: the all-gather carries SKETCH + 1 
 
 
 class GradientOutlierCheck:
-    """The per-step sketch, all-gather and comparison; ``stats()`` on the device, ``verdict()`` on the host."""
+    """The per-step sketch, all-gather and comparison; ``add()`` and ``stats()`` on the device, ``verdict()`` on
+    the host. The gradient arrives as ``segments`` of flat gradient, the same sizes on every replica (a
+    parameter each, or a zero-0 all-reduce bucket's parameters back to back): ``add(i, g)`` once per segment
+    with a gradient, then ``stats()`` once per step."""
 
-    def __init__(self, params: list[torch.nn.Parameter], groups: ParallelGroups, cosine_gap: float, norm_max: float):
-        self.params, self.groups = params, groups
+    def __init__(self, segments: list[int], device, groups: ParallelGroups, cosine_gap: float, norm_max: float):
+        self.groups = groups
         self.cosine_gap, self.norm_max = cosine_gap, norm_max
         self.dp = groups.layout.dp
-        generator = torch.Generator().manual_seed(_SEED)  # the same signs on every replica of these shapes
+        generator = torch.Generator().manual_seed(_SEED)  # the same signs on every replica of these sizes
         self.signs = [  # one per row of SKETCH elements, the last (shorter) row included
-            (torch.randint(0, 2, (-(-p.numel() // SKETCH),), generator=generator) * 2 - 1).to(p.device, torch.float32)
-            for p in params
+            (torch.randint(0, 2, (-(-n // SKETCH),), generator=generator) * 2 - 1).to(device, torch.float32)
+            for n in segments
         ]
+        self.sketch = torch.zeros(SKETCH + 1, dtype=torch.float32, device=device)
+
+    def add(self, segment: int, grad: torch.Tensor) -> None:
+        """Sketch segment ``segment``'s gradient (any shape; read once, plus once for its norm)."""
+        g = grad.detach().float().reshape(-1)
+        signs = self.signs[segment]
+        rows, tail = divmod(g.numel(), SKETCH)
+        if rows:
+            self.sketch[:SKETCH].addmv_(g[: rows * SKETCH].view(rows, SKETCH).t(), signs[:rows])
+        if tail:
+            self.sketch[:tail].addcmul_(signs[rows].expand(tail), g[rows * SKETCH :])
+        self.sketch[-1] += torch.dot(g, g)
+
+    def reset(self) -> None:
+        """Forget what ``add()`` saw (a step that failed before ``stats()``)."""
+        self.sketch.zero_()
 
     def stats(self) -> torch.Tensor:
-        """[dp, 3] on the device: each replica's leave-one-out cosine, its gradient norm, and norm / median norm."""
-        device = self.params[0].device
-        sketch = torch.zeros(SKETCH + 1, dtype=torch.float32, device=device)
-        for p, signs in zip(self.params, self.signs, strict=True):
-            if p.grad is not None:
-                g = p.grad.detach().float().reshape(-1)
-                rows, tail = divmod(g.numel(), SKETCH)
-                if rows:
-                    sketch[:SKETCH] += signs[:rows] @ g[: rows * SKETCH].view(rows, SKETCH)
-                if tail:
-                    sketch[:tail] += signs[rows] * g[rows * SKETCH :]
-                sketch[-1] += torch.dot(g, g)
+        """[dp, 3] on the device: each replica's leave-one-out cosine, its gradient norm, and norm / median norm;
+        the sketch starts over for the next step."""
+        sketch, self.sketch = self.sketch, torch.zeros_like(self.sketch)
         with collectives.comm_tag("grad_outliers"):
             everyone = collectives.all_gather(sketch.unsqueeze(0), self.groups.dp_group)  # [dp, n + 1]
         vectors, norms = everyone[:, :-1], everyone[:, -1].sqrt()

@@ -170,18 +170,32 @@ class MTPStats(StepPlugin):
 
 
 class GradientOutliers(StepPlugin):
-    """The dp-replica outlier check (``training.outliers``) on the local gradients, before they are mixed."""
+    """The dp-replica outlier check (``training.outliers``) on the local gradients, before they are mixed: the
+    optimizer shows them segment by segment (``DataParallelOptimizer.local_gradients``), zero-0's buckets while
+    backward still runs."""
 
     name = "grad_outliers"
     setting = "grad_outlier_action"
 
-    def __init__(self, check: GradientOutlierCheck):
-        self.check = check
+    def __init__(self, optimizer: DataParallelOptimizer, groups, cosine_gap: float, norm_max: float):
+        sizes, self._flush = optimizer.local_gradients(self._add)
+        device = optimizer.params_with_info[0][0].device
+        self._check = GradientOutlierCheck(sizes, device, groups, cosine_gap, norm_max)
         self._stats: torch.Tensor | None = None
         self._values: list[float] | None = None
 
+    def _add(self, segment: int, grad: torch.Tensor) -> None:
+        self._check.add(segment, grad)
+
+    def begin(self, step: int) -> None:
+        self._check.reset()
+
+    def abort(self) -> None:
+        self._check.reset()
+
     def before_reduce(self) -> None:
-        self._stats, self._values = self.check.stats(), None
+        self._flush()
+        self._stats, self._values = self._check.stats(), None
 
     def hand(self) -> torch.Tensor | None:
         return self._stats
@@ -190,7 +204,7 @@ class GradientOutliers(StepPlugin):
         self._values = values
 
     def verdict(self, step: int) -> str | None:
-        return None if self._values is None else self.check.verdict(self._values, step)
+        return None if self._values is None else self._check.verdict(self._values, step)
 
 
 class SilentCorruption(StepPlugin):

@@ -48,7 +48,6 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.training.moe_stats import MoEStatistics
-from modelpar.training.outliers import GradientOutlierCheck
 from modelpar.training.plugins import (
     GradientFlags,
     GradientOutliers,
@@ -146,9 +145,7 @@ class Trainer:
             plugins.append(MTPStats(self.model.chunks, g, cfg.model.mtp_depth, self.device))
         # under ZeRO-2/3 gradients are reduced inside backward: nothing to compare before
         if t.grad_outlier_action != "off" and self.layout.dp >= 2 and cfg.optim.zero < 2:
-            plugins.append(
-                GradientOutliers(GradientOutlierCheck(params, g, t.grad_outlier_cosine, t.grad_outlier_norm))
-            )
+            plugins.append(GradientOutliers(self.optimizer, g, t.grad_outlier_cosine, t.grad_outlier_norm))
         if t.sdc_check_every:
             rerun = build_runtime(cfg, self.model, g, self.device, self.dtype, rerun=True)
             rerun.observer = self.flight

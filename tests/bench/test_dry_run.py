@@ -34,14 +34,14 @@ def test_model_states_equal_a_hand_count(first_stage):
         "weights": 4 * params,
         "gradients": 4 * params,
         "optimizer": 8 * params,  # AdamW's two moments
-        "buffers": 4 * (params + tensors),  # zero-0's buckets: every gradient and a flag a tensor
+        "buffers": 4 * tensors,  # zero-0's buckets hold the gradients themselves, and a flag a tensor
         "gathered": 0,
     }
     assert first_stage.states_exact  # the planner's too
 
 
 def test_gradients_are_all_reduced_over_dp_once(first_stage):
-    assert first_stage.traffic["dp all_reduce"] == first_stage.states["buffers"]
+    assert first_stage.traffic["dp all_reduce"] == first_stage.states["gradients"] + first_stage.states["buffers"]
 
 
 def test_activations_equal_the_planner(first_stage):

@@ -129,7 +129,7 @@ def test_our_zero_stages_shard_at_rest_and_gather_during_the_step(dp):
     stage 3 the roots and two blocks; both hold the unsharded gradients while micro-batches accumulate."""
     base = strategy(dp=dp, m=8)
     plain, z1, z2, z3 = (stage_memory(LLAMA_8B, dataclasses.replace(base, zero=z), 2048, A100, 0) for z in range(4))
-    assert plain.buffers == pytest.approx(plain.grads, rel=1e-6)  # the gradient buckets: a copy of every gradient
+    assert 0 < plain.buffers < 1e-5 * plain.grads  # the gradients live in the buckets: only their flags are extra
     assert z1.optimizer == pytest.approx(1.5 * plain.optimizer / dp, rel=1e-6)  # moments and the fp32 master shard
     assert z1.grads == pytest.approx(plain.grads * (1 + 1 / dp), rel=1e-6) and z1.weights == plain.weights
     for z in (z2, z3):
