@@ -195,6 +195,7 @@ def priority_restorable() -> bool:
 # isend/irecv (log2 t rounds, each an exchange with rank ^ 2^k), the latency-optimal textbook algorithm:
 #
 #   all-reduce       round k: swap the whole partial sum with rank ^ 2^k, add        (t=4: 2 rounds, 2 n sent)
+#                    (t=2 above HALVES_MIN_BYTES: swap halves, add one, swap the sums back: n/2 added, not n)
 #   all-gather       round k: swap the 2^k blocks gathered so far with rank ^ 2^k    (t-1 blocks sent)
 #   reduce-scatter   recursive halving: send the half the partner keeps, add the half received
 #
@@ -205,6 +206,7 @@ def priority_restorable() -> bool:
 
 COLLECTIVE_ALGORITHMS = ("auto", "native", "exchange")
 EXCHANGE_MAX_BYTES = 1 << 20  # auto: above this (and more than 2 ranks), gloo's bandwidth-optimal ring wins
+HALVES_MIN_BYTES = 1 << 20  # two ranks: above this an all-reduce exchanges halves (``_ExchangeAllReduce``)
 _EXCHANGE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 
 
@@ -287,17 +289,39 @@ def _swap(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | Non
 
 
 class _ExchangeAllReduce:
-    """Recursive-doubling all-reduce in flight; ``wait()`` finishes the remaining rounds (``dist.Work``-like)."""
+    """Recursive-doubling all-reduce in flight; ``wait()`` finishes the remaining rounds (``dist.Work``-like).
+
+    Two ranks and more than ``HALVES_MIN_BYTES``: each rank sends the half the other one keeps, adds the half it
+    keeps, and the sums are swapped back (reduce-scatter then all-gather, as gloo's ring does for two): the same
+    bytes on the wire as swapping the whole tensor, half the additions and half the receive buffer. Each half is
+    summed by one rank only, so both ranks end with the same bits, and with the bits of the one-round swap
+    (``a + b == b + a``)."""
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
         self.tensor, self.group, self.op = tensor, group, op
         self.me, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.flat = tensor.view(-1)  # callers pass contiguous tensors only
+        self.halves = self.size == 2 and self.flat.numel() * self.flat.element_size() > HALVES_MIN_BYTES
+        if self.halves:
+            first, second = self.flat.tensor_split(2)
+            self.mine, self.theirs = (first, second) if self.me == 0 else (second, first)
+            self.buf = torch.empty_like(self.mine)
+            self.pending = _swap(self.theirs, self.buf, group, self.me ^ 1)
+            return
         self.buf = torch.empty_like(self.flat)
         self.distance = 1
         self.pending = _swap(self.flat, self.buf, group, self.me ^ 1)
 
     def wait(self) -> bool:
+        if self.halves:
+            if self.pending:
+                for work in self.pending:
+                    work.wait()
+                _combine(self.mine, self.buf, self.op)
+                for work in _swap(self.mine, self.theirs, self.group, self.me ^ 1):
+                    work.wait()
+                self.pending = []
+            return True
         while self.pending:
             for work in self.pending:
                 work.wait()

@@ -179,6 +179,10 @@ def _collectives(algorithm: str, layout_tp: int):
         # random values: every rank must hold the same bits after an all-reduce
         noise = torch.randn(1000, generator=torch.Generator().manual_seed(r))
         out["noise"] = collectives.all_reduce(noise, tp.group)
+        # above gloo_cpu.HALVES_MIN_BYTES (two ranks exchange halves), an odd count: halves of unequal length
+        large = torch.randn(gloo_cpu.HALVES_MIN_BYTES // 4 + 3, generator=torch.Generator().manual_seed(r))
+        collectives.all_reduce_async(large, tp.group).wait()
+        out["large"] = large
         return out
     finally:
         gloo_cpu.set_collective_algorithm(previous)
@@ -201,8 +205,12 @@ def test_collective_algorithms_compute_the_same_collectives(algorithm, tp):
         for k, x in enumerate(out["async"]):
             torch.testing.assert_close(x, base * total + k * tp, rtol=0, atol=0)
         assert torch.equal(out["noise"], results[0]["noise"]), "ranks disagree on an all-reduce's bits"
+        assert torch.equal(out["large"], results[0]["large"]), "ranks disagree on a large all-reduce's bits"
     expected = sum(torch.randn(1000, generator=torch.Generator().manual_seed(q)) for q in range(tp))
     torch.testing.assert_close(results[0]["noise"], expected, rtol=1e-6, atol=1e-6)
+    n = gloo_cpu.HALVES_MIN_BYTES // 4 + 3
+    expected = sum(torch.randn(n, generator=torch.Generator().manual_seed(q)) for q in range(tp))
+    torch.testing.assert_close(results[0]["large"], expected, rtol=1e-6, atol=1e-6)
 
 
 def test_unknown_collective_algorithm_is_refused():
