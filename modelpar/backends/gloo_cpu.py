@@ -207,7 +207,7 @@ def priority_restorable() -> bool:
 COLLECTIVE_ALGORITHMS = ("auto", "native", "exchange")
 EXCHANGE_MAX_BYTES = 1 << 20  # auto: above this (and more than 2 ranks), gloo's bandwidth-optimal ring wins
 HALVES_MIN_BYTES = 1 << 20  # two ranks: above this an all-reduce exchanges halves (``_ExchangeAllReduce``)
-_EXCHANGE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+_EXCHANGE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 
 
 class ExchangeCollectives:
@@ -273,7 +273,7 @@ def uses_exchange(group: dist.ProcessGroup | None, nbytes: int, op=dist.ReduceOp
 
 
 def _combine(acc: torch.Tensor, other: torch.Tensor, op) -> None:
-    if op == dist.ReduceOp.SUM:
+    if op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG:  # AVG: divided once the sum is complete
         acc.add_(other)
     elif op == dist.ReduceOp.MAX:
         torch.maximum(acc, other, out=acc)
@@ -295,7 +295,8 @@ class _ExchangeAllReduce:
     keeps, and the sums are swapped back (reduce-scatter then all-gather, as gloo's ring does for two): the same
     bytes on the wire as swapping the whole tensor, half the additions and half the receive buffer. Each half is
     summed by one rank only, so both ranks end with the same bits, and with the bits of the one-round swap
-    (``a + b == b + a``)."""
+    (``a + b == b + a``). ``ReduceOp.AVG`` divides the sum by the group's size: under halves each rank divides
+    only the half it summed, before the swap back."""
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
         self.tensor, self.group, self.op = tensor, group, op
@@ -318,6 +319,8 @@ class _ExchangeAllReduce:
                 for work in self.pending:
                     work.wait()
                 _combine(self.mine, self.buf, self.op)
+                if self.op == dist.ReduceOp.AVG:
+                    self.mine.div_(2)
                 for work in _swap(self.mine, self.theirs, self.group, self.me ^ 1):
                     work.wait()
                 self.pending = []
@@ -330,6 +333,8 @@ class _ExchangeAllReduce:
             self.pending = (
                 _swap(self.flat, self.buf, self.group, self.me ^ self.distance) if (self.distance < self.size) else []
             )
+            if not self.pending and self.op == dist.ReduceOp.AVG:
+                self.flat.div_(self.size)
         return True
 
 

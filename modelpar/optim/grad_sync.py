@@ -71,8 +71,11 @@ class _Bucket:
             view.copy_(p.grad)
             p.grad = view
 
-    def launch(self, group: dist.ProcessGroup, before: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Start the all-reduce; ``before(gradients())`` first sees this rank's own gradients."""
+    def launch(
+        self, group: dist.ProcessGroup, before: Callable[[torch.Tensor], None] | None = None, average: bool = False
+    ) -> None:
+        """Start the all-reduce (the mean over ``group`` when ``average``, else the sum); ``before(gradients())``
+        first sees this rank's own gradients."""
         for pos, p in enumerate(self.params):
             if p.grad is None:
                 self.views[pos].zero_()
@@ -81,15 +84,17 @@ class _Bucket:
         self.flat[self.numel :].copy_(torch.tensor([p.grad is not None for p in self.params], dtype=self.flat.dtype))
         if before is not None:
             before(self.gradients())
-        self.work = collectives.all_reduce_async(self.flat, group)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        self.work = collectives.all_reduce_async(self.flat, group, op)
 
-    def unpack_average(self, dp_size: int, read_back: bool = True) -> None:
-        """Wait for the sum and divide it by ``dp_size`` in place: each ``param.grad`` is then its view of the
-        average. Which parameters some rank gave a gradient is read back to the host (``read_back``), or left to
-        ``drop_unused`` with the flags the caller read itself; until then every parameter holds its (zero, where
-        none) average."""
+    def unpack_average(self, divisor: int | None, read_back: bool = True) -> None:
+        """Wait for the all-reduce and divide its sum by ``divisor`` in place (None: it averaged already): each
+        ``param.grad`` is then its view of the average. Which parameters some rank gave a gradient is read back
+        to the host (``read_back``), or left to ``drop_unused`` with the flags the caller read itself; until then
+        every parameter holds its (zero, where none) average."""
         self.work.wait()
-        self.flat.div_(dp_size)
+        if divisor is not None:
+            self.flat.div_(divisor)
         any_grad = self.flat[self.numel :].tolist() if read_back else [1.0] * len(self.params)
         for p, view, used in zip(self.params, self.views, any_grad, strict=True):
             if used and p.grad is not view:  # this rank had none, another replica had one
@@ -211,8 +216,9 @@ class GradientSynchronizer:
         """Launch the buckets still pending (parameters without a gradient), then write the averages back.
         ``read_back=False``: the has-gradient flags stay on the device (``flags``/``drop_unused``)."""
         self.launch_pending()
+        divisor = None if self.divisor == self.dp_size else self.divisor  # None: the all-reduce averaged
         for bucket in self.buckets:
-            bucket.unpack_average(self.divisor, read_back)
+            bucket.unpack_average(divisor, read_back)
         if not self.buckets and self.divisor != 1:  # one holder of these gradients: only the division is left
             torch._foreach_div_([p.grad for p in self._params if p.grad is not None], float(self.divisor))
         self._accumulations_left.clear()
@@ -258,5 +264,5 @@ class GradientSynchronizer:
     def _launch_next(self) -> None:
         b = self._next_launch
         before = None if self.before_launch is None else functools.partial(self.before_launch, b)
-        self.buckets[b].launch(self.dp_group, before)
+        self.buckets[b].launch(self.dp_group, before, average=self.divisor == self.dp_size)
         self._next_launch += 1

@@ -114,11 +114,13 @@ def current_tag() -> str:
 
 
 _sizes: dict = {}  # process group -> its size, asked of torch.distributed once
+_native_avg: dict = {}  # process group -> whether its backend averages in the collective (NCCL)
 
 
 def forget_sizes() -> None:
     """Drop the cached sizes (and so the references to groups about to be destroyed)."""
     _sizes.clear()
+    _native_avg.clear()
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -262,11 +264,38 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.Re
     (``handoff.while_in_flight``, as ``all_to_all``), then waited on."""
     _record("all_reduce", tensor, group)
     with profiler_range("post:all_reduce"):
-        work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
-        if work is None:
-            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        work = _post_all_reduce(tensor, group, op)
     wait_after_hand_over(work, "all_reduce", group)
     return tensor
+
+
+class _DividedAfter:
+    """A sum in flight whose ``wait()`` divides it by the group's size: ``ReduceOp.AVG`` where the backend has
+    none (gloo); NCCL averages inside the collective, a pass over the tensor fewer."""
+
+    def __init__(self, work, tensor: torch.Tensor, size: int):
+        self.work, self.tensor, self.size = work, tensor, size
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.tensor.div_(self.size)
+            self.work = None
+        return True
+
+
+def _post_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
+    work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
+    if work is not None:
+        return work
+    if op == dist.ReduceOp.AVG:
+        native = _native_avg.get(group)
+        if native is None:
+            native = _native_avg[group] = dist.get_backend(group) == "nccl"
+        if not native:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            return _DividedAfter(work, tensor, group_size(group))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
@@ -300,11 +329,11 @@ def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=d
 
     The caller must not touch ``tensor`` until the handle is waited on; it lets gradient buckets reduce while
     backward is still computing the rest. Handles of one group must be waited on in the order they were made.
+    ``op=ReduceOp.AVG`` is the mean on every backend (the sum divided by the group's size where it has none).
     """
     _record("all_reduce", tensor, group)
     with _profiled("all_reduce"):
-        work = _algorithm.all_reduce_async(tensor, group, op) if _algorithm is not None else None
-        return work if work is not None else dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return _post_all_reduce(tensor, group, op)
 
 
 def send_recv(

@@ -166,6 +166,7 @@ def _collectives(algorithm: str, layout_tp: int):
         used = gloo_cpu.uses_exchange(tp.group, base.numel() * 4)
         out = {"exchange": used}
         out["sum"] = collectives.all_reduce(base * (r + 1), tp.group)
+        out["avg"] = collectives.all_reduce(base * (r + 1), tp.group, op=torch.distributed.ReduceOp.AVG)
         out["max"] = collectives.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MAX)
         out["min"] = collectives.all_reduce(base - r, tp.group, op=torch.distributed.ReduceOp.MIN)
         out["gather"] = collectives.all_gather(base[:1] + 100 * r, tp.group, dim=0)
@@ -183,6 +184,9 @@ def _collectives(algorithm: str, layout_tp: int):
         large = torch.randn(gloo_cpu.HALVES_MIN_BYTES // 4 + 3, generator=torch.Generator().manual_seed(r))
         collectives.all_reduce_async(large, tp.group).wait()
         out["large"] = large
+        mean = torch.randn(large.numel(), generator=torch.Generator().manual_seed(r))
+        collectives.all_reduce_async(mean, tp.group, op=torch.distributed.ReduceOp.AVG).wait()
+        out["large_avg"] = mean
         return out
     finally:
         gloo_cpu.set_collective_algorithm(previous)
@@ -197,6 +201,7 @@ def test_collective_algorithms_compute_the_same_collectives(algorithm, tp):
     for rank, out in enumerate(results):
         assert out["exchange"] == (algorithm != "native")  # auto: gloo and 96 bytes -> exchange
         torch.testing.assert_close(out["sum"], base * total, rtol=0, atol=0)
+        torch.testing.assert_close(out["avg"], base * total / tp, rtol=0, atol=0)
         torch.testing.assert_close(out["max"], base, rtol=0, atol=0)
         torch.testing.assert_close(out["min"], base - (tp - 1), rtol=0, atol=0)
         torch.testing.assert_close(out["gather"], torch.cat([base[:1] + 100 * q for q in range(tp)]), rtol=0, atol=0)
@@ -206,6 +211,8 @@ def test_collective_algorithms_compute_the_same_collectives(algorithm, tp):
             torch.testing.assert_close(x, base * total + k * tp, rtol=0, atol=0)
         assert torch.equal(out["noise"], results[0]["noise"]), "ranks disagree on an all-reduce's bits"
         assert torch.equal(out["large"], results[0]["large"]), "ranks disagree on a large all-reduce's bits"
+        assert torch.equal(out["large_avg"], results[0]["large_avg"]), "ranks disagree on a large mean's bits"
+        assert torch.equal(out["large_avg"], out["large"] / tp)  # the mean: the sum's bits divided by tp
     expected = sum(torch.randn(1000, generator=torch.Generator().manual_seed(q)) for q in range(tp))
     torch.testing.assert_close(results[0]["noise"], expected, rtol=1e-6, atol=1e-6)
     n = gloo_cpu.HALVES_MIN_BYTES // 4 + 3
