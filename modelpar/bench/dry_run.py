@@ -3,10 +3,11 @@
     modelpar-train --config-name llama-8b-64gpu trainer.dry_run=true
 
 For each distinct rank role of the recipe's layout (``rank_roles``: the first, a middle and the last pipeline
-stage, and on each a tp, cp and ep rank other than 0; ``trainer.dry_run_ranks=all``: every rank) this builds
-that rank through the trainer's own functions (``build_rank_model``, ``build_runtime``,
-``build_rank_optimizer``, ``TrainStep``) on the meta device under the fake process group at the recipe's real
-world size (``modelpar.bench.meta_world``), runs one training step of the real schedule, and reports:
+stage, the stage the planner finds fullest, and on each a tp, cp and ep rank other than 0;
+``trainer.dry_run_ranks=all``: every rank) this builds that rank through the trainer's own functions
+(``build_rank_model``, ``build_runtime``, ``build_rank_optimizer``, ``TrainStep``) on the meta device under
+the fake process group at the recipe's real world size (``modelpar.bench.meta_world``), runs one training
+step of the real schedule, and reports:
 
 - parameter, gradient and optimizer-state bytes, from the tensors at the optimizer step (``StateProbe``);
 - peak saved activations over the step's in-flight micro-batches (``SavedTensorMeter``);
@@ -33,6 +34,7 @@ from modelpar.bench.recipe_memory import recipe_strategy
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.plan.activations import stage_activations
+from modelpar.plan.memory import fullest_stage
 from modelpar.plan.presets import HARDWARE
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import ModelSpec
@@ -107,15 +109,17 @@ def _rel(measured: float, planned: float) -> float:
 # -- which ranks -------------------------------------------------------------------------------------------------
 
 
-def rank_roles(layout: ParallelLayout, every: bool = False) -> list[tuple[int, str]]:
-    """(global rank, role) of each distinct role: pipeline stages first, middle and last, and on each the
-    ranks at tp, cp and ep coordinate 0 and at the last one (the others are their mirror images)."""
+def rank_roles(layout: ParallelLayout, every: bool = False, fullest: int | None = None) -> list[tuple[int, str]]:
+    """(global rank, role) of each distinct role: pipeline stages first, middle and last (and ``fullest``, the
+    stage the planner finds fullest, when it is another), and on each the ranks at tp, cp and ep coordinate 0
+    and at the last one (the others are their mirror images)."""
     if every:
         return [(r, f"rank {r}") for r in range(layout.world_size)]
-    stages = sorted({0, layout.pp // 2, layout.pp - 1})
+    stages = sorted({0, layout.pp // 2, layout.pp - 1} | ({fullest} if fullest is not None else set()))
     out: dict[int, str] = {}
     for pp in stages:
-        where = "first" if pp == 0 else "last" if pp == layout.pp - 1 else "middle"
+        where = "first" if pp == 0 else "last" if pp == layout.pp - 1 else "fullest"
+        where = "middle" if pp == layout.pp // 2 and where == "fullest" else where
         out.setdefault(layout.rank(pp=pp), f"{where} stage")
         if layout.tp > 1:
             out.setdefault(layout.rank(pp=pp, tp=layout.tp - 1), f"{where} stage, tp {layout.tp - 1}")
@@ -261,8 +265,10 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
 def dry_run(cfg: TrainConfig, *, preset: str = "", every: bool = False, print_fn=print) -> dict:
     """Step each rank role of ``cfg`` (``rank_roles``); print a table per rank and return the summary."""
     layout = cfg.parallel.layout()
+    bf16 = dataclasses.replace(HARDWARE["h100-80gb"], dtype="bf16")
+    fullest = fullest_stage(ModelSpec(cfg.model), recipe_strategy(cfg), cfg.data.seq_len, bf16)
     reports = []
-    for rank, role in rank_roles(layout, every):
+    for rank, role in rank_roles(layout, every, fullest):
         report = step_rank(cfg, rank, role)
         reports.append(report)
         for line in format_report(report):

@@ -30,7 +30,7 @@ from modelpar.parallel.layout import ParallelLayout
 from modelpar.pipeline.placement import Placement
 from modelpar.pipeline.schedule import V_SCHEDULES
 from modelpar.plan.activations import stage_activations
-from modelpar.plan.chunks import v_in_flight_mixes
+from modelpar.plan.chunks import chunk_piece_counts, strategy_partition, v_in_flight_mixes
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, MemoryBreakdown, ModelSpec, Strategy
 from modelpar.plan.states import state_bytes
@@ -190,9 +190,45 @@ def _gpt_stage_memory(
 def peak_memory(
     model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, *, exact: bool = True
 ) -> MemoryBreakdown:
-    """The fuller of the first stage (most micro-batches in flight) and the last (head and logits); under the V
-    placement stage 0 holds both ends and stage ``p - 1`` the turn of the V (the middle stages hold as many
-    activations of middle chunks and are not priced)."""
-    stages = {0, strategy.layout.pp - 1}
-    memories = (stage_memory(model, strategy, seq_len, hardware, st, exact=exact) for st in stages)
-    return max(memories, key=lambda m: m.total)
+    """The fullest pipeline stage. Often the first (most micro-batches in flight) or the last (head and logits),
+    but not always: a stage just after the first can hold almost as many micro-batches of more or heavier layers
+    (a FLOP-balanced split gives the embedding's stage fewer layers; DeepSeek-V3's first layers are dense and
+    light). Every stage that can be the fullest is priced (``candidate_stages``)."""
+    return max(_candidate_memories(model, strategy, seq_len, hardware, exact).values(), key=lambda m: m.total)
+
+
+def fullest_stage(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> int:
+    """The index of the stage ``peak_memory`` prices."""
+    memories = _candidate_memories(model, strategy, seq_len, hardware, True)
+    return max(memories, key=lambda st: memories[st].total)
+
+
+def _candidate_memories(model, strategy, seq_len, hardware, exact) -> dict[int, MemoryBreakdown]:
+    stages = candidate_stages(model, strategy, seq_len)
+    return {st: stage_memory(model, strategy, seq_len, hardware, st, exact=exact) for st in stages}
+
+
+def candidate_stages(model: ModelSpec, strategy: Strategy, seq_len: int) -> tuple[int, ...]:
+    """The pipeline stages that can hold the most: the first, the last, and of the others the first of each
+    layer composition (the pieces of each of its chunks, by kind). Outside the V placement a stage holds no more
+    micro-batches of each chunk in flight than any stage before it, so a later stage made of the same layers is
+    never fuller; under the V placement every stage is priced."""
+    pp = strategy.layout.pp
+    if strategy.placement is Placement.V or pp <= 2:
+        return tuple(range(pp))
+    partition = strategy_partition(model, strategy, seq_len)
+    moe = model.shape.moe
+    key = (partition, moe.experts, moe.every, tuple(moe.layers or ()), moe.first_k_dense_replace)
+    if key not in _CANDIDATES:
+        seen: set = set()
+        middle = []
+        for stage in range(1, pp - 1):
+            composition = tuple(chunk_piece_counts(partition, c, moe) for c in partition.chunks_of(stage))
+            if composition not in seen:
+                seen.add(composition)
+                middle.append(stage)
+        _CANDIDATES[key] = (0, *middle, pp - 1)
+    return _CANDIDATES[key]
+
+
+_CANDIDATES: dict[tuple, tuple[int, ...]] = {}

@@ -52,6 +52,9 @@ def test_rank_roles_name_each_stage_and_the_last_tp_cp_ep_rank():
     roles = dict(rank_roles(ParallelLayout(tp=8, pp=16, dp=8, cp=16)))
     assert roles[0] == "first stage" and roles[7] == "first stage, tp 7" and roles[15 * 8] == "first stage, cp 15"
     assert sum("middle" in r for r in roles.values()) == 3 and sum("last" in r for r in roles.values()) == 3
+    layout = ParallelLayout(tp=8, pp=16, dp=8, cp=16)
+    fullest = dict(rank_roles(layout, fullest=2))  # the stage the planner finds fullest, also checked
+    assert fullest[layout.rank(pp=2)] == "fullest stage" and sum("fullest" in r for r in fullest.values()) == 3
 
 
 def test_meta_attention_keeps_no_scores():
