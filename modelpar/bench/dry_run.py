@@ -48,6 +48,7 @@ GIB = 2**30
 TOLERANCE = 0.05  # activations and collective bytes within 5% of the planner; model states exact
 JUDGED_SHARE = 0.005
 STATE_KINDS = ("weights", "gradients", "optimizer", "buffers")
+H100_BF16 = dataclasses.replace(HARDWARE["h100-80gb"], dtype="bf16")  # what ``fits`` judges: the recipe's GPU step
 
 
 @dataclass
@@ -118,8 +119,7 @@ def rank_roles(layout: ParallelLayout, every: bool = False, fullest: int | None 
     stages = sorted({0, layout.pp // 2, layout.pp - 1} | ({fullest} if fullest is not None else set()))
     out: dict[int, str] = {}
     for pp in stages:
-        where = "first" if pp == 0 else "last" if pp == layout.pp - 1 else "fullest"
-        where = "middle" if pp == layout.pp // 2 and where == "fullest" else where
+        where = {layout.pp // 2: "middle", layout.pp - 1: "last", 0: "first"}.get(pp, "fullest")  # later keys win
         out.setdefault(layout.rank(pp=pp), f"{where} stage")
         if layout.tp > 1:
             out.setdefault(layout.rank(pp=pp, tp=layout.tp - 1), f"{where} stage, tp {layout.tp - 1}")
@@ -251,9 +251,8 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
     report.planned_states["gathered"] = float(states.get("gathered", 0.0))
     report.planned_activations = act.device
     # what the recipe's bf16 step keeps on a GPU, for ``fits``: the GPU preset resolves model.kernels=auto
-    bf16 = dataclasses.replace(HARDWARE["h100-80gb"], dtype="bf16")
-    report.planned_activations_bf16 = stage_activations(model, strategy, seq, bf16, report.stage).device
-    bf16_states = state_bytes(model, strategy, seq, report.stage, activation_bytes(bf16))
+    report.planned_activations_bf16 = stage_activations(model, strategy, seq, H100_BF16, report.stage).device
+    bf16_states = state_bytes(model, strategy, seq, report.stage, activation_bytes(H100_BF16))
     report.planned_gathered_bf16 = float(bf16_states.get("gathered", 0.0))
     report.planned_traffic = planned_traffic(model, strategy, seq, hardware, report.stage)
     return report
@@ -265,8 +264,7 @@ def _with_plan(cfg: TrainConfig, report: RankReport) -> RankReport:
 def dry_run(cfg: TrainConfig, *, preset: str = "", every: bool = False, print_fn=print) -> dict:
     """Step each rank role of ``cfg`` (``rank_roles``); print a table per rank and return the summary."""
     layout = cfg.parallel.layout()
-    bf16 = dataclasses.replace(HARDWARE["h100-80gb"], dtype="bf16")
-    fullest = fullest_stage(ModelSpec(cfg.model), recipe_strategy(cfg), cfg.data.seq_len, bf16)
+    fullest = None if every else fullest_stage(ModelSpec(cfg.model), recipe_strategy(cfg), cfg.data.seq_len, H100_BF16)
     reports = []
     for rank, role in rank_roles(layout, every, fullest):
         report = step_rank(cfg, rank, role)

@@ -170,6 +170,7 @@ class GradientSynchronizer:
         self.dp_group = dp_group
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.divisor = divisor or self.dp_size
+        self._averaging = self.divisor == self.dp_size  # the all-reduce averages; else wait() divides its sum
         self._params = params
         if dp_group is not None:
             check_same_across(params, dp_group)
@@ -216,7 +217,7 @@ class GradientSynchronizer:
         """Launch the buckets still pending (parameters without a gradient), then write the averages back.
         ``read_back=False``: the has-gradient flags stay on the device (``flags``/``drop_unused``)."""
         self.launch_pending()
-        divisor = None if self.divisor == self.dp_size else self.divisor  # None: the all-reduce averaged
+        divisor = None if self._averaging else self.divisor
         for bucket in self.buckets:
             bucket.unpack_average(divisor, read_back)
         if not self.buckets and self.divisor != 1:  # one holder of these gradients: only the division is left
@@ -264,5 +265,5 @@ class GradientSynchronizer:
     def _launch_next(self) -> None:
         b = self._next_launch
         before = None if self.before_launch is None else functools.partial(self.before_launch, b)
-        self.buckets[b].launch(self.dp_group, before, average=self.divisor == self.dp_size)
+        self.buckets[b].launch(self.dp_group, before, average=self._averaging)
         self._next_launch += 1

@@ -76,7 +76,7 @@ def chunk_pieces(partition: Partition, chunk: int) -> list[tuple[int, tuple[str,
 
 def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
     """The pieces of model chunk ``chunk`` counted by kind: (((halves held), is a MoE layer), how many)."""
-    key = (partition, chunk, moe.experts, moe.every, tuple(moe.layers or ()), moe.first_k_dense_replace)
+    key = (partition, chunk, *moe_layers_key(moe))
     if key not in _PIECES:
         counts: dict = {}
         for layer, halves in chunk_pieces(partition, chunk):
@@ -87,6 +87,11 @@ def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
 
 
 _PIECES: dict[tuple, tuple] = {}
+
+
+def moe_layers_key(moe) -> tuple:
+    """What of a MoE config decides which layers are MoE layers (a cache key)."""
+    return moe.experts, moe.every, tuple(moe.layers or ()), moe.first_k_dense_replace
 
 
 def a_layer(moe_layer: bool, moe, layers: int) -> int:

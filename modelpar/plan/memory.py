@@ -30,7 +30,7 @@ from modelpar.parallel.layout import ParallelLayout
 from modelpar.pipeline.placement import Placement
 from modelpar.pipeline.schedule import V_SCHEDULES
 from modelpar.plan.activations import stage_activations
-from modelpar.plan.chunks import chunk_piece_counts, strategy_partition, v_in_flight_mixes
+from modelpar.plan.chunks import chunk_piece_counts, moe_layers_key, strategy_partition, v_in_flight_mixes
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, MemoryBreakdown, ModelSpec, Strategy
 from modelpar.plan.states import state_bytes
@@ -218,7 +218,7 @@ def candidate_stages(model: ModelSpec, strategy: Strategy, seq_len: int) -> tupl
         return tuple(range(pp))
     partition = strategy_partition(model, strategy, seq_len)
     moe = model.shape.moe
-    key = (partition, moe.experts, moe.every, tuple(moe.layers or ()), moe.first_k_dense_replace)
+    key = (partition, *moe_layers_key(moe))
     if key not in _CANDIDATES:
         seen: set = set()
         middle = []

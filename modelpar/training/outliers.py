@@ -63,15 +63,13 @@ class GradientOutlierCheck:
         self.sketch[-1] += torch.dot(g, g)
 
     def reset(self) -> None:
-        """Forget what ``add()`` saw (a step that failed before ``stats()``)."""
+        """Start a step's sketch: forget what ``add()`` saw before."""
         self.sketch.zero_()
 
     def stats(self) -> torch.Tensor:
-        """[dp, 3] on the device: each replica's leave-one-out cosine, its gradient norm, and norm / median norm;
-        the sketch starts over for the next step."""
-        sketch, self.sketch = self.sketch, torch.zeros_like(self.sketch)
+        """[dp, 3] on the device: each replica's leave-one-out cosine, its gradient norm, and norm / median norm."""
         with collectives.comm_tag("grad_outliers"):
-            everyone = collectives.all_gather(sketch.unsqueeze(0), self.groups.dp_group)  # [dp, n + 1]
+            everyone = collectives.all_gather(self.sketch.unsqueeze(0), self.groups.dp_group)  # [dp, n + 1]
         vectors, norms = everyone[:, :-1], everyone[:, -1].sqrt()
         others = (vectors.sum(0, keepdim=True) - vectors) / (self.dp - 1)  # leave-one-out means
         cosine = torch.nn.functional.cosine_similarity(vectors, others, dim=1)

@@ -188,10 +188,7 @@ class GradientOutliers(StepPlugin):
         self._check.add(segment, grad)
 
     def begin(self, step: int) -> None:
-        self._check.reset()
-
-    def abort(self) -> None:
-        self._check.reset()
+        self._check.reset()  # also drops what a failed step's buckets showed
 
     def before_reduce(self) -> None:
         self._flush()
