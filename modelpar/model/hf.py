@@ -5,9 +5,10 @@ that transformers loads (Qwen3's configs: ``modelpar.model.hf_qwen``; DeepSeek-V
 order: ``modelpar.model.hf_deepseek``). Mistral is Llama with a ``sliding_window`` (ours: every layer's window);
 a config's ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
 
-Only ``config.json`` and ``model.safetensors`` are read (safetensors, never pickle); each rank reads just the
-slices it holds. Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name),
-and HF's q/k projections already use the rotate-half RoPE layout of our kernels, so no permutation is needed.
+Only ``config.json`` and the weights (``model.safetensors``, or the shards its index names:
+``modelpar.model.hf_files``) are read (safetensors, never pickle); each rank reads just the slices it holds.
+Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name), and HF's q/k
+projections already use the rotate-half RoPE layout of our kernels, so no permutation is needed.
 A Mixtral's MoE tensors are ``layers.<i>.mlp.gate.weight`` and ``layers.<i>.mlp.experts.<e>.w1|w2|w3.weight``
 for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a Qwen3-MoE's experts are
 ``model.layers.<i>.mlp.experts.<e>.gate_proj|up_proj|down_proj.weight`` (what transformers 5.x's
@@ -24,11 +25,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
 from modelpar.model.hf_deepseek import (
@@ -40,10 +40,10 @@ from modelpar.model.hf_deepseek import (
     rope_rows_from_hf,
     rope_rows_to_hf,
 )
+from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.transformer import ModelChunk
 
-WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
@@ -242,36 +242,68 @@ def _plain(config: ModelConfig, **fields) -> ModelConfig:
     return ModelConfig(**{**config.__dict__, **fields})
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """Where a logical tensor's value lies in a Hugging Face directory: the whole of tensor ``key``, or rows
+    ``rows`` of expert ``expert`` of fused experts ``key``; ``interleaved``: a DeepSeek-V3 tensor whose RoPE rows
+    are reordered (whole heads) to rotate-half."""
+
+    key: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+    interleaved: bool = False
+
+
+def hf_source(name: str, weights: HFWeights, hf: dict, config: ModelConfig) -> HFSource:
+    """Where logical tensor ``name`` of ``config`` is among ``weights`` (named as ``hf``, the directory's
+    ``config.json``, names them; experts one tensor each or fused)."""
+    kind = hf.get("model_type", "llama")
+    key = hf_name(name, kind, config.layers)
+    interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
+    if interleaved and key in weights and rope_head_dim(name, config.mla):
+        return HFSource(key, interleaved=True)
+    for candidate in (key, hf_name(name)):  # a fused Mixtral's router is under mlp., not block_sparse_moe.
+        if candidate in weights:
+            return HFSource(candidate)
+    fused = fused_expert(name)
+    if fused is None or fused[0] not in weights:
+        raise KeyError(f"{weights.path}: {key} is missing from its weight files")
+    key, expert, part = fused
+    rows = weights.reader(key).shape(key)[1] // (1 if part == "down" else 2)
+    start = rows if part == "up" else 0
+    return HFSource(key, expert, (start, start + rows))
+
+
+def hf_value(weights: HFWeights, src: HFSource, name: str, config: ModelConfig, index: tuple = ()) -> torch.Tensor:
+    """``value[index]`` of logical tensor ``name`` found at ``src``, reading only those rows where the file
+    allows (a DeepSeek-V3 RoPE tensor is read whole: its heads are reordered first)."""
+    if src.interleaved:
+        return rope_rows_from_hf(name, weights.get_tensor(src.key), config.mla)[index]
+    if src.expert is None:
+        return weights.get_slice(src.key)[index] if index else weights.get_tensor(src.key)
+    (start, stop), e = src.rows, src.expert
+    return weights.get_slice(src.key)[e : e + 1, start:stop][0][index]
+
+
 def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
-    """Load this rank's slices of every logical tensor of ``chunk`` from ``path/model.safetensors`` (named as
+    """Load this rank's slices of every logical tensor of ``chunk`` from ``path``'s weights (named as
     ``path/config.json``'s ``model_type`` names them; experts one tensor each or fused; a DeepSeek-V3's
     interleaved RoPE rows reordered to rotate-half)."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
-    kind, mla, layers = hf.get("model_type", "llama"), chunk.config.mla, chunk.config.layers
-    interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
-    with safe_open(Path(path) / WEIGHTS_NAME, framework="pt") as f:
-        keys = set(f.keys())
-
-        def fetch(name, shard):
-            key = hf_name(name, kind, layers)
-            if interleaved and key in keys and rope_head_dim(name, mla):  # whole heads permuted, then sliced
-                return rope_rows_from_hf(name, f.get_tensor(key), mla)[shard.index]
-            for candidate in (key, hf_name(name)):  # a fused Mixtral's router is under mlp., not block_sparse_moe.
-                if candidate in keys:
-                    return f.get_slice(candidate)[shard.index]
-            fused = fused_expert(name)
-            if fused is None or fused[0] not in keys:
-                raise KeyError(f"{path}: {key} is missing from {WEIGHTS_NAME}")
-            key, expert, part = fused
-            rows = f.get_slice(key).get_shape()[1] // (1 if part == "down" else 2)
-            start = rows if part == "up" else 0
-            return f.get_slice(key)[expert : expert + 1, start : start + rows][0]
-
-        chunk.load_logical(fetch)
+    with HFWeights(path) as f:
+        chunk.load_logical(
+            lambda name, shard: hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
+        )
 
 
-def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
-    """Write ``config.json`` and ``model.safetensors`` from full logical tensors (all of the model's)."""
+def save_hf(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
+) -> None:
+    """Write ``config.json`` and the weights (``model.safetensors``, or shards of at most ``max_shard_size``
+    with their index) from full logical tensors (all of the model's)."""
     path = Path(path)
     dtype = next(iter(state.values())).dtype
     hf_config = config_to_hf(config, dtype)  # a model HF cannot express is refused before anything is written
@@ -281,9 +313,8 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, to
         state = {name: rope_rows_to_hf(name, t, config.mla) for name, t in state.items()}
     tensors = {hf_name(name, kind, config.layers): t.detach().cpu().contiguous() for name, t in state.items()}
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(tensors, path / WEIGHTS_NAME, metadata={"format": "pt"})
-    # safetensors creates its file owner-only; both files of the directory get the mode the umask gives
-    (path / WEIGHTS_NAME).chmod((path / CONFIG_NAME).stat().st_mode & 0o777)
+    entries = {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()}
+    write_hf_weights(path, entries, tensors.__getitem__, max_shard_size)
 
 
 def export_hf(chunk: ModelChunk, path: str | os.PathLike) -> None:
