@@ -14,7 +14,9 @@ written before the window existed load unchanged) do not. A mixture of experts a
 (``MoEConfig.IDENTITY``) to the identity, multi-head latent attention its ``mla`` shape (``MLAConfig.IDENTITY``);
 a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
 ``head_dim`` and ``qk_norm`` are identity fields that a checkpoint written before they existed does not hold:
-reading one, their defaults (hidden/heads, no QK-norm) are what its weights mean.
+reading one, their defaults (hidden/heads, no QK-norm) are what its weights mean. So are the attention biases
+(``attention_bias``, ``attention_out_bias``): part of the identity only when on, so a model without them keeps
+the identity it had.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ IDENTITY = (
     "tie_embeddings",
     "head_dim",
     "qk_norm",
+    "attention_bias",
+    "attention_out_bias",
 )
+# identity fields that a model without them (their default) leaves out of ``identity()``
+OPTIONAL_IDENTITY = {"attention_bias": False, "attention_out_bias": False}
 
 
 # What the model computes but not what its weights mean: a checkpoint's values are what evaluating it uses
@@ -244,6 +250,9 @@ class ModelConfig:
     is (Qwen3: hidden 2048, 32 heads of 128); ``head_size`` is the width in use. ``qk_norm``: an RMSNorm over
     each q and k head (weights ``q_norm``, ``k_norm`` [d], shared by the heads) after the projections and
     before RoPE, as Qwen3 and OLMo-2 do; ``norm_eps`` is its epsilon too.
+
+    ``attention_bias``: q, k and v projections with biases (Qwen2/2.5; Llama's and GPT-OSS's ``attention_bias``
+    sets ``attention_out_bias`` too); ``attention_out_bias``: the o_proj with one.
     """
 
     name: str = "custom"
@@ -259,6 +268,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     head_dim: int = 0  # 0: hidden / heads
     qk_norm: bool = False
+    attention_bias: bool = False  # q, k, v biases
+    attention_out_bias: bool = False  # an o_proj bias
     init_std: float = 0.02
     kernels: str = "auto"  # auto | triton | torch: how the model runs, not what it is
     compile: bool = False  # each block under torch.compile
@@ -350,11 +361,11 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.fp8={self.fp8} covers GQA attention only; set model.fp8=off or model.mla.kv_lora_rank=0"
             )
-        for name in ("head_dim", "qk_norm"):
+        for name in ("head_dim", "qk_norm", "attention_bias", "attention_out_bias"):
             if getattr(self, name):
                 raise ModelConfigError(
                     f"model.{name}={getattr(self, name)} is for GQA attention; latent attention has its own head dims "
-                    f"(model.mla.*): set model.{name}={0 if name == 'head_dim' else 'false'}"
+                    f"(model.mla.*) and no biases: set model.{name}={0 if name == 'head_dim' else 'false'}"
                 )
 
     def check_layout(self, layout) -> None:
@@ -402,7 +413,12 @@ class ModelConfig:
 
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
-        identity = {name: getattr(self, name) for name in IDENTITY} | {"head_dim": self.head_size}
+        identity = {
+            name: getattr(self, name)
+            for name in IDENTITY
+            if name not in OPTIONAL_IDENTITY or getattr(self, name) != OPTIONAL_IDENTITY[name]
+        }
+        identity["head_dim"] = self.head_size
         if self.mtp_depth:  # its modules' weights exist only then
             identity["mtp_depth"] = self.mtp_depth
         if self.moe.enabled:

@@ -137,6 +137,8 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
         documents=documents,
         window=config.window(layer),
         fp8=spec.fp8,
+        bias=config.attention_bias,
+        out_bias=config.attention_out_bias,
         **kw,
     )
 

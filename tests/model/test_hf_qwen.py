@@ -76,7 +76,7 @@ def test_mlp_only_layers_and_the_sparse_step_give_the_moe_layers(qwen, tmp_path)
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("attention_bias", True),
+        ("attention_dropout", 0.1),
         ("use_sliding_window", True),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}),
         ("layer_types", ["full_attention", "sliding_attention"]),

@@ -94,6 +94,8 @@ class ParallelAttention(nn.Module):
     ``fp8`` (off | rowwise | tensorwise): the qkv and output projections' GEMMs in FP8 (attention itself stays
     in the compute dtype). ``window`` W > 0: the token at global position i attends to positions ``i-W+1 .. i``
     (composed with the document mask); a window as long as the sequence is full causal attention.
+    ``bias``: q, k and v biases (Qwen2), split over tp with their projections' rows; ``out_bias``: an o_proj
+    bias, added once after the tp reduction (``RowParallelLinear``).
     """
 
     def __init__(
@@ -113,6 +115,8 @@ class ParallelAttention(nn.Module):
         documents: DocumentIds | None = None,
         window: int = 0,
         fp8: str = "off",
+        bias: bool = False,
+        out_bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -134,8 +138,8 @@ class ParallelAttention(nn.Module):
         ]
         parts = [ColumnPart.even("q_proj.weight", heads * d, tp.rank, tp.size), *kv]
         kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
-        self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
-        self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
+        self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, bias=bias, **kw)
+        self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", bias=out_bias, **kw)
         self.q_norm = self.k_norm = None
         if qk_norm:  # each rank sees its own heads only: the weights' gradients are partial over tp
             norm = dict(backend=backend, partial_over_tp=True, device=device, dtype=dtype)
