@@ -15,8 +15,8 @@ written before the window existed load unchanged) do not. A mixture of experts a
 a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
 ``head_dim`` and ``qk_norm`` are identity fields that a checkpoint written before they existed does not hold:
 reading one, their defaults (hidden/heads, no QK-norm) are what its weights mean. So are the attention biases
-(``attention_bias``, ``attention_out_bias``): part of the identity only when on, so a model without them keeps
-the identity it had.
+(``attention_bias``, ``attention_out_bias``) and the RoPE scaling (``rope_scaling``, ``modelpar.model.rope``):
+part of the identity only when on, so a model without them keeps the identity it had.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from modelpar_kernels import BACKENDS
 
 from modelpar.model.layers.fp8 import FP8_MODES
+from modelpar.model.rope import RopeScaling, RopeScalingError
 from modelpar.parallel.layout import LayoutError
 
 IDENTITY = (
@@ -42,8 +43,10 @@ IDENTITY = (
     "qk_norm",
     "attention_bias",
     "attention_out_bias",
+    "rope_scaling",
 )
 # identity fields that a model without them (their default) leaves out of ``identity()``
+# (``rope_scaling``: its ``identity()``, when it is enabled)
 OPTIONAL_IDENTITY = {"attention_bias": False, "attention_out_bias": False}
 
 
@@ -252,7 +255,8 @@ class ModelConfig:
     before RoPE, as Qwen3 and OLMo-2 do; ``norm_eps`` is its epsilon too.
 
     ``attention_bias``: q, k and v projections with biases (Qwen2/2.5; Llama's and GPT-OSS's ``attention_bias``
-    sets ``attention_out_bias`` too); ``attention_out_bias``: the o_proj with one.
+    sets ``attention_out_bias`` too); ``attention_out_bias``: the o_proj with one. ``rope_scaling``: RoPE's
+    frequencies scaled (linear, llama3, yarn; ``modelpar.model.rope``), in GQA and latent attention alike.
     """
 
     name: str = "custom"
@@ -264,6 +268,7 @@ class ModelConfig:
     ffn_hidden: int = 176
     max_seq_len: int = 128
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     head_dim: int = 0  # 0: hidden / heads
@@ -286,6 +291,8 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
 
     def check(self) -> None:
         """Raise ``ModelConfigError`` (one line) if no model has this shape. Called by the recipe's ``validate``
@@ -294,6 +301,10 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
         self.mla.check()
+        try:
+            self.rope_scaling.check()
+        except RopeScalingError as exc:
+            raise ModelConfigError(str(exc)) from None
         if (self.head_dim or 0) < 0:
             raise ModelConfigError(f"model.head_dim={self.head_dim} must be >= 0 (0: hidden/heads)")
         if self.mla.enabled:
@@ -413,12 +424,13 @@ class ModelConfig:
 
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
-        identity = {
-            name: getattr(self, name)
-            for name in IDENTITY
-            if name not in OPTIONAL_IDENTITY or getattr(self, name) != OPTIONAL_IDENTITY[name]
-        }
+        identity = {name: getattr(self, name) for name in IDENTITY if name != "rope_scaling"}
+        for name, default in OPTIONAL_IDENTITY.items():
+            if identity[name] == default:
+                del identity[name]
         identity["head_dim"] = self.head_size
+        if self.rope_scaling.enabled:
+            identity["rope_scaling"] = self.rope_scaling.identity()
         if self.mtp_depth:  # its modules' weights exist only then
             identity["mtp_depth"] = self.mtp_depth
         if self.moe.enabled:

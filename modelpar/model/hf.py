@@ -45,6 +45,7 @@ from modelpar.model.hf_deepseek import (
 )
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.hf_qwen2 import QWEN2_TYPES, qwen2_config_to_hf, qwen2_fields, qwen2_unsupported
+from modelpar.model.hf_rope import rope_parameters_of, rope_scaling_from_hf, rope_scaling_to_hf
 from modelpar.model.transformer import ModelChunk
 
 WEIGHTS_NAME = "model.safetensors"
@@ -92,14 +93,13 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     if kind in DEEPSEEK_TYPES:
         return deepseek_config_from_hf(hf, path)
     heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = rope_parameters_of(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     biased = kind in ("llama", *QWEN_TYPES) and bool(hf.get("attention_bias", False))  # q, k, v and o_proj
     unsupported = {
         "attention_bias": kind in ("mistral", "mixtral") and bool(hf.get("attention_bias", False)),
         "mlp_bias": hf.get("mlp_bias", False),
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
     }
     moe = MoEConfig()
     if kind == "mixtral":
@@ -129,6 +129,7 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling_from_hf(hf, path),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,
@@ -211,7 +212,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "head_dim": config.head_size,
         "intermediate_size": config.ffn_hidden,
         "max_position_embeddings": config.max_seq_len,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_scaling_to_hf(config.rope_scaling, config.rope_theta),
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
