@@ -1,9 +1,10 @@
-"""Hugging Face Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE and DeepSeek-V3 interoperability: import a
-``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``
-or ``DeepseekV3ForCausalLM`` directory into a model chunk at any tp (and ep), and export one back to a directory
-that transformers loads (Qwen3's configs: ``modelpar.model.hf_qwen``; DeepSeek-V3's configs, names and RoPE row
-order: ``modelpar.model.hf_deepseek``). Mistral is Llama with a ``sliding_window`` (ours: every layer's window);
-a config's ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
+"""Hugging Face Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 interoperability: import a
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` or ``DeepseekV3ForCausalLM`` directory into a model chunk at any tp (and ep), and export
+one back to a directory that transformers loads (Qwen2's configs: ``modelpar.model.hf_qwen2``; Qwen3's:
+``modelpar.model.hf_qwen``; DeepSeek-V3's configs, names and RoPE row order: ``modelpar.model.hf_deepseek``).
+Mistral is Llama with a ``sliding_window`` (ours: every layer's window); a config's ``layer_types``
+(``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
 
 Only ``config.json`` and the weights (``model.safetensors``, or the shards its index names:
 ``modelpar.model.hf_files``) are read (safetensors, never pickle); each rank reads just the slices it holds.
@@ -17,7 +18,9 @@ in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows first, and ``mlp.e
 is read too.
 
 Which family a model exports as: a latent-attention model as DeepSeek-V3, a QK-norm model as Qwen3 (Qwen3-MoE
-with experts), any other as Llama (Mixtral with experts).
+with experts), one with q/k/v biases but none on o_proj as Qwen2, any other as Llama (Mixtral with experts).
+A Llama's or Qwen3's ``attention_bias`` puts biases on q, k, v and o_proj (ours: ``attention_bias`` and
+``attention_out_bias``); Mistral and Mixtral have none.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from modelpar.model.hf_deepseek import (
 )
 from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
+from modelpar.model.hf_qwen2 import QWEN2_TYPES, qwen2_config_to_hf, qwen2_fields, qwen2_unsupported
+from modelpar.model.hf_rope import rope_parameters_of, rope_scaling_from_hf, rope_scaling_to_hf
 from modelpar.model.transformer import ModelChunk
 
 CONFIG_NAME = "config.json"
@@ -76,25 +81,25 @@ def fused_expert(logical: str) -> tuple[str, int, str] | None:
 
 
 def config_from_hf(path: str | os.PathLike) -> ModelConfig:
-    """Read ``config.json`` of a Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 checkpoint; refuse, in
-    one line naming the fields, features this model does not implement."""
+    """Read ``config.json`` of a Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE or DeepSeek-V3 checkpoint;
+    refuse, in one line naming the fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    if kind not in ("llama", "mistral", "mixtral", *QWEN_TYPES, *DEEPSEEK_TYPES):
+    if kind not in ("llama", "mistral", "mixtral", *QWEN2_TYPES, *QWEN_TYPES, *DEEPSEEK_TYPES):
         raise ValueError(
-            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen3', 'qwen3_moe' and "
+            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe' and "
             "'deepseek_v3' are supported"
         )
     if kind in DEEPSEEK_TYPES:
         return deepseek_config_from_hf(hf, path)
     heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = rope_parameters_of(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    biased = kind in ("llama", *QWEN_TYPES) and bool(hf.get("attention_bias", False))  # q, k, v and o_proj
     unsupported = {
-        "attention_bias": hf.get("attention_bias", False),
+        "attention_bias": kind in ("mistral", "mixtral") and bool(hf.get("attention_bias", False)),
         "mlp_bias": hf.get("mlp_bias", False),
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
     }
     moe = MoEConfig()
     if kind == "mixtral":
@@ -107,9 +112,11 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         )
     if kind in QWEN_TYPES:
         unsupported |= qwen_unsupported(hf)
+    if kind in QWEN2_TYPES:
+        unsupported |= qwen2_unsupported(hf)
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
-        family = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}.get(kind, kind.capitalize())
+        family = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}.get(kind, kind.capitalize())
         raise ValueError(f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}")
     if kind == "qwen3_moe":
         moe = qwen_moe_config(hf, hf["num_hidden_layers"])
@@ -122,13 +129,16 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling_from_hf(hf, path),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,
         qk_norm=kind in QWEN_TYPES,
+        attention_bias=biased or kind in QWEN2_TYPES,  # Qwen2's q, k and v always have biases
+        attention_out_bias=biased,
         init_std=hf.get("initializer_range", 0.02),
         moe=moe,
-        **_window_from_hf(hf, path),
+        **(qwen2_fields(hf, path) if kind in QWEN2_TYPES else _window_from_hf(hf, path)),
     )
 
 
@@ -163,6 +173,13 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
             f"model.mtp_depth={config.mtp_depth}: only DeepSeek-V3 (latent attention, model.mla) checkpoints hold "
             "multi-token prediction modules; set model.mtp_depth=0 to export without them"
         )
+    if config.attention_bias != config.attention_out_bias:
+        return _qwen2_config(config, dtype)
+    if config.attention_bias and not config.qk_norm and (config.moe.enabled or config.sliding_window):
+        raise ValueError(
+            "Mixtral and Mistral have no attention biases; a model with experts or a sliding window cannot be "
+            "exported with model.attention_bias / attention_out_bias: set both false"
+        )
     if config.sliding_window and config.window_layers:
         raise ValueError(
             f"Mistral and Mixtral give every layer the window; model.window_layers={list(config.window_layers)} "
@@ -195,15 +212,32 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "head_dim": config.head_size,
         "intermediate_size": config.ffn_hidden,
         "max_position_embeddings": config.max_seq_len,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_scaling_to_hf(config.rope_scaling, config.rope_theta),
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": config.attention_bias,
         "mlp_bias": False,
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def _qwen2_config(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """Biases on q, k and v only: Qwen2, the one family that has them so; refused (one line) otherwise."""
+    unsupported = {
+        "model.attention_out_bias without model.attention_bias": config.attention_out_bias,
+        "QK-norm": config.qk_norm,
+        "experts": config.moe.enabled,
+    }
+    bad = [name for name, flag in unsupported.items() if flag]
+    if bad:
+        raise ValueError(
+            f"q/k/v biases without an o_proj bias export as Qwen2, which cannot express this model ({', '.join(bad)}); "
+            "set model.attention_out_bias equal to model.attention_bias for a Llama or Qwen3"
+        )
+    plain = _plain(config, attention_bias=False, sliding_window=0, window_layers=[])
+    return qwen2_config_to_hf(config, config_to_hf(plain, dtype))
 
 
 def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:

@@ -22,13 +22,13 @@ def logical_seed(seed: int, name: str) -> int:
 def init_logical(name: str, shape: tuple[int, ...], *, seed: int, std: float, layers: int) -> torch.Tensor:
     """The full initial value (fp32, CPU) of logical tensor ``name`` of global ``shape``.
 
-    Norm weights are ones, a router's balancing bias zeros; every matrix is N(0, std^2), except the projections
-    that write into the residual stream (o_proj, down_proj, an expert's w2), whose std is divided by
-    sqrt(2 * layers) as in GPT-2.
+    Norm weights are ones, a router's balancing bias and every projection's bias zeros; every matrix is
+    N(0, std^2), except the projections that write into the residual stream (o_proj, down_proj, an expert's
+    w2), whose std is divided by sqrt(2 * layers) as in GPT-2.
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.endswith("e_score_correction_bias"):  # the sigmoid router's balancing bias starts neutral
+    if name.endswith(("e_score_correction_bias", ".bias")):  # balancing and projection biases start neutral
         return torch.zeros(shape)
     if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
         std = std / math.sqrt(2 * layers)

@@ -119,6 +119,7 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
             qk_rope_head_dim=m.qk_rope_head_dim,
             v_head_dim=m.v_head_dim,
             rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
             tp=groups.tp,
             cp=groups.cp,
             documents=documents,
@@ -137,6 +138,9 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
         documents=documents,
         window=config.window(layer),
         fp8=spec.fp8,
+        bias=config.attention_bias,
+        out_bias=config.attention_out_bias,
+        rope_scaling=config.rope_scaling,
         **kw,
     )
 
