@@ -10,9 +10,10 @@
 A terminal's Ctrl-C reaches the launcher and every local rank at once (one process group); a ``kill -INT`` of the
 launcher alone is passed on to its ranks. Ranks see the signal at different moments, in different steps, and a
 save is collective, so they agree on the step to stop after through the job's rendezvous store: the first rank
-to see the signal at the end of its step ``s`` proposes ``s + 1`` (``compare_set``: the first proposal wins);
-no rank can finish step ``s + 1`` before that proposal exists, since every step reduces over all ranks, so every
-rank reads it by the end of step ``s + 1`` at the latest. Reading the store is a local file read (a TCP round trip
+to see the signal at the end of its step ``s`` proposes ``s + 2`` (``compare_set``: the first proposal wins).
+Each step's collectives (pipeline sends, tp, dp and gradient-norm reductions) chain every rank to the others, so
+no rank runs a step ahead of the proposer's next one, and every rank reads the proposal before it finishes step
+``s + 2``: all stop after that step. Reading the store is a local file read (a TCP round trip
 under torchrun) per step, no device sync.
 """
 
@@ -86,7 +87,7 @@ class StopRequest:
             if store is None:  # one process, no job: stop at once
                 return self.signalled
             if self.signalled and not self.proposed:
-                store.compare_set(STOP_KEY, "", str(step + 1))
+                store.compare_set(STOP_KEY, "", str(step + 2))
                 self.proposed = True
             if store.check([STOP_KEY]):
                 self.stop_step = int(store.get(STOP_KEY))
