@@ -37,17 +37,20 @@ from modelpar.parallel.world import launch_env_from_environ
 from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema, validate
 from modelpar.training.elastic import available_world, elastic_config, lost_dir, lost_ranks
 from modelpar.training.faults import FIRED_ENV, LOST_ENV
+from modelpar.training.final_save import unsaved_final_state
 from modelpar.training.flight import flight_hang_report
 from modelpar.training.init_from import init_source
+from modelpar.training.interrupt import StopOnInterrupt
 from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.restart import RestartPolicy, run_with_restarts
+from modelpar.training.run_dir import RunDirError, RunLock, check_writable, run_dir_of
 from modelpar.training.trainer import train_worker
 
 
-def fail(message: str) -> None:
+def fail(message: str, status: int = 2) -> None:
     print(f"modelpar-train: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
@@ -75,10 +78,11 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
     recipe = cfg
     cfg = laid_out(recipe, env, out_dir, job_rank0)
     try:
+        check_writable(out_dir)
+        lock = RunLock.acquire(out_dir) if job_rank0 else None  # held until this process ends  # noqa: F841
         train_path, val_path, resume_from = preflight(cfg)
-    except USER_ERRORS as exc:
+    except (*USER_ERRORS, RunDirError) as exc:
         fail(str(exc))
-    out_dir.mkdir(parents=True, exist_ok=True)
     note = outlier_check_note(cfg.trainer.grad_outlier_action, cfg.parallel.dp, cfg.optim.zero)
     if job_rank0 and note:
         print(f"modelpar-train: note: {note}", flush=True)
@@ -104,6 +108,8 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
 
     def attempt(restart: int) -> None:
         resume, run_cfg = resume_from, cfg
+        if restart and interrupt.requested:
+            interrupted(out_dir, stopped=False)  # Ctrl-C is not a failure to restart from
         if restart:
             run_cfg = laid_out(recipe, env, out_dir, job_rank0)  # fewer ranks if one was lost for good
             try:
@@ -126,13 +132,34 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
             log_path=str(out_dir / "failure.log"),
         )
 
-    try:
-        run_with_restarts(attempt, policy, out_dir / "restarts.jsonl", say=partial(print, flush=True))
-    except LaunchError as exc:
-        print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    with StopOnInterrupt() as interrupt:
+        try:
+            run_with_restarts(attempt, policy, out_dir / "restarts.jsonl", say=partial(print, flush=True))
+        except LaunchError as exc:
+            if interrupt.requested:
+                interrupted(out_dir, stopped=False)
+            print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+    if interrupt.requested:
+        interrupted(out_dir, stopped=True)
+    problem = unsaved_final_state(cfg) if job_rank0 else None
+    if problem:
+        fail(problem, status=1)
     if job_rank0:
         summarize(cfg, val_path)
+
+
+def interrupted(out_dir: Path, stopped: bool) -> None:
+    """Exit 130 with one line: where the interrupted run's newest saved state is."""
+    newest = latest_checkpoint(out_dir / "checkpoints")
+    how = "every rank stopped and saved" if stopped else "stopped before the ranks agreed on a step to save"
+    held = f"the newest saved state is {newest}" if newest else "nothing was saved"
+    print(
+        f"modelpar-train: interrupted ({how}); {held}; rerun the same command to go on from there",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(130)
 
 
 def laid_out(cfg: TrainConfig, env, out_dir: Path, say: bool) -> TrainConfig:
@@ -229,8 +256,18 @@ def _app(dcfg: DictConfig) -> None:
 def main() -> None:
     refuse_unknown_overrides("modelpar-train", TrainConfig, RECIPES)
     os.umask(FILE_ACCESS["group"])  # before Hydra makes the run directory: nothing the run writes is world-readable
+    run_dir = run_dir_of(sys.argv[1:])
+    try:
+        if run_dir is not None:
+            check_writable(run_dir)  # before Hydra makes it: a PermissionError there is a traceback
+    except RunDirError as exc:
+        fail(str(exc))
     register_schema()
-    _app()
+    try:
+        _app()
+    except KeyboardInterrupt:
+        print("modelpar-train: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

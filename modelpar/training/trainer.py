@@ -48,6 +48,7 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.training.init_from import init_source, load_initial_weights
+from modelpar.training.interrupt import StopRequest
 from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.plugins import (
     GradientFlags,
@@ -369,6 +370,7 @@ class Trainer:
         t = self.cfg.trainer
         sinks = open_sinks(self.cfg, self.out_dir, self.step) if self.rank == 0 else []
         profiler = StepProfiler.of(self.cfg, self.out_dir, self.rank, self.device)
+        stop = StopRequest.install()  # Ctrl-C: every rank stops after the same step and saves it
         try:
             while self.step < t.steps:
                 profiler.starting(self.step + 1)
@@ -380,10 +382,16 @@ class Trainer:
                     m, self._ckpt_report = replace(m, checkpoint=self._ckpt_report), None
                 for sink in sinks:
                     sink.write(m)
-                if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
+                saving = t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps)
+                if saving:
                     self.save_or_report()
+                if stop.after(self.step):
+                    if not saving:
+                        self.save_or_report()
+                    break
             self.save_or_report(finish=True)
         finally:
+            stop.uninstall()
             profiler.close()
             for sink in sinks:
                 sink.close()
