@@ -111,7 +111,7 @@ class FullyShardedAdamW(DataParallelOptimizer):
         # stage 3 frees a chunk's weights after each backward; stage 2 keeps them gathered until the step reduces
         self._reshard_every_backward = zero == 3
         self._switches: dict[int, tuple[bool, bool]] = {}  # chunk -> (reshard after backward, gradient sync)
-        self.optimizer = build_adamw(self.params_with_info, **adam)
+        self.optimizer = build_adamw(self.params_with_info, rows=dp_rows, **adam)
         self.chunks = list(chunks)  # the FSDP2 roots, in the pipeline runtime's local order
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self._micro_batches = 1
