@@ -273,7 +273,8 @@ class ZeroOneAdamW:
         states = {id(view): self.shard_optimizer.state.get(view) for view in self._views}
         device = self.partitions[0].master.device
         stepped = torch.tensor([float(any(states.values()))], device=device)
-        step = torch.tensor([max((float(st["step"]) for st in states.values() if st), default=0.0)], device=device)
+        steps = (float(st["step"]) for st in states.values() if st and "step" in st)  # Muon's state has none
+        step = torch.tensor([max(steps, default=0.0)], device=device)
         for part in self.partitions:  # a shard of padding only has no state: ask the other ranks
             if part.size > 1:
                 collectives.all_reduce(stepped, part.group, op=dist.ReduceOp.MAX)
@@ -287,7 +288,7 @@ class ZeroOneAdamW:
             for part, mine in zip(self.partitions, part_views, strict=True):
                 flat = torch.zeros(part.shard_numel, dtype=torch.float32, device=device)
                 for seg, view in zip(part.segments, mine, strict=True):
-                    if states[id(view)]:
+                    if states[id(view)] and kind in states[id(view)]:  # Adam's moments or Muon's buffer
                         flat[seg.local] = states[id(view)][kind]
                 full = part.gather(flat)  # [size * S]
                 for pos, i in enumerate(part.indices):

@@ -327,7 +327,12 @@ class Trainer:
             torch.set_rng_state(state["rng/torch"])
         if "optimizer_tensors" in index and "optimizer_step" in index:
             state = resharded_optimizer_state(
-                self.model.chunks, self.model.params, ckpt, index, index["optimizer_step"]
+                self.model.chunks,
+                self.model.params,
+                ckpt,
+                index,
+                index["optimizer_step"],
+                muon=self.optimizer.muon_param_ids(),
             )
             self.optimizer.load_state_tensors(state)
             if self.rank == 0 and not same_layout:

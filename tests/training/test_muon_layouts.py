@@ -3,10 +3,12 @@ orthogonalised whole wherever tp, pp, ep and ZeRO-1/2/3 put its pieces."""
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
+import torch
 
 from modelpar.model.config import MoEConfig
-from modelpar.testing import run_on_ranks
+from modelpar.testing import RankError, run_on_ranks
 from modelpar.training.config import RecipeError, validate
 from tests.helpers import TINY, assemble, assert_matches_reference, make_config, train_and_collect
 
@@ -75,3 +77,50 @@ def test_muon_with_hybrid_sharding_is_refused_in_one_line(tmp_path):
     with pytest.raises(RecipeError, match="optim.name=muon with optim.zero_group=2") as info:
         validate(cfg)
     assert "\n" not in str(info.value)
+
+
+# -- checkpoints: the momentum buffers are logical tensors, like Adam's moments ---------------------------
+
+
+def test_muon_resume_continues_bit_for_bit(token_path, tmp_path):
+    cfg = muon_config(tmp_path / "a", tp=2, pp=2)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, steps=4))
+    straight = run_on_ranks(4, train_and_collect, cfg, token_path, None, (2,))
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step-00000002")
+    resumed_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(tmp_path / "b")))
+    resumed = run_on_ranks(4, train_and_collect, resumed_cfg, token_path, ckpt)
+    for (losses_a, pieces_a), (losses_b, pieces_b) in zip(straight, resumed, strict=True):
+        assert losses_a[2:] == losses_b, "losses after resume differ"
+        for key, tensor in pieces_a.items():
+            assert torch.equal(tensor, pieces_b[key]), f"{key[0]} differs after resume"
+
+
+@pytest.mark.parametrize(
+    "source, layout",
+    [(dict(tp=2, pp=2), dict(dp=2, zero_=3)), (dict(dp=2, zero_=1), dict(tp=2))],
+    ids=["tp2pp2-to-dp2zero3", "dp2zero1-to-tp2"],
+)
+def test_muon_state_reshards_into_another_layout(token_path, references, tmp_path, source, layout):
+    """Saved at step 2 under one layout, resumed under another: step 3 lands where the uninterrupted run does
+    (a fresh momentum buffer would not)."""
+    src = muon_config(tmp_path / "src", **source)
+    run_on_ranks(src.parallel.tp * src.parallel.pp * src.parallel.dp, train_and_collect, src, token_path, None, (2,))
+    ckpt = str(tmp_path / "src" / "checkpoints" / "step-00000002")
+    cfg = muon_config(tmp_path / "dst", **layout)
+    results = run_on_ranks(cfg.parallel.tp * cfg.parallel.dp, train_and_collect, cfg, token_path, ckpt)
+    ref_losses, ref_params = references["dense"]
+    for losses, _ in results:
+        np.testing.assert_allclose(losses, ref_losses[2:], rtol=1e-5)
+    params = assemble(results)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_switching_from_adamw_to_muon_at_resume_is_refused_in_one_line(token_path, tmp_path):
+    src = replace(muon_config(tmp_path / "src"), optim=replace(muon_config(tmp_path).optim, name="adamw"))
+    run_on_ranks(1, train_and_collect, src, token_path, None, (2,))
+    ckpt = str(tmp_path / "src" / "checkpoints" / "step-00000002")
+    with pytest.raises(RankError, match=r"holds AdamW state for .*, which this run updates with Muon") as info:
+        run_on_ranks(1, train_and_collect, muon_config(tmp_path / "dst"), token_path, ckpt)
+    line = next(x for x in str(info.value).splitlines() if "holds AdamW state" in x)
+    assert "optim.name" in line
