@@ -104,6 +104,8 @@ class OptimConfig:
     muon_ns_dtype: str = "bf16"  # Newton-Schulz's dtype: bf16 (torch.optim.Muon's) | fp32
     # logical tensors (fnmatch patterns) kept on AdamW although 2-D: the embedding, the head, MoE routers
     muon_adamw_for: list[str] = field(default_factory=lambda: list(DEFAULT_ADAMW_FOR))
+    # QK-clip (MuonClip): > 0 rescales q/k of a head whose largest logit passed it (modelpar/training/qk_clip.py)
+    qk_clip: float = 0.0
 
 
 @dataclass
@@ -236,6 +238,16 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"optim.zero_group={g} needs optim.zero=2 or 3 and a divisor of dp x cp = {dpcp} ({fits}); "
             "0 shards over all of dp x cp"
         )
+    if cfg.optim.qk_clip:  # modelpar/training/qk_clip.py: what it is not combined with
+        o, why = cfg.optim, ""
+        if o.zero:
+            why = f"optim.zero={o.zero} (the update lands in sharded master weights); use optim.zero=0"
+        elif m.qk_norm:
+            why = "model.qk_norm=true (the norms undo a scale of the projections); set model.qk_norm=false"
+        elif m.mla.enabled:
+            why = "multi-head latent attention (model.mla); its q/k split is not handled"
+        if why:
+            raise RecipeError(f"optim.qk_clip={o.qk_clip} is not supported with {why}")
     if cfg.optim.name == "muon" and g:
         raise RecipeError(f"optim.name=muon with optim.zero_group={g} is not supported; use optim.zero_group=0")
     if p.recompute == "selective":
@@ -454,6 +466,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         ("optim.muon_lr_scale", o.muon_lr_scale, o.muon_lr_scale >= 0, ">= 0"),
         ("optim.muon_momentum", o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"),
         ("optim.muon_ns_steps", o.muon_ns_steps, 1 <= o.muon_ns_steps < 100, "in [1, 100)"),
+        ("optim.qk_clip", o.qk_clip, o.qk_clip >= 0, ">= 0 (0: off)"),
         ("data.seed", d.seed, 0 <= d.seed < SEED_LIMIT, "in [0, 2**32)"),
         ("data.corpus_max_bytes", d.corpus_max_bytes, d.corpus_max_bytes >= 1, ">= 1"),
         ("trainer.seed", t.seed, 0 <= t.seed < SEED_LIMIT, "in [0, 2**32)"),

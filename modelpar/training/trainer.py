@@ -57,6 +57,7 @@ from modelpar.training.plugins import (
     StepPlugin,
 )
 from modelpar.training.profile import StepProfiler
+from modelpar.training.qk_clip import QKClip
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
 from modelpar.training.step import StepMetrics, TrainStep
@@ -152,6 +153,8 @@ class Trainer:
             check = SilentCorruptionCheck(self.model.chunks, params, g, self.runtime, rerun)
             plugins.append(SilentCorruption(check, t.sdc_check_every, moe))
         plugins += [self.faults] if self.faults is not None else []
+        if cfg.optim.qk_clip:  # after the faults: rescales the weights the update left
+            plugins.append(QKClip(self.model.chunks, g, cfg.optim.qk_clip))
         return plugins
 
     def train_step(self) -> StepMetrics:
