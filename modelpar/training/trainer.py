@@ -59,6 +59,7 @@ from modelpar.training.plugins import (
     StepPlugin,
 )
 from modelpar.training.profile import StepProfiler
+from modelpar.training.qk_clip import QKClip
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
 from modelpar.training.step import StepMetrics, TrainStep
@@ -156,6 +157,8 @@ class Trainer:
             check = SilentCorruptionCheck(self.model.chunks, params, g, self.runtime, rerun)
             plugins.append(SilentCorruption(check, t.sdc_check_every, moe))
         plugins += [self.faults] if self.faults is not None else []
+        if cfg.optim.qk_clip:  # after the faults: rescales the weights the update left
+            plugins.append(QKClip(self.model.chunks, g, cfg.optim.qk_clip))
         return plugins
 
     def train_step(self) -> StepMetrics:
@@ -331,7 +334,12 @@ class Trainer:
             torch.set_rng_state(state["rng/torch"])
         if "optimizer_tensors" in index and "optimizer_step" in index:
             state = resharded_optimizer_state(
-                self.model.chunks, self.model.params, ckpt, index, index["optimizer_step"]
+                self.model.chunks,
+                self.model.params,
+                ckpt,
+                index,
+                index["optimizer_step"],
+                muon=self.optimizer.muon_param_ids(),
             )
             self.optimizer.load_state_tensors(state)
             if self.rank == 0 and not same_layout:
