@@ -38,6 +38,7 @@ from modelpar.training.flight import flight_hang_report
 from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.restart import RestartPolicy, run_with_restarts
+from modelpar.training.security import VERDICTS, admission_spec, record_verdict
 from modelpar.training.trainer import train_worker
 
 
@@ -62,8 +63,11 @@ def run(cfg: TrainConfig) -> None:
     recipe = cfg
     cfg = laid_out(recipe, env, out_dir, job_rank0)
     try:
+        admission = admission_spec(cfg, multi_node=env is not None)
         train_path, val_path, resume_from = preflight(cfg)
     except USER_ERRORS as exc:
+        if job_rank0:
+            record_verdict(out_dir, exc, None)
         fail(str(exc))
     out_dir.mkdir(parents=True, exist_ok=True)
     note = outlier_check_note(cfg.trainer.grad_outlier_action, cfg.parallel.dp, cfg.optim.zero)
@@ -95,6 +99,7 @@ def run(cfg: TrainConfig) -> None:
             try:
                 _, _, resume = preflight(run_cfg)  # the newest checkpoint that verifies now
             except USER_ERRORS as exc:
+                record_verdict(out_dir, exc, None)
                 fail(str(exc))
             print(f"modelpar-train: resuming from {resume or 'the start (no checkpoint yet)'}", flush=True)
         launch(
@@ -109,12 +114,22 @@ def run(cfg: TrainConfig) -> None:
             hang_report=partial(flight_hang_report, str(out_dir / "flight")),
             rank_setup=rank_setup(runs_on_cpu(cfg), cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity),
             log_path=str(out_dir / "failure.log"),
+            # every attempt admits its ranks again (torchrun counts its own restarts)
+            admission=replace(admission, attempt=restart + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+            if admission
+            else None,
         )
 
     try:
         run_with_restarts(attempt, policy, out_dir / "restarts.jsonl", say=partial(print, flush=True))
     except LaunchError as exc:
+        record_verdict(out_dir, exc, exc.rank)
         print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except VERDICTS as exc:  # under torchrun/SLURM: this rank's own verdict, recorded by one rank
+        if getattr(exc, "reporter", job_rank0):
+            record_verdict(out_dir, exc, env.rank)
+        print(f"modelpar-train: rank {env.rank}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if job_rank0:
         summarize(cfg, val_path)
