@@ -161,3 +161,11 @@ def test_the_environment_names_the_secret_file(tmp_path, monkeypatch):
     path = _secret(tmp_path, "job")
     monkeypatch.setenv("MODELPAR_JOB_SECRET", path)
     assert AdmissionSpec().secret() == bytes.fromhex(open(path).read())
+
+
+def test_each_attempt_admits_again_in_its_own_namespace(server, tmp_path):
+    spec = AdmissionSpec(_secret(tmp_path, "job"))
+    first = _admit_all(server, dict.fromkeys(range(2), spec), 2)
+    again = _admit_all(server, dict.fromkeys(range(2), AdmissionSpec(spec.secret_file, attempt=1)), 2)
+    assert all(isinstance(p, str) for p in [*first.values(), *again.values()]), (first, again)
+    assert set(first.values()).isdisjoint(again.values())

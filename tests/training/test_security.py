@@ -143,3 +143,14 @@ def test_verdicts_are_logged_with_the_rank_they_name(tmp_path):
     events = [json.loads(e) for e in (tmp_path / "security.jsonl").read_text().splitlines()]
     assert [(e["event"], e["rank"]) for e in events] == [("refused-worker", 3), ("tampered-checkpoint", 2)]
     assert all(e["time"].endswith("+00:00") for e in events)
+
+
+def test_a_secret_file_others_can_read_stops_the_job_before_any_rank_starts(tmp_path):
+    key = _secret(tmp_path / "job.key")
+    key.chmod(0o640)
+    proc, _ = train(tmp_path / "run", *JOB, f"trainer.job_secret={key}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"modelpar-train: error: the job secret {key} is readable by others (mode 0640); run `chmod 600 {key}`"
+    ]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
