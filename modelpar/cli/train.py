@@ -45,6 +45,7 @@ from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.restart import RestartPolicy, run_with_restarts
 from modelpar.training.run_dir import RunDirError, RunLock, check_writable, run_dir_of
+from modelpar.training.security import VERDICTS, admission_spec, record_verdict
 from modelpar.training.trainer import train_worker
 
 
@@ -80,8 +81,11 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
     try:
         check_writable(out_dir)
         lock = RunLock.acquire(out_dir) if job_rank0 else None  # held until this process ends  # noqa: F841
+        admission = admission_spec(cfg, multi_node=env is not None)
         train_path, val_path, resume_from = preflight(cfg)
     except (*USER_ERRORS, RunDirError) as exc:
+        if job_rank0 and not isinstance(exc, RunDirError):
+            record_verdict(out_dir, exc, None)
         fail(str(exc))
     note = outlier_check_note(cfg.trainer.grad_outlier_action, cfg.parallel.dp, cfg.optim.zero)
     if job_rank0 and note:
@@ -115,6 +119,7 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
             try:
                 _, _, resume = preflight(run_cfg)  # the newest checkpoint that verifies now
             except USER_ERRORS as exc:
+                record_verdict(out_dir, exc, None)
                 fail(str(exc))
             start = f"the weights of {source.describe()}" if source else "the start"
             print(f"modelpar-train: resuming from {resume or start + ' (no checkpoint yet)'}", flush=True)
@@ -130,6 +135,10 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
             hang_report=partial(flight_hang_report, str(out_dir / "flight")),
             rank_setup=rank_setup(runs_on_cpu(cfg), cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity),
             log_path=str(out_dir / "failure.log"),
+            # every attempt admits its ranks again (torchrun counts its own restarts)
+            admission=replace(admission, attempt=restart + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+            if admission
+            else None,
         )
 
     with StopOnInterrupt() as interrupt:
@@ -138,7 +147,13 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
         except LaunchError as exc:
             if interrupt.requested:
                 interrupted(out_dir, stopped=False)
+            record_verdict(out_dir, exc, exc.rank)
             print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except VERDICTS as exc:  # under torchrun/SLURM: this rank's own verdict, recorded by one rank
+            if getattr(exc, "reporter", job_rank0):
+                record_verdict(out_dir, exc, env.rank)
+            print(f"modelpar-train: rank {env.rank}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     if interrupt.requested:
         interrupted(out_dir, stopped=True)

@@ -152,6 +152,9 @@ class TrainerConfig:
     world: int = 0  # ranks a local job may spawn (0: the layout's world); another value needs trainer.elastic
     files: str = "group"  # who may read run directories, checkpoints, flight records: group (and owner) | owner
     signing_key: str = ""  # a key file (modelpar-ckpt keygen): checkpoints signed, unsigned ones refused
+    # a secret file (modelpar-ckpt keygen) every rank must prove it holds before the job starts (MODELPAR_JOB_SECRET
+    # names one too); never the secret itself: modelpar/parallel/admission.py
+    job_secret: str = ""
     timeout_s: float = 300.0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16

@@ -34,10 +34,12 @@ from modelpar.data import (
 )
 from modelpar.data.fingerprint import check_same_data
 from modelpar.parallel.layout import LayoutError
+from modelpar.parallel.secret_file import SecretFileError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
 from modelpar.training.build import build_partition, resolve_eos_id
 from modelpar.training.config import RecipeError, TrainConfig, validate
 from modelpar.training.resume_identity import check_resume_identity
+from modelpar.training.security import record
 from modelpar.training.torch_version import UntestedTorchError, check_torch_version
 
 # what a user can fix in the recipe, the data or the checkpoint: reported in one line, never as a traceback
@@ -50,6 +52,7 @@ USER_ERRORS = (
     CheckpointError,
     UntestedTorchError,
     ValueError,
+    SecretFileError,
 )
 
 
@@ -109,7 +112,9 @@ def newest_good_checkpoint(root: Path) -> Path | None:
             aside = ckpt.with_name(ckpt.name + ".corrupt")
             with contextlib.suppress(OSError):  # under torchrun every rank checks; one of them moves it
                 ckpt.rename(aside)  # kept for inspection; the run will write this step again
-            print(f"modelpar-train: skipping {ckpt.name} (moved to {aside.name}): {exc}", file=sys.stderr)
+            line = f"skipping {ckpt.name} (moved to {aside.name}): {exc}"
+            record(root.parent, "tampered-checkpoint", None, line)
+            print(f"modelpar-train: {line}", file=sys.stderr)
             continue
         return ckpt
     return None
