@@ -105,3 +105,26 @@ def test_a_config_the_weights_do_not_fit_is_one_line_and_leaves_nothing(sharded,
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "has shape" in err and "the directory's config and weights disagree" in err, err
     assert not list((tmp_path / "ckpt").glob("step-*"))
+
+
+def test_experts_fused_as_transformers_holds_them_stream_in_one_read_each(tmp_path):
+    from safetensors.torch import save_file
+
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state  # [E, 2f, h], gate rows first
+    (tmp_path / "hf").mkdir()
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    model.config.to_json_file(tmp_path / "hf" / "config.json")
+    with torch.no_grad():
+        want = _loss(model(IDS).logits)
+    assert ckpt_main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    ours = load_single_device_model(tmp_path / "ckpt")
+    with torch.no_grad():
+        assert abs(_loss(ours(IDS)[..., :96]) - want) <= 1e-5 * want

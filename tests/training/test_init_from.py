@@ -102,3 +102,16 @@ def test_a_disagreeing_recipe_is_one_line_before_any_rank_starts(source, tmp_pat
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and lines and needle in lines[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_resume_from_a_checkpoints_root_follows_latest(tmp_path):
+    from modelpar.model.config import ModelConfig
+    from modelpar.training.config import TrainConfig, TrainerConfig
+    from modelpar.training.preflight import resolve_resume
+    from tests.helpers import save_whole_model_checkpoint
+
+    step = save_whole_model_checkpoint(
+        tmp_path / "ckpts", ModelConfig(vocab_size=32, hidden=16, layers=1, heads=2, kv_heads=2)
+    )
+    cfg = TrainConfig(trainer=TrainerConfig(resume=str(tmp_path / "ckpts"), out_dir=str(tmp_path / "run")))
+    assert resolve_resume(cfg) == str(step)
