@@ -17,6 +17,7 @@ from modelpar_kernels.attention import (
     attention_block_forward,
     attention_reference,
     attention_triton,
+    softcapped_attention_reference,
 )
 from modelpar_kernels.block_attention import (
     BlockMask,
@@ -62,10 +63,18 @@ def swiglu(gate, up, *, backend: str = "torch"):
     return swiglu_reference(gate, up)
 
 
-def attention(q, k, v, causal: bool = True, *, backend: str = "torch", documents=None, window: int = 0, scale=None):
+def attention(
+    q, k, v, causal: bool = True, *, backend: str = "torch", documents=None, window: int = 0, scale=None, softcap=0.0
+):
     """See ``attention.attention_reference`` for shapes (v's head dim may differ from q's and k's); ``window``
     W > 0: each query sees the W latest positions up to its own; ``documents`` [b, s] (Triton only: the torch
-    path of document masking is the engine's); ``scale``: of the scores, 1/sqrt(d) unless given."""
+    path of document masking is the engine's); ``scale``: of the scores, 1/sqrt(d) unless given. ``softcap``
+    > 0: causal scores capped by ``softcap * tanh(s / softcap)``, on the torch path whatever the backend (the
+    flash kernel has no cap)."""
+    if softcap:
+        if documents is not None or not causal:
+            raise ValueError("attention(softcap=...) is causal attention without documents")
+        return softcapped_attention_reference(q, k, v, softcap, window, scale)
     if resolve_backend(backend, q.device) == "triton":
         return attention_triton(q, k, v, causal, documents, window, scale)
     if documents is not None:

@@ -71,6 +71,21 @@ def attention_reference(
     return rearrange(out, "b h s d -> b s h d")
 
 
+def softcapped_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float, window: int = 0, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention whose scores s are capped, ``softcap * tanh(s / softcap)``, before the mask and softmax
+    (Gemma 2's attention soft-capping), in plain matmuls in fp32; shapes as ``attention_reference``."""
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (_scale(q, scale))
+    scores = softcap * torch.tanh(scores / softcap)
+    keep = window_keep(q.shape[2], k.shape[2], True, window, device=q.device)
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    return rearrange(torch.matmul(probs, v.float()).to(v.dtype), "b h s d -> b s h d")
+
+
 @triton.jit
 def _attention_forward_tiles(
     acc,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from modelpar_kernels import BACKENDS
 
 from modelpar.model.layers.fp8 import FP8_MODES
+from modelpar.model.structure import BlockStructure, ModelConfigError
 from modelpar.parallel.layout import LayoutError
 
 IDENTITY = (
@@ -44,10 +45,6 @@ IDENTITY = (
 # What the model computes but not what its weights mean: a checkpoint's values are what evaluating it uses
 # unless the run overrides them (``modelpar.cli.eval``), but another value may resume or fine-tune it.
 ATTENTION_VARIANT = ("sliding_window", "window_layers")
-
-
-class ModelConfigError(ValueError):
-    """A model shape that cannot exist; the message is one line naming the field and a fix."""
 
 
 ROUTERS = ("softmax", "sigmoid")
@@ -243,7 +240,8 @@ class ModelConfig:
     ``head_dim``: each head's width ``d`` (0: hidden/heads, Llama's), so q is [heads*d] wide whatever ``hidden``
     is (Qwen3: hidden 2048, 32 heads of 128); ``head_size`` is the width in use. ``qk_norm``: an RMSNorm over
     each q and k head (weights ``q_norm``, ``k_norm`` [d], shared by the heads) after the projections and
-    before RoPE, as Qwen3 and OLMo-2 do; ``norm_eps`` is its epsilon too.
+    before RoPE, as Qwen3 does (``block.qk_norm_scope=projection``: one over all heads, OLMo 2's); ``norm_eps``
+    is its epsilon too. ``block``: how a layer is put together (``modelpar.model.structure``; Llama's by default).
     """
 
     name: str = "custom"
@@ -269,12 +267,15 @@ class ModelConfig:
     window_layers: list[int] = field(default_factory=list)  # the windowed layers; empty: all of them
     mtp_depth: int = 0  # multi-token prediction modules on the last stage (DeepSeek-V3: 1); 0: off
     mtp_loss_weight: float = 0.3  # lambda: loss = main + lambda / D * sum of the D modules' losses
+    block: BlockStructure = field(default_factory=BlockStructure)  # norm placement, activation, scales, caps
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.block, dict):
+            self.block = BlockStructure(**self.block)
 
     def check(self) -> None:
         """Raise ``ModelConfigError`` (one line) if no model has this shape. Called by the recipe's ``validate``
@@ -330,6 +331,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.mtp_depth={self.mtp_depth} and model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0"
             )
+        self.block.check_with(self)
         if self.fp8 not in FP8_MODES:
             raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
         if self.fp8 != "off" and self.moe.enabled:
@@ -365,6 +367,11 @@ class ModelConfig:
                 f"model.fp8={self.fp8} with tp={layout.tp} > model.kv_heads={self.kv_heads}: replicated k/v heads get "
                 "partial gradients, whose FP8 scales no rank sees whole; use tp <= kv_heads or model.fp8=off"
             )
+        if self.qk_norm and self.block.qk_norm_scope == "projection" and self.kv_heads % layout.tp:
+            raise LayoutError(
+                f"model.block.qk_norm_scope=projection with tp={layout.tp} not dividing model.kv_heads="
+                f"{self.kv_heads}: replicated k heads would count twice in k's norm; use tp dividing kv_heads"
+            )
         ep = getattr(layout, "ep", 1)
         if self.moe.enabled and self.moe.experts % ep:
             raise LayoutError(
@@ -378,6 +385,12 @@ class ModelConfig:
         """The ep values that split this model's experts over ranks carved from ``dp_cp`` = dp x cp ranks: the
         divisors of both (every value a hint offers passes every check)."""
         return [d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0 and dp_cp % d == 0]
+
+    def rope_base(self, layer: int) -> float:
+        """RoPE's base (theta) in block ``layer``: ``block.local_rope_theta`` in a sliding-window layer if set."""
+        if self.block.local_rope_theta and self.window(layer):
+            return self.block.local_rope_theta
+        return self.rope_theta
 
     def window(self, layer: int) -> int:
         """The sliding window of block ``layer``'s attention; 0: full causal."""
@@ -409,6 +422,8 @@ class ModelConfig:
             identity |= {"moe": self.moe.identity()}
         if self.mla.enabled:
             identity |= {"mla": self.mla.identity()}
+        if self.block.changed():  # a Llama block's identity is what it was before the structure existed
+            identity |= {"block": self.block.changed()}
         return identity
 
     # -- parameter counts (matmul weights; norms are negligible) ------------------------------------------

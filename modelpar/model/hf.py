@@ -15,8 +15,12 @@ for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a 
 in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows first, and ``mlp.experts.down_proj`` [E, h, f])
 is read too.
 
-Which family a model exports as: a latent-attention model as DeepSeek-V3, a QK-norm model as Qwen3 (Qwen3-MoE
-with experts), any other as Llama (Mixtral with experts).
+OLMo 2 (``Olmo2ForCausalLM``: ``modelpar.model.hf_olmo``) and Gemma 3 text (``Gemma3ForCausalLM``:
+``modelpar.model.hf_gemma``) are named as Llama; what sets them apart is their configs' block structure.
+
+Which family a model exports as: a latent-attention model as DeepSeek-V3, a post-norm block as OLMo 2, a
+sandwich block as Gemma 3, a QK-norm model as Qwen3 (Qwen3-MoE with experts), any other as Llama (Mixtral with
+experts).
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ from modelpar.model.hf_deepseek import (
     rope_rows_from_hf,
     rope_rows_to_hf,
 )
+from modelpar.model.hf_gemma import GEMMA_TYPES, gemma_config_to_hf, gemma_fields, gemma_unsupported
+from modelpar.model.hf_olmo import OLMO_TYPES, olmo_config_to_hf, olmo_fields, olmo_unsupported
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
+from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import ModelChunk
 
 WEIGHTS_NAME = "model.safetensors"
@@ -80,11 +87,9 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     one line naming the fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    if kind not in ("llama", "mistral", "mixtral", *QWEN_TYPES, *DEEPSEEK_TYPES):
-        raise ValueError(
-            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen3', 'qwen3_moe' and "
-            "'deepseek_v3' are supported"
-        )
+    known = ("llama", "mistral", "mixtral", *QWEN_TYPES, *DEEPSEEK_TYPES, *OLMO_TYPES, *GEMMA_TYPES)
+    if kind not in known:
+        raise ValueError(f"{path}: model_type={kind!r}; supported: {', '.join(repr(k) for k in known)}")
     if kind in DEEPSEEK_TYPES:
         return deepseek_config_from_hf(hf, path)
     heads = hf["num_attention_heads"]
@@ -107,13 +112,19 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         )
     if kind in QWEN_TYPES:
         unsupported |= qwen_unsupported(hf)
+    if kind in OLMO_TYPES:
+        unsupported |= olmo_unsupported(hf)
+    if kind in GEMMA_TYPES:
+        unsupported |= gemma_unsupported(hf)  # its RoPE per layer type, not at the top level
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
-        family = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}.get(kind, kind.capitalize())
+        family = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3"}.get(
+            kind, kind.capitalize()
+        )
         raise ValueError(f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}")
     if kind == "qwen3_moe":
         moe = qwen_moe_config(hf, hf["num_hidden_layers"])
-    return ModelConfig(
+    fields = dict(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],
         layers=hf["num_hidden_layers"],
@@ -130,12 +141,17 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         moe=moe,
         **_window_from_hf(hf, path),
     )
+    if kind in OLMO_TYPES:
+        fields |= olmo_fields(hf)
+    if kind in GEMMA_TYPES:
+        fields |= gemma_fields(hf, _window_from_hf(hf, path))
+    return ModelConfig(**fields)
 
 
 def _window_from_hf(hf: dict, path) -> dict:
     """``sliding_window`` and ``window_layers`` of a Mistral/Mixtral config (a Llama has neither; Qwen3's
     ``use_sliding_window`` is refused by ``modelpar.model.hf_qwen``)."""
-    window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral") else None
+    window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral", *GEMMA_TYPES) else None
     if window is None:
         return {}
     if not isinstance(window, int) or window < 1:
@@ -158,6 +174,10 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if config.mla.enabled:
         llama = config_to_hf(_plain(config, mla=MLAConfig(), moe=MoEConfig(), mtp_depth=0), dtype)
         return deepseek_config_to_hf(config, llama)
+    if config.block.norm != "pre":  # OLMo 2's post-norms, Gemma 3's sandwich
+        plain = _plain(config, block=BlockStructure(), qk_norm=False, sliding_window=0, window_layers=[])
+        to_hf = olmo_config_to_hf if config.block.norm == "post" else gemma_config_to_hf
+        return to_hf(config, config_to_hf(plain, dtype))
     if config.mtp_depth:
         raise ValueError(
             f"model.mtp_depth={config.mtp_depth}: only DeepSeek-V3 (latent attention, model.mla) checkpoints hold "

@@ -12,7 +12,7 @@ from modelpar_kernels import apply_rope, attention, rope_tables
 from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from modelpar.model.layers.norm import RMSNorm
+from modelpar.model.layers.norm import ProjectionRMSNorm, RMSNorm
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
 from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, local_positions
 from modelpar.parallel.regions import TensorParallelGroup
@@ -94,6 +94,12 @@ class ParallelAttention(nn.Module):
     ``fp8`` (off | rowwise | tensorwise): the qkv and output projections' GEMMs in FP8 (attention itself stays
     in the compute dtype). ``window`` W > 0: the token at global position i attends to positions ``i-W+1 .. i``
     (composed with the document mask); a window as long as the sequence is full causal attention.
+
+    ``qk_norm="projection"``: one RMSNorm over all heads of q (and one of k) before they are split into heads
+    (OLMo 2; ``ProjectionRMSNorm``, weights sharded with the heads); ``norm_offset`` 1: the per-head norms scale
+    by ``1 + weight`` (Gemma). ``query_scale`` S > 0: scores scaled by 1/sqrt(S) instead of 1/sqrt(d), by
+    scaling q before attention, so every kernel and context-parallel exchange runs unchanged. ``softcap`` > 0:
+    scores capped by ``softcap * tanh(s / softcap)`` (torch path; not under cp or document masking).
     """
 
     def __init__(
@@ -105,8 +111,11 @@ class ParallelAttention(nn.Module):
         tp: TensorParallelGroup,
         *,
         head_dim: int | None = None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        query_scale: float = 0.0,
+        softcap: float = 0.0,
         sequence_parallel: bool = False,
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
@@ -136,9 +145,18 @@ class ParallelAttention(nn.Module):
         kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
         self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
+        self.query_factor = (d / query_scale) ** 0.5 if query_scale else 1.0
+        self.softcap = softcap
+        if softcap and self.cp.size > 1:
+            raise ValueError(f"attention soft-capping (softcap={softcap}) does not run under context parallelism")
         self.q_norm = self.k_norm = None
-        if qk_norm:  # each rank sees its own heads only: the weights' gradients are partial over tp
-            norm = dict(backend=backend, partial_over_tp=True, device=device, dtype=dtype)
+        self.projection_norm = qk_norm == "projection"
+        if self.projection_norm:  # over whole projections, sharded like their heads
+            norm = dict(tp=tp, device=device, dtype=dtype)
+            self.q_norm = ProjectionRMSNorm(heads * d, parts[0].offset, self.heads * d, norm_eps, **norm)
+            self.k_norm = ProjectionRMSNorm(kv_heads * d, first_kv * d, self.kv_heads * d, norm_eps, **norm)
+        elif qk_norm:  # each rank sees its own heads only: the weights' gradients are partial over tp
+            norm = dict(backend=backend, partial_over_tp=True, offset=norm_offset, device=device, dtype=dtype)
             self.q_norm = RMSNorm(d, norm_eps, tp, **norm)
             self.k_norm = RMSNorm(d, norm_eps, tp, **norm)
 
@@ -147,17 +165,21 @@ class ParallelAttention(nn.Module):
         at 0 (under cp: the global positions of this rank's chunks)."""
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        if self.projection_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (rearrange(t, "b s (n d) -> b s n d", d=d) for t in (q, k, v))
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.projection_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.cp
         seq = q.shape[1] * cp.size
         cos, sin = local_rope_tables(q.shape[1], d, self.rope_theta, cp, q.device)
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
+        if self.query_factor != 1.0:
+            q = q * self.query_factor
         documents = self.documents.current() if self.documents is not None else None
         window = self.window if self.window < seq else 0  # a window spanning the sequence masks nothing
         if cp.size == 1 and documents is None:
-            out = attention(q, k, v, causal=True, backend=self.backend, window=window)
+            out = attention(q, k, v, causal=True, backend=self.backend, window=window, softcap=self.softcap)
         else:
             out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend, window=window)
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))

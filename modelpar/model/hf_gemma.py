@@ -1,0 +1,96 @@
+"""Hugging Face Gemma 3 (text) configs: ``Gemma3ForCausalLM`` (``model_type`` gemma3_text) <-> ``ModelConfig``.
+
+Gemma 3's layer is a sandwich (a norm before and after each sub-layer, ``model.block.norm=sandwich``) of RMSNorms
+scaled by ``1 + weight`` (``norm_offset=1``), with a GeGLU MLP (``gelu_pytorch_tanh``), the embedding multiplied
+by sqrt(hidden), per-head QK-norm, scores scaled by ``query_pre_attn_scalar ** -0.5`` (``query_scale``) and
+the logits soft-capped where the config says (``final_logit_softcapping``; transformers' Gemma 3 reads
+``attn_logit_softcapping`` but applies no cap to the scores, so a config setting it is refused); its layers are
+sliding-window (local) or full (global) by ``layer_types``, each kind with its own RoPE base
+(``rope_parameters.sliding_attention`` / ``full_attention``: ``local_rope_theta`` / ``rope_theta``); its
+embeddings are tied by default. Tensors are named as ours (HF's without ``model.``). Every field transformers
+reads is read here; one this model cannot express is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+from modelpar.model.structure import BlockStructure
+
+GEMMA_TYPES = ("gemma3_text",)
+GEMMA3_BLOCK = BlockStructure(norm="sandwich", norm_offset=1.0, activation="geglu", embedding_scale=True)
+# what the export may set besides GEMMA3_BLOCK's fields (the other fields are Llama's, which Gemma 3 is not)
+GEMMA3_FREE = ("query_scale", "final_softcap", "local_rope_theta")
+
+
+def gemma_rope(hf: dict) -> tuple[dict, dict]:
+    """(global, local) RoPE parameters of a Gemma 3 config: ``rope_parameters`` per layer type, or the older
+    top-level ``rope_theta`` / ``rope_local_base_freq``."""
+    rope = hf.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1_000_000.0)}
+    local = rope.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    return full, local
+
+
+def gemma_unsupported(hf: dict) -> dict[str, bool]:
+    """The Gemma 3 features this model does not implement, by config field (true: present in ``hf``)."""
+    full, local = gemma_rope(hf)
+    return {
+        "hidden_activation": hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+        "use_bidirectional_attention": bool(hf.get("use_bidirectional_attention", False)),
+        "attention_dropout": bool(hf.get("attention_dropout", 0.0)),
+        "attn_logit_softcapping": bool(hf.get("attn_logit_softcapping")),
+        "rope_type": any(r.get("rope_type", r.get("type", "default")) != "default" for r in (full, local)),
+    }
+
+
+def gemma_fields(hf: dict, window: dict) -> dict:
+    """The ``ModelConfig`` fields a ``gemma3_text`` config sets beyond Llama's; ``window``: its
+    ``sliding_window`` / ``window_layers`` (``modelpar.model.hf``)."""
+    full, local = gemma_rope(hf)
+    block = BlockStructure(
+        **GEMMA3_BLOCK.changed(),
+        query_scale=float(hf.get("query_pre_attn_scalar", 256)),
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        local_rope_theta=float(local["rope_theta"]) if window.get("sliding_window") else 0.0,
+    )
+    return {
+        "qk_norm": True,
+        "rope_theta": float(full["rope_theta"]),
+        "tie_embeddings": hf.get("tie_word_embeddings", True),
+        "block": block,
+        **window,
+    }
+
+
+def gemma_config_to_hf(config, llama: dict) -> dict:
+    """``config.json`` of ``Gemma3ForCausalLM`` from the Llama fields ``llama`` (``config_to_hf``'s of the same
+    shape). Raises ``ValueError`` (one line) for a model Gemma 3 cannot express."""
+    b, want = config.block, GEMMA3_BLOCK.changed()
+    changed = b.changed()
+    bad = [f"block.{name}" for name, value in changed.items() if name not in GEMMA3_FREE and want.get(name) != value]
+    bad += [f"block.{name}" for name in want if name not in changed]
+    bad += [name for name, on in (("qk_norm=false", not config.qk_norm), ("moe", config.moe.enabled)) if on]
+    if bad:
+        raise ValueError(
+            f"Gemma 3 cannot express this model ({', '.join(bad)}); export needs Gemma 3's block (sandwich norms "
+            "scaled by 1 + weight, GeGLU, scaled embedding, per-head QK-norm) and dense MLPs"
+        )
+    layers = range(config.layers)
+    hf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "hidden_act", "rope_parameters")}
+    local_theta = b.local_rope_theta or config.rope_theta
+    scalar = b.query_scale or config.head_size
+    return hf | {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,  # transformers' type
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": b.final_softcap or None,
+        "sliding_window": config.sliding_window or None,
+        "layer_types": ["sliding_attention" if config.window(i) else "full_attention" for i in layers],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "attention_dropout": 0.0,
+        "use_bidirectional_attention": False,
+    }
