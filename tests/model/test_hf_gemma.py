@@ -128,7 +128,9 @@ def test_imported_gemma3_gives_transformers_loss_and_the_single_device_gradients
     positions, the final soft-cap on each vocabulary shard): transformers' loss, the single-device gradients."""
     cases = [(config_from_hf(gemma[kind][0]), layout, options, gemma[kind][0]) for kind, layout, options in LAYOUTS]
     per_rank = run_on_ranks(4, run_layouts, cases)
-    references = {kind: reference_loss_and_grads(config_from_hf(path), hf_path=path) for kind, (path, _) in gemma.items()}
+    references = {
+        kind: reference_loss_and_grads(config_from_hf(path), hf_path=path) for kind, (path, _) in gemma.items()
+    }
     for i, (kind, layout, options) in enumerate(LAYOUTS):
         ref_loss, ref_grads = references[kind]
         assert ref_loss == pytest.approx(gemma[kind][1], rel=TOL)
