@@ -15,12 +15,13 @@ for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a 
 in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows first, and ``mlp.experts.down_proj`` [E, h, f])
 is read too.
 
-OLMo 2 (``Olmo2ForCausalLM``: ``modelpar.model.hf_olmo``) and Gemma 3 text (``Gemma3ForCausalLM``:
-``modelpar.model.hf_gemma``) are named as Llama; what sets them apart is their configs' block structure.
+OLMo 2 (``Olmo2ForCausalLM``: ``modelpar.model.hf_olmo``), Gemma 3 text and Gemma 2 (``Gemma3ForCausalLM``,
+``Gemma2ForCausalLM``: ``modelpar.model.hf_gemma``) are named as Llama; what sets them apart is their configs'
+block structure.
 
 Which family a model exports as: a latent-attention model as DeepSeek-V3, a post-norm block as OLMo 2, a
-sandwich block as Gemma 3, a QK-norm model as Qwen3 (Qwen3-MoE with experts), any other as Llama (Mixtral with
-experts).
+sandwich block as Gemma 3 (Gemma 2 without QK-norm), a QK-norm model as Qwen3 (Qwen3-MoE with experts), any
+other as Llama (Mixtral with experts).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import ModelChunk
 
 WEIGHTS_NAME = "model.safetensors"
+FAMILY_NAMES = {
+    "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3", "gemma2": "Gemma 2"
+}  # fmt: skip
 CONFIG_NAME = "config.json"
 
 
@@ -118,9 +122,7 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         unsupported |= gemma_unsupported(hf)  # its RoPE per layer type, not at the top level
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
-        family = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3"}.get(
-            kind, kind.capitalize()
-        )
+        family = FAMILY_NAMES.get(kind, kind.capitalize())
         raise ValueError(f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}")
     if kind == "qwen3_moe":
         moe = qwen_moe_config(hf, hf["num_hidden_layers"])
@@ -174,7 +176,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if config.mla.enabled:
         llama = config_to_hf(_plain(config, mla=MLAConfig(), moe=MoEConfig(), mtp_depth=0), dtype)
         return deepseek_config_to_hf(config, llama)
-    if config.block.norm != "pre":  # OLMo 2's post-norms, Gemma 3's sandwich
+    if config.block.norm != "pre":  # OLMo 2's post-norms, Gemma's sandwich
         plain = _plain(config, block=BlockStructure(), qk_norm=False, sliding_window=0, window_layers=[])
         to_hf = olmo_config_to_hf if config.block.norm == "post" else gemma_config_to_hf
         return to_hf(config, config_to_hf(plain, dtype))

@@ -1,7 +1,7 @@
-"""Hugging Face Gemma 3 (text) interop: sandwich norms scaled by 1 + weight, GeGLU, the scaled embedding,
-per-head QK-norm, query_pre_attn_scalar, local (sliding, own RoPE base) and global layers, tied embeddings and
-the final-logit soft-cap give transformers' loss and the single-device gradients on every layout; export loads
-back in transformers."""
+"""Hugging Face Gemma 3 (text) and Gemma 2 interop: sandwich norms scaled by 1 + weight, GeGLU, the scaled
+embedding, per-head QK-norm, query_pre_attn_scalar, local (sliding, own RoPE base) and global layers, tied
+embeddings, the final-logit soft-cap and (Gemma 2) the attention soft-cap give transformers' loss and the
+single-device gradients on every layout; export loads back in transformers."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ SHAPE = dict(
                      "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}},
 )  # fmt: skip
 VARIANTS = {"gemma3": {}, "gemma3_capped": {"final_logit_softcapping": 1.5, "tie_word_embeddings": False}}
+# Gemma 2: no QK-norm, one RoPE base; caps small enough that the scores and logits of this tiny model reach them
+GEMMA2 = {k: v for k, v in SHAPE.items() if k != "rope_parameters"} | dict(
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attn_logit_softcapping=1.0,
+    final_logit_softcapping=1.5,
+)  # fmt: skip
 
 
 def _loss(model) -> float:
@@ -41,11 +46,14 @@ def _loss(model) -> float:
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """Random Gemma3ForCausalLM directories (tied; untied with a final-logit soft-cap) and transformers' loss."""
+    """Random Gemma3ForCausalLM directories (tied; untied with a final-logit soft-cap) and a Gemma2ForCausalLM's
+    (both caps), with transformers' loss."""
     root, models = tmp_path_factory.mktemp("hf"), {}
-    for name, extra in VARIANTS.items():
+    builds = {name: lambda extra=extra: _gemma3(extra) for name, extra in VARIANTS.items()}
+    builds["gemma2"] = lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**GEMMA2))
+    for name, build in builds.items():
         torch.manual_seed(0)
-        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**SHAPE, **extra)).eval()
+        model = build().eval()
         with torch.no_grad():  # (1 + w) norms start at w = 0: move them, so that a missing or misplaced one shows
             for param_name, param in model.named_parameters():
                 if param_name.endswith("norm.weight"):
@@ -53,6 +61,10 @@ def gemma(tmp_path_factory):
         model.save_pretrained(root / name)
         models[name] = root / name, _loss(model)
     return models
+
+
+def _gemma3(extra):
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**SHAPE, **extra))
 
 
 def test_gemma3_config_maps_every_field(gemma):
@@ -66,10 +78,14 @@ def test_gemma3_config_maps_every_field(gemma):
     )
     capped = BlockStructure(**block, local_rope_theta=20.0, final_softcap=1.5)
     assert config_from_hf(gemma["gemma3_capped"][0]) == ModelConfig(**common, block=capped)
+    gemma2 = BlockStructure(**block, attention_softcap=1.0, final_softcap=1.5)
+    assert config_from_hf(gemma["gemma2"][0]) == ModelConfig(
+        **common | {"qk_norm": False}, tie_embeddings=True, block=gemma2
+    )
 
 
-@pytest.mark.parametrize("kind", list(VARIANTS))
-def test_imported_gemma3_gives_transformers_loss_and_exports_what_transformers_saved(gemma, tmp_path, kind):
+@pytest.mark.parametrize("kind", [*VARIANTS, "gemma2"])
+def test_imported_gemma_gives_transformers_loss_and_exports_what_transformers_saved(gemma, tmp_path, kind):
     path, want = gemma[kind]
     model = build_model(config_from_hf(path), seed=0)
     import_hf(path, model)
@@ -79,8 +95,10 @@ def test_imported_gemma3_gives_transformers_loss_and_exports_what_transformers_s
     original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma3_text"
-    assert _loss(transformers.Gemma3ForCausalLM.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    hf_type = "gemma2" if kind == "gemma2" else "gemma3_text"
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == hf_type
+    cls = transformers.Gemma2ForCausalLM if kind == "gemma2" else transformers.Gemma3ForCausalLM
+    assert _loss(cls.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
 
 
 @pytest.mark.parametrize(
@@ -120,6 +138,12 @@ LAYOUTS = [  # (model, layout, chunk options) on the one 4-rank pool
     ("gemma3_capped", ParallelLayout(tp=2, dp=2), {"sequence_parallel": True}),
     ("gemma3_capped", ParallelLayout(pp=2, dp=2), {}),
     ("gemma3_capped", ParallelLayout(cp=2, dp=2), {}),
+    # the attention soft-cap inside each block of the online softmax: ring, all-gather, all-to-all; tp and pp
+    ("gemma2", ParallelLayout(cp=2, dp=2), {}),
+    ("gemma2", ParallelLayout(cp=2, dp=2), {"cp_comm": "allgather", "recompute": "selective"}),
+    ("gemma2", ParallelLayout(cp=2, dp=2), {"cp_comm": "alltoall"}),
+    ("gemma2", ParallelLayout(tp=2, dp=2), {"sequence_parallel": True}),
+    ("gemma2", ParallelLayout(pp=2, dp=2), {"recompute": "full"}),
 ]
 
 

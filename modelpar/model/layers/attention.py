@@ -99,7 +99,7 @@ class ParallelAttention(nn.Module):
     (OLMo 2; ``ProjectionRMSNorm``, weights sharded with the heads); ``norm_offset`` 1: the per-head norms scale
     by ``1 + weight`` (Gemma). ``query_scale`` S > 0: scores scaled by 1/sqrt(S) instead of 1/sqrt(d), by
     scaling q before attention, so every kernel and context-parallel exchange runs unchanged. ``softcap`` > 0:
-    scores capped by ``softcap * tanh(s / softcap)`` (torch path; not under cp or document masking).
+    scores capped by ``softcap * tanh(s / softcap)`` (the torch path, inside each block of the cp exchange).
     """
 
     def __init__(
@@ -147,8 +147,6 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
         self.query_factor = (d / query_scale) ** 0.5 if query_scale else 1.0
         self.softcap = softcap
-        if softcap and self.cp.size > 1:
-            raise ValueError(f"attention soft-capping (softcap={softcap}) does not run under context parallelism")
         self.q_norm = self.k_norm = None
         self.projection_norm = qk_norm == "projection"
         if self.projection_norm:  # over whole projections, sharded like their heads
@@ -181,7 +179,9 @@ class ParallelAttention(nn.Module):
         if cp.size == 1 and documents is None:
             out = attention(q, k, v, causal=True, backend=self.backend, window=window, softcap=self.softcap)
         else:
-            out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend, window=window)
+            out = context_parallel_attention(
+                q, k, v, cp, documents, backend=self.backend, window=window, softcap=self.softcap
+            )
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
