@@ -12,15 +12,32 @@ from modelpar_kernels.grid import check_device, tl, triton
 
 
 def rope_tables(
-    seq_len: int, head_dim: int, theta: float, offset: int = 0, device=None
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    offset: int = 0,
+    device=None,
+    *,
+    inv_freq: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [seq_len, head_dim // 2] in fp32 for positions ``offset .. offset + seq_len - 1``."""
+    """cos, sin: [seq_len, head_dim // 2] in fp32 for positions ``offset .. offset + seq_len - 1``.
+
+    ``inv_freq`` [head_dim // 2]: frequencies to use instead of theta's (a scaled RoPE: linear, Llama 3, YaRN);
+    ``scale``: cos and sin multiplied by it (YaRN's attention factor). The rotation kernels take any tables: a
+    scaled rotation's transpose is still the same tables with sin negated."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    elif inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"inv_freq must be [{head_dim // 2}] for head dim {head_dim}, got {tuple(inv_freq.shape)}")
+    inv_freq = inv_freq.to(device=device, dtype=torch.float32)
     positions = torch.arange(offset, offset + seq_len, dtype=torch.int64, device=device).float()
     angles = torch.outer(positions, inv_freq)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ is all resharding is. The Adam moments are saved the same way, as ``<moment>/<te
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,8 +104,14 @@ def resharded_optimizer_state(
 def load_model_from_checkpoint(chunks: list[ModelChunk], ckpt: Path, index: dict) -> None:
     """Load every logical tensor region this rank holds, whatever layout wrote the checkpoint (into this
     rank's dp shard of each parameter under ZeRO-2/3)."""
+    load_model_regions(chunks, lambda wanted: load_pieces(ckpt, index, wanted))
+
+
+def load_model_regions(chunks: list[ModelChunk], read: Callable[[list[Piece]], dict[Piece, torch.Tensor]]) -> None:
+    """Load every logical tensor region this rank holds from ``read(pieces)`` (a checkpoint's, or any other
+    source of logical tensors), into this rank's dp shard of each parameter under ZeRO-2/3."""
     pieces = list(_pieces_and_shards(chunks))
-    loaded = load_pieces(ckpt, index, [piece for piece, _ in pieces])
+    loaded = read([piece for piece, _ in pieces])
     whole: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     with torch.no_grad():
         for piece, shard in pieces:

@@ -5,6 +5,9 @@
     modelpar-ckpt import-hf path/to/llama-hf ckpts/imported       # Llama, Mistral, Mixtral, Qwen3(-MoE), DeepSeek-V3
     modelpar-ckpt export-hf runs/x/checkpoints/step-00000200 hf/  # -> the family the model is (modelpar.model.hf)
 
+import-hf and export-hf stream one tensor at a time (``modelpar.checkpoint.hf_stream``): a sharded directory of
+any size converts in a few times its largest tensor's memory.
+
 Any layout can also load any checkpoint directly (``trainer.resume=PATH``); ``reshard`` writes the files of the
 new layout ahead of time. Only safetensors and JSON are read.
 """
@@ -16,11 +19,12 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from modelpar.checkpoint.hf_stream import DTYPE_NAMES, TOKENIZER_FILES, export_hf_dir, import_hf_dir, model_config_of
 from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
 from modelpar.checkpoint.save import save_checkpoint
 from modelpar.checkpoint.signing import (
@@ -32,13 +36,12 @@ from modelpar.checkpoint.signing import (
     sign_file,
 )
 from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint
-from modelpar.cli.generate import load_single_device_model
-from modelpar.model.config import ModelConfig
-from modelpar.model.hf import config_from_hf, config_to_hf, import_hf, save_hf
-from modelpar.model.transformer import build_model
+from modelpar.model.hf import config_to_hf
+from modelpar.model.hf_files import DEFAULT_MAX_SHARD, INDEX_FILE, weight_files
+from modelpar.model.safetensors_io import TensorReader
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
-from modelpar.parallel.layout import LayoutError, ParallelLayout
+from modelpar.parallel.layout import LayoutError
 from modelpar.training.build import build_rank_model
 from modelpar.training.config import ParallelConfig, TrainConfig, TrainerConfig
 
@@ -46,11 +49,6 @@ from modelpar.training.config import ParallelConfig, TrainConfig, TrainerConfig
 def refuse_existing(dst: Path) -> None:
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty; choose a new destination (nothing is overwritten)")
-
-
-def model_config_of(index: dict) -> ModelConfig:
-    fields = {k: v for k, v in index["model"].items() if k in ModelConfig.__dataclass_fields__}
-    return ModelConfig(**fields)
 
 
 def cmd_verify(args) -> int:
@@ -124,23 +122,25 @@ def cmd_reshard(args) -> int:
 def cmd_import_hf(args) -> int:
     dst = Path(args.dst)
     refuse_existing(dst)
-    tcfg = config_from_hf(args.hf_dir)
-    model = build_model(tcfg, seed=0)
-    import_hf(args.hf_dir, model)
-    mcfg = replace(tcfg, name=Path(args.hf_dir).name)
-    layout = ParallelLayout()
-    meta = {
-        "layout": asdict(layout),
-        "model": asdict(mcfg),
-        "parallel": asdict(ParallelConfig()),
-        "world_size": 1,
-        "sampler": None,
-        "optimizer": False,
-        "imported_from": str(args.hf_dir),
-    }
-    path = save_checkpoint(dst, 0, model_pieces([model]), {"rng/torch": torch.get_rng_state()}, meta)
-    print(f"{path}: imported {args.hf_dir} ({tcfg.layers} layers, hidden {tcfg.hidden}, vocab {tcfg.vocab_size})")
+    meta = {"parallel": asdict(ParallelConfig())}
+    path = import_hf_dir(args.hf_dir, dst, dtype=args.dtype, meta=meta)
+    index = read_index(path, verify=False)
+    model = model_config_of(index)
+    dtypes = ", ".join(sorted({info["dtype"] for info in _headers(path, index)}))
+    print(
+        f"{path}: imported {args.hf_dir} ({model.layers} layers, hidden {model.hidden}, vocab {model.vocab_size}; "
+        f"{dtypes}, streamed one tensor at a time)"
+    )
     return 0
+
+
+def _headers(ckpt: Path, index: dict) -> list[dict]:
+    """The safetensors header entries of a checkpoint's model pieces."""
+    out = []
+    for file in sorted({p["file"] for entry in index["tensors"].values() for p in entry["pieces"]}):
+        with TensorReader(ckpt / file) as reader:
+            out.extend(reader.header.values())
+    return out
 
 
 def cmd_export_hf(args) -> int:
@@ -148,23 +148,30 @@ def cmd_export_hf(args) -> int:
     out = Path(args.hf_dir)
     refuse_existing(out)
     key = load_key(args.key)
-    read_signed_index(src, key)
-    model = load_single_device_model(src)
-    architecture = config_to_hf(model.config)["architectures"][0]  # refused here, before anything is written
+    index = read_signed_index(src, key)
+    architecture = config_to_hf(model_config_of(index))["architectures"][0]  # refused before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed into place when complete
     try:
-        save_hf(tmp, model.config, model.full_state())
+        export_hf_dir(src, index, tmp, max_shard_size=args.max_shard_size, dtype=args.dtype)
+        weights = list(weight_files(tmp))
         signed = ""
         if key is not None:
-            sign_file(tmp / "model.safetensors", key, tmp / "model.safetensors.sig")
-            signed = " and model.safetensors.sig"
+            for file in weights:
+                sign_file(file, key, file.with_name(file.name + ".sig"))
+            signed = ", each signed (.sig)"
         tmp.chmod(0o777 & ~_umask())  # mkdtemp's directory is owner-only; the export is an ordinary one
         tmp.rename(out)  # an empty destination directory is replaced; a non-empty one was refused above
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"{out}: exported {src} as a {architecture} directory (config.json + model.safetensors{signed})")
+    files = f"{weights[0].name}" if len(weights) == 1 else f"{len(weights)} shards + {INDEX_FILE}"
+    extra = [name for name in TOKENIZER_FILES if (out / name).exists()]
+    print(
+        f"{out}: exported {src} as a {architecture} directory (config.json + {files}{signed}"
+        + (f"; {', '.join(extra)}" if extra else "")
+        + ")"
+    )
     return 0
 
 
@@ -198,15 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "import-hf", help="a Llama, Mistral, Mixtral, Qwen3(-MoE) or DeepSeek-V3 directory -> checkpoint (any layout)"
     )
-    p.add_argument("hf_dir")
+    p.add_argument("hf_dir", help="config.json + model.safetensors, or shards + model.safetensors.index.json")
     p.add_argument("dst")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: each tensor's in the files")
     p.set_defaults(fn=cmd_import_hf)
     p = sub.add_parser(
         "export-hf", help="checkpoint -> a Llama, Mistral, Mixtral, Qwen3(-MoE) or DeepSeek-V3 directory"
     )
     p.add_argument("src")
     p.add_argument("hf_dir")
-    p.add_argument("--key", default=None, help=key_help + "; signs model.safetensors too")
+    p.add_argument("--key", default=None, help=key_help + "; signs each weight file too")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="shard size, e.g. 5GB (default), 500MB, 2GiB")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: the checkpoint's")
     p.set_defaults(fn=cmd_export_hf)
     args = parser.parse_args(argv)
     try:

@@ -19,7 +19,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 import hydra
@@ -79,7 +79,9 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
     (``kernels``, ``compile``), ``init_std`` and the MoE training settings come from the recipe."""
     mine, group = cfg.model, overridden.get("model")
     saved_moe = saved.get("moe") or {}
-    fields = [(name, saved.get(name), getattr(mine, name), f"model.{name}") for name in IDENTITY if name in saved]
+    fields = [
+        (name, saved.get(name), _plain(getattr(mine, name)), f"model.{name}") for name in IDENTITY if name in saved
+    ]
     fields += [
         (f"moe.{name}", saved_moe.get(name), getattr(mine.moe, name), f"model.moe.{name}")
         for name in MoEConfig.IDENTITY
@@ -122,6 +124,11 @@ def model_of_checkpoint(cfg: TrainConfig, saved: dict, overridden: Mapping[str, 
     if saved.get("mla") and not mla_set and group is None:  # latent attention's shape, saved only when on
         taken["mla"] = MLAConfig(**saved["mla"])
     return replace(mine, **taken)
+
+
+def _plain(value):
+    """A field as a checkpoint's index holds it (a dataclass such as ``rope_scaling`` as its dict)."""
+    return asdict(value) if is_dataclass(value) else value
 
 
 def eval_worker(cfg: TrainConfig, data_path: str, ckpt: str, result_path: str) -> None:

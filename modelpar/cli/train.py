@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -25,7 +26,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from modelpar.backends import rank_setup
+from modelpar.checkpoint.signing import load_key
 from modelpar.checkpoint.store import latest_checkpoint
+from modelpar.cli.eval import model_of_checkpoint
 from modelpar.cli.generate import sample_from_checkpoint
 from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError
@@ -35,6 +38,7 @@ from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register
 from modelpar.training.elastic import available_world, elastic_config, lost_dir, lost_ranks
 from modelpar.training.faults import FIRED_ENV, LOST_ENV
 from modelpar.training.flight import flight_hang_report
+from modelpar.training.init_from import init_source
 from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.restart import RestartPolicy, run_with_restarts
@@ -46,7 +50,9 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def run(cfg: TrainConfig) -> None:
+def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
+    """``overridden``: what the user set on the command line, key -> value (``model.hidden``, or ``model`` for
+    a whole model recipe): with ``trainer.init_from`` every other model field comes from the weights."""
     if cfg.trainer.files in FILE_ACCESS:
         mask = FILE_ACCESS[cfg.trainer.files]
         os.umask(mask)  # the ranks inherit it
@@ -59,6 +65,13 @@ def run(cfg: TrainConfig) -> None:
     out_dir = Path(cfg.trainer.out_dir)
     env = launch_env_from_environ()
     job_rank0 = env is None or env.rank == 0  # under torchrun/SLURM every rank runs this function
+    source = None
+    if cfg.trainer.init_from:
+        try:
+            source = init_source(cfg.trainer.init_from, load_key(cfg.trainer.signing_key or None))
+            cfg = replace(cfg, model=model_of_checkpoint(cfg, source.model, overridden or {}, source.path))
+        except USER_ERRORS as exc:
+            fail(str(exc))
     recipe = cfg
     cfg = laid_out(recipe, env, out_dir, job_rank0)
     try:
@@ -72,7 +85,8 @@ def run(cfg: TrainConfig) -> None:
     if job_rank0:
         print(
             f"modelpar-train: {describe_run(cfg)} -> {out_dir}"
-            + (f", resuming from {resume_from}" if resume_from else ""),
+            + (f", resuming from {resume_from}" if resume_from else "")
+            + (f", weights of {source.describe()}" if source is not None and not resume_from else ""),
             flush=True,
         )
     policy = RestartPolicy(cfg.trainer.max_restarts, cfg.trainer.restart_backoff_s)
@@ -96,7 +110,8 @@ def run(cfg: TrainConfig) -> None:
                 _, _, resume = preflight(run_cfg)  # the newest checkpoint that verifies now
             except USER_ERRORS as exc:
                 fail(str(exc))
-            print(f"modelpar-train: resuming from {resume or 'the start (no checkpoint yet)'}", flush=True)
+            start = f"the weights of {source.describe()}" if source else "the start"
+            print(f"modelpar-train: resuming from {resume or start + ' (no checkpoint yet)'}", flush=True)
         launch(
             run_cfg.parallel.layout().world_size,
             train_worker,
@@ -211,7 +226,8 @@ def _app(dcfg: DictConfig) -> None:
     if cfg.trainer.dry_run:
         dry_run(cfg, HydraConfig.get().job.config_name)
         return
-    run(replace(cfg))
+    overrides = HydraConfig.get().overrides.task  # what the user set, e.g. "model.hidden=32" or "model=tiny"
+    run(replace(cfg), dict((o.split("=", 1) + [""])[:2] for o in (o.lstrip("+~") for o in overrides)))
 
 
 def main() -> None:

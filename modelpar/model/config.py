@@ -14,7 +14,9 @@ written before the window existed load unchanged) do not. A mixture of experts a
 (``MoEConfig.IDENTITY``) to the identity, multi-head latent attention its ``mla`` shape (``MLAConfig.IDENTITY``);
 a dense GQA model's identity is unchanged by either, so its old checkpoints still load.
 ``head_dim`` and ``qk_norm`` are identity fields that a checkpoint written before they existed does not hold:
-reading one, their defaults (hidden/heads, no QK-norm) are what its weights mean.
+reading one, their defaults (hidden/heads, no QK-norm) are what its weights mean. So are the attention biases
+(``attention_bias``, ``attention_out_bias``) and the RoPE scaling (``rope_scaling``, ``modelpar.model.rope``):
+part of the identity only when on, so a model without them keeps the identity it had.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from modelpar_kernels import BACKENDS
 
 from modelpar.model.layers.fp8 import FP8_MODES
+from modelpar.model.rope import RopeScaling, RopeScalingError
 from modelpar.model.structure import BlockStructure, ModelConfigError
 from modelpar.parallel.layout import LayoutError
 
@@ -39,7 +42,13 @@ IDENTITY = (
     "tie_embeddings",
     "head_dim",
     "qk_norm",
+    "attention_bias",
+    "attention_out_bias",
+    "rope_scaling",
 )
+# identity fields that a model without them (their default) leaves out of ``identity()``
+# (``rope_scaling``: its ``identity()``, when it is enabled)
+OPTIONAL_IDENTITY = {"attention_bias": False, "attention_out_bias": False}
 
 
 # What the model computes but not what its weights mean: a checkpoint's values are what evaluating it uses
@@ -242,6 +251,10 @@ class ModelConfig:
     each q and k head (weights ``q_norm``, ``k_norm`` [d], shared by the heads) after the projections and
     before RoPE, as Qwen3 does (``block.qk_norm_scope=projection``: one over all heads, OLMo 2's); ``norm_eps``
     is its epsilon too. ``block``: how a layer is put together (``modelpar.model.structure``; Llama's by default).
+
+    ``attention_bias``: q, k and v projections with biases (Qwen2/2.5; Llama's and GPT-OSS's ``attention_bias``
+    sets ``attention_out_bias`` too); ``attention_out_bias``: the o_proj with one. ``rope_scaling``: RoPE's
+    frequencies scaled (linear, llama3, yarn; ``modelpar.model.rope``), in GQA and latent attention alike.
     """
 
     name: str = "custom"
@@ -253,10 +266,13 @@ class ModelConfig:
     ffn_hidden: int = 176
     max_seq_len: int = 128
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     head_dim: int = 0  # 0: hidden / heads
     qk_norm: bool = False
+    attention_bias: bool = False  # q, k, v biases
+    attention_out_bias: bool = False  # an o_proj bias
     init_std: float = 0.02
     kernels: str = "auto"  # auto | triton | torch: how the model runs, not what it is
     compile: bool = False  # each block under torch.compile
@@ -276,6 +292,8 @@ class ModelConfig:
             self.mla = MLAConfig(**self.mla)
         if isinstance(self.block, dict):
             self.block = BlockStructure(**self.block)
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
 
     def check(self) -> None:
         """Raise ``ModelConfigError`` (one line) if no model has this shape. Called by the recipe's ``validate``
@@ -284,6 +302,10 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
         self.mla.check()
+        try:
+            self.rope_scaling.check()
+        except RopeScalingError as exc:
+            raise ModelConfigError(str(exc)) from None
         if (self.head_dim or 0) < 0:
             raise ModelConfigError(f"model.head_dim={self.head_dim} must be >= 0 (0: hidden/heads)")
         if self.mla.enabled:
@@ -352,11 +374,11 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.fp8={self.fp8} covers GQA attention only; set model.fp8=off or model.mla.kv_lora_rank=0"
             )
-        for name in ("head_dim", "qk_norm"):
+        for name in ("head_dim", "qk_norm", "attention_bias", "attention_out_bias"):
             if getattr(self, name):
                 raise ModelConfigError(
                     f"model.{name}={getattr(self, name)} is for GQA attention; latent attention has its own head dims "
-                    f"(model.mla.*): set model.{name}={0 if name == 'head_dim' else 'false'}"
+                    f"(model.mla.*) and no biases: set model.{name}={0 if name == 'head_dim' else 'false'}"
                 )
 
     def check_layout(self, layout) -> None:
@@ -367,11 +389,7 @@ class ModelConfig:
                 f"model.fp8={self.fp8} with tp={layout.tp} > model.kv_heads={self.kv_heads}: replicated k/v heads get "
                 "partial gradients, whose FP8 scales no rank sees whole; use tp <= kv_heads or model.fp8=off"
             )
-        if self.qk_norm and self.block.qk_norm_scope == "projection" and self.kv_heads % layout.tp:
-            raise LayoutError(
-                f"model.block.qk_norm_scope=projection with tp={layout.tp} not dividing model.kv_heads="
-                f"{self.kv_heads}: replicated k heads would count twice in k's norm; use tp dividing kv_heads"
-            )
+        self.block.check_layout_with(self, layout)
         ep = getattr(layout, "ep", 1)
         if self.moe.enabled and self.moe.experts % ep:
             raise LayoutError(
@@ -385,12 +403,6 @@ class ModelConfig:
         """The ep values that split this model's experts over ranks carved from ``dp_cp`` = dp x cp ranks: the
         divisors of both (every value a hint offers passes every check)."""
         return [d for d in range(1, self.moe.experts + 1) if self.moe.experts % d == 0 and dp_cp % d == 0]
-
-    def rope_base(self, layer: int) -> float:
-        """RoPE's base (theta) in block ``layer``: ``block.local_rope_theta`` in a sliding-window layer if set."""
-        if self.block.local_rope_theta and self.window(layer):
-            return self.block.local_rope_theta
-        return self.rope_theta
 
     def window(self, layer: int) -> int:
         """The sliding window of block ``layer``'s attention; 0: full causal."""
@@ -415,7 +427,13 @@ class ModelConfig:
 
     def identity(self) -> dict:
         """The fields that define what the weights mean (see the module docstring)."""
-        identity = {name: getattr(self, name) for name in IDENTITY} | {"head_dim": self.head_size}
+        identity = {name: getattr(self, name) for name in IDENTITY if name != "rope_scaling"}
+        for name, default in OPTIONAL_IDENTITY.items():
+            if identity[name] == default:
+                del identity[name]
+        identity["head_dim"] = self.head_size
+        if self.rope_scaling.enabled:
+            identity["rope_scaling"] = self.rope_scaling.identity()
         if self.mtp_depth:  # its modules' weights exist only then
             identity["mtp_depth"] = self.mtp_depth
         if self.moe.enabled:

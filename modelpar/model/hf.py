@@ -1,13 +1,15 @@
-"""Hugging Face Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE and DeepSeek-V3 interoperability: import a
-``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``
-or ``DeepseekV3ForCausalLM`` directory into a model chunk at any tp (and ep), and export one back to a directory
-that transformers loads (Qwen3's configs: ``modelpar.model.hf_qwen``; DeepSeek-V3's configs, names and RoPE row
-order: ``modelpar.model.hf_deepseek``). Mistral is Llama with a ``sliding_window`` (ours: every layer's window);
-a config's ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
+"""Hugging Face Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 interoperability: import a
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` or ``DeepseekV3ForCausalLM`` directory into a model chunk at any tp (and ep), and export
+one back to a directory that transformers loads (Qwen2's configs: ``modelpar.model.hf_qwen2``; Qwen3's:
+``modelpar.model.hf_qwen``; DeepSeek-V3's configs, names and RoPE row order: ``modelpar.model.hf_deepseek``).
+Mistral is Llama with a ``sliding_window`` (ours: every layer's window); a config's ``layer_types``
+(``sliding_attention`` / ``full_attention`` per layer) gives ``window_layers``.
 
-Only ``config.json`` and ``model.safetensors`` are read (safetensors, never pickle); each rank reads just the
-slices it holds. Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name),
-and HF's q/k projections already use the rotate-half RoPE layout of our kernels, so no permutation is needed.
+Only ``config.json`` and the weights (``model.safetensors``, or the shards its index names:
+``modelpar.model.hf_files``) are read (safetensors, never pickle); each rank reads just the slices it holds.
+Our logical names are HF's without the ``model.`` prefix (``lm_head.weight`` keeps its name), and HF's q/k
+projections already use the rotate-half RoPE layout of our kernels, so no permutation is needed.
 A Mixtral's MoE tensors are ``layers.<i>.mlp.gate.weight`` and ``layers.<i>.mlp.experts.<e>.w1|w2|w3.weight``
 for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a Qwen3-MoE's experts are
 ``model.layers.<i>.mlp.experts.<e>.gate_proj|up_proj|down_proj.weight`` (what transformers 5.x's
@@ -20,8 +22,10 @@ OLMo 2 (``Olmo2ForCausalLM``: ``modelpar.model.hf_olmo``), Gemma 3 text and Gemm
 block structure.
 
 Which family a model exports as: a latent-attention model as DeepSeek-V3, a post-norm block as OLMo 2, a
-sandwich block as Gemma 3 (Gemma 2 without QK-norm), a QK-norm model as Qwen3 (Qwen3-MoE with experts), any
-other as Llama (Mixtral with experts).
+sandwich block as Gemma 3 (Gemma 2 without QK-norm), a QK-norm model as Qwen3 (Qwen3-MoE with experts), one
+with q/k/v biases but none on o_proj as Qwen2, any other as Llama (Mixtral with experts).
+A Llama's or Qwen3's ``attention_bias`` puts biases on q, k, v and o_proj (ours: ``attention_bias`` and
+``attention_out_bias``); Mistral and Mixtral have none.
 """
 
 from __future__ import annotations
@@ -29,11 +33,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
 from modelpar.model.hf_deepseek import (
@@ -45,15 +48,18 @@ from modelpar.model.hf_deepseek import (
     rope_rows_from_hf,
     rope_rows_to_hf,
 )
+from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
 from modelpar.model.hf_gemma import GEMMA_TYPES, gemma_config_to_hf, gemma_fields, gemma_unsupported
 from modelpar.model.hf_olmo import OLMO_TYPES, olmo_config_to_hf, olmo_fields, olmo_unsupported
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
+from modelpar.model.hf_qwen2 import QWEN2_TYPES, qwen2_config_to_hf, qwen2_fields, qwen2_unsupported
+from modelpar.model.hf_rope import rope_parameters_of, rope_scaling_from_hf, rope_scaling_to_hf
 from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import ModelChunk
 
-WEIGHTS_NAME = "model.safetensors"
 FAMILY_NAMES = {
-    "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3", "gemma2": "Gemma 2"
+    "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3",
+    "gemma2": "Gemma 2",
 }  # fmt: skip
 CONFIG_NAME = "config.json"
 
@@ -87,23 +93,23 @@ def fused_expert(logical: str) -> tuple[str, int, str] | None:
 
 
 def config_from_hf(path: str | os.PathLike) -> ModelConfig:
-    """Read ``config.json`` of a Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 checkpoint; refuse, in
-    one line naming the fields, features this model does not implement."""
+    """Read ``config.json`` of a Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE or DeepSeek-V3 checkpoint;
+    refuse, in one line naming the fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    known = ("llama", "mistral", "mixtral", *QWEN_TYPES, *DEEPSEEK_TYPES, *OLMO_TYPES, *GEMMA_TYPES)
+    known = ("llama", "mistral", "mixtral", *QWEN2_TYPES, *QWEN_TYPES, *DEEPSEEK_TYPES, *OLMO_TYPES, *GEMMA_TYPES)
     if kind not in known:
         raise ValueError(f"{path}: model_type={kind!r}; supported: {', '.join(repr(k) for k in known)}")
     if kind in DEEPSEEK_TYPES:
         return deepseek_config_from_hf(hf, path)
     heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = rope_parameters_of(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    biased = kind in ("llama", *QWEN_TYPES) and bool(hf.get("attention_bias", False))  # q, k, v and o_proj
     unsupported = {
-        "attention_bias": hf.get("attention_bias", False),
+        "attention_bias": kind in ("mistral", "mixtral") and bool(hf.get("attention_bias", False)),
         "mlp_bias": hf.get("mlp_bias", False),
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
     }
     moe = MoEConfig()
     if kind == "mixtral":
@@ -116,6 +122,8 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         )
     if kind in QWEN_TYPES:
         unsupported |= qwen_unsupported(hf)
+    if kind in QWEN2_TYPES:
+        unsupported |= qwen2_unsupported(hf)
     if kind in OLMO_TYPES:
         unsupported |= olmo_unsupported(hf)
     if kind in GEMMA_TYPES:
@@ -135,18 +143,21 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling_from_hf(hf, path),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,
         qk_norm=kind in QWEN_TYPES,
+        attention_bias=biased or kind in QWEN2_TYPES,  # Qwen2's q, k and v always have biases
+        attention_out_bias=biased,
         init_std=hf.get("initializer_range", 0.02),
         moe=moe,
-        **_window_from_hf(hf, path),
+        **(qwen2_fields(hf, path) if kind in QWEN2_TYPES else _window_from_hf(hf, path)),
     )
     if kind in OLMO_TYPES:
         fields |= olmo_fields(hf)
     if kind in GEMMA_TYPES:
-        fields |= gemma_fields(hf, _window_from_hf(hf, path))
+        fields |= gemma_fields(hf, _window_from_hf(hf, path), path)
     return ModelConfig(**fields)
 
 
@@ -185,6 +196,13 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
             f"model.mtp_depth={config.mtp_depth}: only DeepSeek-V3 (latent attention, model.mla) checkpoints hold "
             "multi-token prediction modules; set model.mtp_depth=0 to export without them"
         )
+    if config.attention_bias != config.attention_out_bias:
+        return _qwen2_config(config, dtype)
+    if config.attention_bias and not config.qk_norm and (config.moe.enabled or config.sliding_window):
+        raise ValueError(
+            "Mixtral and Mistral have no attention biases; a model with experts or a sliding window cannot be "
+            "exported with model.attention_bias / attention_out_bias: set both false"
+        )
     if config.sliding_window and config.window_layers:
         raise ValueError(
             f"Mistral and Mixtral give every layer the window; model.window_layers={list(config.window_layers)} "
@@ -217,15 +235,32 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "head_dim": config.head_size,
         "intermediate_size": config.ffn_hidden,
         "max_position_embeddings": config.max_seq_len,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_scaling_to_hf(config.rope_scaling, config.rope_theta),
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": config.attention_bias,
         "mlp_bias": False,
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def _qwen2_config(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """Biases on q, k and v only: Qwen2, the one family that has them so; refused (one line) otherwise."""
+    unsupported = {
+        "model.attention_out_bias without model.attention_bias": config.attention_out_bias,
+        "QK-norm": config.qk_norm,
+        "experts": config.moe.enabled,
+    }
+    bad = [name for name, flag in unsupported.items() if flag]
+    if bad:
+        raise ValueError(
+            f"q/k/v biases without an o_proj bias export as Qwen2, which cannot express this model ({', '.join(bad)}); "
+            "set model.attention_out_bias equal to model.attention_bias for a Llama or Qwen3"
+        )
+    plain = _plain(config, attention_bias=False, sliding_window=0, window_layers=[])
+    return qwen2_config_to_hf(config, config_to_hf(plain, dtype))
 
 
 def _mixtral_config(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -264,36 +299,68 @@ def _plain(config: ModelConfig, **fields) -> ModelConfig:
     return ModelConfig(**{**config.__dict__, **fields})
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """Where a logical tensor's value lies in a Hugging Face directory: the whole of tensor ``key``, or rows
+    ``rows`` of expert ``expert`` of fused experts ``key``; ``interleaved``: a DeepSeek-V3 tensor whose RoPE rows
+    are reordered (whole heads) to rotate-half."""
+
+    key: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+    interleaved: bool = False
+
+
+def hf_source(name: str, weights: HFWeights, hf: dict, config: ModelConfig) -> HFSource:
+    """Where logical tensor ``name`` of ``config`` is among ``weights`` (named as ``hf``, the directory's
+    ``config.json``, names them; experts one tensor each or fused)."""
+    kind = hf.get("model_type", "llama")
+    key = hf_name(name, kind, config.layers)
+    interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
+    if interleaved and key in weights and rope_head_dim(name, config.mla):
+        return HFSource(key, interleaved=True)
+    for candidate in (key, hf_name(name)):  # a fused Mixtral's router is under mlp., not block_sparse_moe.
+        if candidate in weights:
+            return HFSource(candidate)
+    fused = fused_expert(name)
+    if fused is None or fused[0] not in weights:
+        raise KeyError(f"{weights.path}: {key} is missing from its weight files")
+    key, expert, part = fused
+    rows = weights.reader(key).shape(key)[1] // (1 if part == "down" else 2)
+    start = rows if part == "up" else 0
+    return HFSource(key, expert, (start, start + rows))
+
+
+def hf_value(weights: HFWeights, src: HFSource, name: str, config: ModelConfig, index: tuple = ()) -> torch.Tensor:
+    """``value[index]`` of logical tensor ``name`` found at ``src``, reading only those rows where the file
+    allows (a DeepSeek-V3 RoPE tensor is read whole: its heads are reordered first)."""
+    if src.interleaved:
+        return rope_rows_from_hf(name, weights.get_tensor(src.key), config.mla)[index]
+    if src.expert is None:
+        return weights.get_slice(src.key)[index] if index else weights.get_tensor(src.key)
+    (start, stop), e = src.rows, src.expert
+    return weights.get_slice(src.key)[e : e + 1, start:stop][0][index]
+
+
 def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
-    """Load this rank's slices of every logical tensor of ``chunk`` from ``path/model.safetensors`` (named as
+    """Load this rank's slices of every logical tensor of ``chunk`` from ``path``'s weights (named as
     ``path/config.json``'s ``model_type`` names them; experts one tensor each or fused; a DeepSeek-V3's
     interleaved RoPE rows reordered to rotate-half)."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
-    kind, mla, layers = hf.get("model_type", "llama"), chunk.config.mla, chunk.config.layers
-    interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
-    with safe_open(Path(path) / WEIGHTS_NAME, framework="pt") as f:
-        keys = set(f.keys())
-
-        def fetch(name, shard):
-            key = hf_name(name, kind, layers)
-            if interleaved and key in keys and rope_head_dim(name, mla):  # whole heads permuted, then sliced
-                return rope_rows_from_hf(name, f.get_tensor(key), mla)[shard.index]
-            for candidate in (key, hf_name(name)):  # a fused Mixtral's router is under mlp., not block_sparse_moe.
-                if candidate in keys:
-                    return f.get_slice(candidate)[shard.index]
-            fused = fused_expert(name)
-            if fused is None or fused[0] not in keys:
-                raise KeyError(f"{path}: {key} is missing from {WEIGHTS_NAME}")
-            key, expert, part = fused
-            rows = f.get_slice(key).get_shape()[1] // (1 if part == "down" else 2)
-            start = rows if part == "up" else 0
-            return f.get_slice(key)[expert : expert + 1, start : start + rows][0]
-
-        chunk.load_logical(fetch)
+    with HFWeights(path) as f:
+        chunk.load_logical(
+            lambda name, shard: hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
+        )
 
 
-def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
-    """Write ``config.json`` and ``model.safetensors`` from full logical tensors (all of the model's)."""
+def save_hf(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
+) -> None:
+    """Write ``config.json`` and the weights (``model.safetensors``, or shards of at most ``max_shard_size``
+    with their index) from full logical tensors (all of the model's)."""
     path = Path(path)
     dtype = next(iter(state.values())).dtype
     hf_config = config_to_hf(config, dtype)  # a model HF cannot express is refused before anything is written
@@ -303,9 +370,8 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, state: Mapping[str, to
         state = {name: rope_rows_to_hf(name, t, config.mla) for name, t in state.items()}
     tensors = {hf_name(name, kind, config.layers): t.detach().cpu().contiguous() for name, t in state.items()}
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(tensors, path / WEIGHTS_NAME, metadata={"format": "pt"})
-    # safetensors creates its file owner-only; both files of the directory get the mode the umask gives
-    (path / WEIGHTS_NAME).chmod((path / CONFIG_NAME).stat().st_mode & 0o777)
+    entries = {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()}
+    write_hf_weights(path, entries, tensors.__getitem__, max_shard_size)
 
 
 def export_hf(chunk: ModelChunk, path: str | os.PathLike) -> None:

@@ -7,8 +7,11 @@ its balancing bias (``e_score_correction_bias``; ``scoring_func=sigmoid``, ``top
 group-limited to ``topk_group`` of ``n_group`` groups, renormalised (``norm_topk_prob``) and scaled by
 ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts, one SwiGLU of ``n_shared_experts *
 moe_intermediate_size`` (ours: ``moe.shared_experts`` of the expert width, the same SwiGLU). Every field
-transformers reads is read here; one this model cannot express (YaRN ``rope_scaling``, ``attention_bias``,
-``num_key_value_heads`` != heads, another activation or scoring) is refused in one line naming it.
+transformers reads is read here; one this model cannot express (``attention_bias``, ``num_key_value_heads`` !=
+heads, another activation or scoring, a RoPE scaling ``modelpar.model.hf_rope`` refuses) is refused in one line
+naming it. The released V3's YaRN block (factor 40, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1,
+original_max_position_embeddings 4096) is read: scaled RoPE tables for q_pe and k_pe and the softmax scale
+times ``m(40, 1)^2`` (``modelpar.model.rope``).
 
 Tensors carry our logical names, which are HF's (``model.`` prefixed; experts one tensor each,
 ``mlp.experts.<e>.gate_proj|up_proj|down_proj.weight``, what transformers 5.x's ``save_pretrained`` writes; the
@@ -31,6 +34,7 @@ import torch
 
 from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
 from modelpar.model.hf_qwen import qwen_expert_name
+from modelpar.model.hf_rope import rope_parameters_of, rope_scaling_from_hf
 from modelpar.model.layers.latent_attention import halves_from_interleaved, interleaved_from_halves
 
 DEEPSEEK_TYPES = ("deepseek_v3",)
@@ -40,11 +44,9 @@ def deepseek_config_from_hf(hf: dict, path) -> ModelConfig:
     """The ``ModelConfig`` of a ``deepseek_v3`` ``config.json`` (``hf``); ``ValueError`` in one line naming
     the fields this model does not compute."""
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope = rope_parameters_of(hf)
     kv_heads = hf.get("num_key_value_heads") or heads
     unsupported = {
-        f"rope_scaling (rope_type={rope_type}; modelpar has no RoPE scaling)": rope_type != "default",
         "attention_bias": bool(hf.get("attention_bias", False)),
         "attention_dropout": bool(hf.get("attention_dropout", 0.0)),
         f"hidden_act={hf.get('hidden_act')}": hf.get("hidden_act", "silu") != "silu",
@@ -80,6 +82,7 @@ def deepseek_config_from_hf(hf: dict, path) -> ModelConfig:
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 4096),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling_from_hf(hf, path),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02),

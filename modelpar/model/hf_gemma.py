@@ -7,7 +7,8 @@ by sqrt(hidden), per-head QK-norm, scores scaled by ``query_pre_attn_scalar ** -
 the logits soft-capped where the config says (``final_logit_softcapping``; transformers' Gemma 3 reads
 ``attn_logit_softcapping`` but applies no cap to the scores, so a config setting it is refused); its layers are
 sliding-window (local) or full (global) by ``layer_types``, each kind with its own RoPE base
-(``rope_parameters.sliding_attention`` / ``full_attention``: ``local_rope_theta`` / ``rope_theta``); its
+(``rope_parameters.sliding_attention`` / ``full_attention``: ``local_rope_theta`` / ``rope_theta`` and
+``rope_scaling``, the global layers' alone, as Gemma 3's linear factor 8); its
 embeddings are tied by default. Gemma 2 is the same block without QK-norm, one RoPE base for every layer, and
 its scores soft-capped (``attn_logit_softcapping``: ``attention_softcap``). Tensors are named as ours (HF's
 without ``model.``). Every field transformers reads is read here; one this model cannot express is refused in
@@ -16,6 +17,7 @@ one line naming it.
 
 from __future__ import annotations
 
+from modelpar.model.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from modelpar.model.structure import BlockStructure
 
 GEMMA_TYPES = ("gemma3_text", "gemma2")
@@ -44,12 +46,13 @@ def gemma_unsupported(hf: dict) -> dict[str, bool]:
         "hidden_activation": hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
         "use_bidirectional_attention": bool(hf.get("use_bidirectional_attention", False)),
         "attention_dropout": bool(hf.get("attention_dropout", 0.0)),
+        "attention_bias": bool(hf.get("attention_bias", False)),
         "attn_logit_softcapping": hf.get("model_type") != "gemma2" and bool(hf.get("attn_logit_softcapping")),
-        "rope_type": any(r.get("rope_type", r.get("type", "default")) != "default" for r in (full, local)),
+        "rope_type": local is not full and local.get("rope_type", local.get("type", "default")) != "default",
     }
 
 
-def gemma_fields(hf: dict, window: dict) -> dict:
+def gemma_fields(hf: dict, window: dict, path) -> dict:
     """The ``ModelConfig`` fields a ``gemma3_text`` or ``gemma2`` config sets beyond Llama's; ``window``: its
     ``sliding_window`` / ``window_layers`` (``modelpar.model.hf``)."""
     full, local = gemma_rope(hf)
@@ -64,6 +67,7 @@ def gemma_fields(hf: dict, window: dict) -> dict:
     return {
         "qk_norm": gemma3,
         "rope_theta": float(full["rope_theta"]),
+        "rope_scaling": rope_scaling_from_hf(hf | {"rope_parameters": full}, path),
         "tie_embeddings": hf.get("tie_word_embeddings", True),
         "block": block,
         **window,
@@ -80,6 +84,7 @@ def gemma_config_to_hf(config, llama: dict) -> dict:
     bad += [f"block.{name}" for name in want if name not in changed]
     bad += ["block.qk_norm_scope"] if b.qk_norm_scope != "head" else []
     bad += ["moe"] if config.moe.enabled else []
+    bad += ["attention_bias"] if config.attention_bias or config.attention_out_bias else []
     if bad:
         raise ValueError(
             f"{family} cannot express this model ({', '.join(bad)}); export needs its block (sandwich norms scaled "
@@ -89,7 +94,8 @@ def gemma_config_to_hf(config, llama: dict) -> dict:
         return _gemma2(config, llama)
     layers = range(config.layers)
     hf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "hidden_act", "rope_parameters")}
-    local_theta = b.local_rope_theta or config.rope_theta
+    full = rope_scaling_to_hf(config.rope_scaling, config.rope_theta)
+    local = {"rope_type": "default", "rope_theta": b.local_rope_theta} if b.local_rope_theta else full
     scalar = b.query_scale or config.head_size
     return hf | {
         "architectures": ["Gemma3ForCausalLM"],
@@ -100,10 +106,7 @@ def gemma_config_to_hf(config, llama: dict) -> dict:
         "final_logit_softcapping": b.final_softcap or None,
         "sliding_window": config.sliding_window or None,
         "layer_types": ["sliding_attention" if config.window(i) else "full_attention" for i in layers],
-        "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        },
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
         "attention_dropout": 0.0,
         "use_bidirectional_attention": False,
     }

@@ -17,7 +17,10 @@ OLMO2_BLOCK = BlockStructure(norm="post", qk_norm_scope="projection")
 
 def olmo_unsupported(hf: dict) -> dict[str, bool]:
     """The OLMo 2 features this model does not implement, by config field (true: present in ``hf``)."""
-    return {"attention_dropout": bool(hf.get("attention_dropout", 0.0))}
+    return {
+        "attention_bias": bool(hf.get("attention_bias", False)),
+        "attention_dropout": bool(hf.get("attention_dropout", 0.0)),
+    }
 
 
 def olmo_fields(hf: dict) -> dict:
@@ -32,6 +35,7 @@ def olmo_config_to_hf(config, llama: dict) -> dict:
     bad = [f"block.{name}" for name in sorted(set(changed) | set(want)) if changed.get(name) != want.get(name)]
     bad += [name for name, on in (("qk_norm=false", not config.qk_norm), ("moe", config.moe.enabled)) if on]
     bad += ["sliding_window"] if config.sliding_window else []
+    bad += ["attention_bias"] if config.attention_bias or config.attention_out_bias else []
     if bad:
         raise ValueError(
             f"OLMo 2 cannot express this model ({', '.join(bad)}); export needs OLMo 2's block (post-norms, QK-norm "

@@ -25,13 +25,13 @@ def init_logical(
     """The full initial value (fp32, CPU) of logical tensor ``name`` of global ``shape``.
 
     Norm weights are ones (zeros with ``norm_offset`` 1: a norm scaled by 1 + weight starts at one), a
-    router's balancing bias zeros; every matrix is N(0, std^2), except the projections
-    that write into the residual stream (o_proj, down_proj, an expert's w2), whose std is divided by
+    router's balancing bias and every projection's bias zeros; every matrix is N(0, std^2), except the
+    projections that write into the residual stream (o_proj, down_proj, an expert's w2), whose std is divided by
     sqrt(2 * layers) as in GPT-2.
     """
     if name.endswith("norm.weight"):
         return torch.full(shape, 1.0 - norm_offset)
-    if name.endswith("e_score_correction_bias"):  # the sigmoid router's balancing bias starts neutral
+    if name.endswith(("e_score_correction_bias", ".bias")):  # balancing and projection biases start neutral
         return torch.zeros(shape)
     if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
         std = std / math.sqrt(2 * layers)

@@ -16,7 +16,8 @@ not a new block class::
     final_softcap      logits z -> cap * tanh(z / cap) before the loss (Gemma 2); 0: off
     qk_norm_scope    head: one RMSNorm over each head's d (Qwen3, Gemma 3); projection: one over all heads'
                      concatenation, weights [heads*d] (OLMo 2), its sum of squares reduced over tp
-    local_rope_theta the RoPE base of the sliding-window layers (Gemma 3's local base); 0: rope_theta
+    local_rope_theta the sliding-window layers' own RoPE base, unscaled (Gemma 3's local layers; the global ones
+                     keep rope_theta and rope_scaling); 0: every layer rope_theta and rope_scaling
 
 The names of the norms follow the families that use each placement (HF's): ``NORM_NAMES``.
 """
@@ -24,6 +25,9 @@ The names of the norms follow the families that use each placement (HF's): ``NOR
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+from modelpar.model.rope import RopeScaling
+from modelpar.parallel.layout import LayoutError
 
 
 class ModelConfigError(ValueError):
@@ -103,6 +107,22 @@ class BlockStructure:
             raise ModelConfigError(
                 f"model.fp8={m.fp8} is proven on the Llama block only; set model.fp8=off or model.block to defaults"
             )
+
+    def check_layout_with(self, model, layout) -> None:
+        """Raise ``LayoutError`` (one line) if ``layout`` cannot shard ``model`` (its ``ModelConfig``) with this
+        structure."""
+        if model.qk_norm and self.qk_norm_scope == "projection" and model.kv_heads % layout.tp:
+            raise LayoutError(
+                f"model.block.qk_norm_scope=projection with tp={layout.tp} not dividing model.kv_heads="
+                f"{model.kv_heads}: replicated k heads would count twice in k's norm; use tp dividing kv_heads"
+            )
+
+    def rope(self, model, layer: int) -> tuple[float, RopeScaling]:
+        """RoPE's base and scaling in block ``layer`` of ``model``: ``local_rope_theta``, unscaled, in a
+        sliding-window layer if it is set; else the model's."""
+        if self.local_rope_theta and model.window(layer):
+            return self.local_rope_theta, RopeScaling()
+        return model.rope_theta, model.rope_scaling
 
     def changed(self) -> dict:
         """The fields that differ from Llama's block (what a checkpoint's identity records)."""

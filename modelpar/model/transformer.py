@@ -135,17 +135,19 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
             qk_rope_head_dim=m.qk_rope_head_dim,
             v_head_dim=m.v_head_dim,
             rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
             tp=groups.tp,
             cp=groups.cp,
             documents=documents,
             **kw,
         )
     b = config.block
+    rope_theta, rope_scaling = b.rope(config, layer)
     return ParallelAttention(
         config.hidden,
         config.heads,
         config.kv_heads,
-        config.rope_base(layer),
+        rope_theta,
         groups.tp,
         head_dim=config.head_size,
         qk_norm=config.qk_norm and b.qk_norm_scope,
@@ -157,6 +159,9 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
         documents=documents,
         window=config.window(layer),
         fp8=spec.fp8,
+        bias=config.attention_bias,
+        out_bias=config.attention_out_bias,
+        rope_scaling=rope_scaling,
         **kw,
     )
 

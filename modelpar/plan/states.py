@@ -50,7 +50,9 @@ def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) ->
     if half == "attention":
         hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
         qk_norm = [(d, 1), (d, 1)] if shape.qk_norm else []  # q_norm, k_norm
-        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d), *qk_norm]  # norm, qkv_proj, o_proj
+        biases = [((hq + 2 * hkv) * d, 1)] if shape.attention_bias else []  # split with qkv_proj's rows
+        biases += [(h, 1)] if shape.attention_out_bias else []  # o_proj's, whole on every rank
+        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d), *qk_norm, *biases]  # norm, qkv_proj, o_proj
     if not shape.moe.is_moe_layer(layer):
         f = shape.ffn_hidden // t
         return [(h, 1), (2 * f, h), (h, f)]  # norm, gate_up_proj, down_proj

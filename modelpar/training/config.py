@@ -126,7 +126,10 @@ class TrainerConfig:
     ckpt_every: int = 50
     ckpt_async: bool = False  # snapshot to host memory at a save step; a background thread writes the files
     keep_last: int = 2
-    resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    resume: str = "auto"  # auto | never | PATH of a checkpoint (a step directory, or a root's latest)
+    # a fresh run (step 0, new optimizer) from a checkpoint's or an HF directory's weights and model identity,
+    # until the run has a checkpoint of its own (modelpar/training/init_from.py)
+    init_from: str = ""
     max_restarts: int = 0  # a failed local job starts again from the newest verified checkpoint, up to N times
     restart_backoff_s: float = 1.0  # wait before the first restart, doubling per restart (at most 60 s)
     # run (and resume) on the world now available: dp re-chosen, tp/pp/cp kept, the checkpoint resharded
@@ -357,6 +360,11 @@ def _check_choices(cfg: TrainConfig) -> None:
             listed = ", ".join(map(str, allowed))
             verb = "is unknown; choose one of" if key in _UNKNOWN else "must be one of"
             raise RecipeError(f"{key}={value!r} {verb} {listed}")
+    if cfg.trainer.init_from and cfg.trainer.resume not in ("auto", "never"):
+        raise RecipeError(
+            f"trainer.init_from={cfg.trainer.init_from} and trainer.resume={cfg.trainer.resume} both name weights to "
+            "start from; keep one (init_from starts a fresh run, resume continues one)"
+        )
     if cfg.trainer.max_restarts > 0 and cfg.trainer.resume != "auto":
         raise RecipeError(
             f"trainer.max_restarts={cfg.trainer.max_restarts} restarts from the newest verified checkpoint of the run, "

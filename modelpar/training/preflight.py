@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 
 from modelpar.checkpoint.signing import check_checkpoint, load_key, read_signed_index
-from modelpar.checkpoint.store import CheckpointError, checkpoint_dirs, latest_checkpoint, read_index
+from modelpar.checkpoint.store import (
+    CheckpointError,
+    checkpoint_dirs,
+    latest_checkpoint,
+    read_index,
+    resolve_checkpoint,
+)
 from modelpar.data import (
     Blend,
     DataError,
@@ -84,8 +90,9 @@ def resolve_resume(cfg: TrainConfig) -> str | None:
         if found is not None and key is not None:
             check_checkpoint(found, key)  # a bad signature is refused, never skipped for an older checkpoint
         return str(found) if found else None
-    read_signed_index(mode, key)  # verify before starting ranks
-    return mode
+    ckpt = resolve_checkpoint(mode) if Path(mode).is_dir() else mode  # a root: the checkpoint latest names
+    read_signed_index(ckpt, key)  # verify before starting ranks
+    return str(ckpt)
 
 
 def newest_good_checkpoint(root: Path) -> Path | None:

@@ -47,6 +47,7 @@ from modelpar.training.build import (
 from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
+from modelpar.training.init_from import init_source, load_initial_weights
 from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.plugins import (
     GradientFlags,
@@ -131,6 +132,8 @@ class Trainer:
         )
         if resume_from:
             self.resume(Path(resume_from), verified=resume_verified)
+        elif cfg.trainer.init_from:  # a fresh run from another model's weights; preflight verified them
+            load_initial_weights(self.model.chunks, init_source(cfg.trainer.init_from, verify=False))
 
     # -- one step ------------------------------------------------------------------------------------------
 

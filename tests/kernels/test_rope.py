@@ -61,3 +61,22 @@ def test_bf16_matches_reference_on_gpu():
         _rotate_with_grad("triton", x, cos, sin, grad), _rotate_with_grad("torch", x, cos, sin, grad), strict=True
     ):
         assert_close(got, want, BF16_TOL)
+
+
+def test_scaled_tables_rotation_and_gradient_match_reference():
+    """Scaled tables (other frequencies, cos and sin multiplied by YaRN's attention factor): the same kernel, its
+    backward still the transpose."""
+    torch.manual_seed(2)
+    x = torch.randn(2, 11, 3, 12, device=DEVICE)
+    inv_freq = torch.tensor([1.0, 0.3, 0.02, 0.004, 1e-4, 3e-5])
+    cos, sin = rope_tables(11, 12, theta=10000.0, device=DEVICE, inv_freq=inv_freq, scale=1.37)
+    assert torch.allclose(cos.square() + sin.square(), torch.full_like(cos, 1.37**2))
+    grad = torch.randn_like(x)
+    y, dx = _rotate_with_grad("triton", x, cos, sin, grad)
+    ref_y, ref_dx = _rotate_with_grad("torch", x, cos, sin, grad)
+    assert_close(y, ref_y, FP32_TOL, "y")
+    assert_close(dx, ref_dx, FP32_TOL, "dx")
+    # the reference's gradient is the transpose of the scaled rotation, not its inverse
+    x1 = x.detach().clone().requires_grad_()
+    torch.autograd.backward(apply_rope(x1, cos, sin), grad)
+    assert torch.allclose(x1.grad.square().sum(), (grad * 1.37).square().sum(), rtol=1e-4)

@@ -41,10 +41,10 @@ def test_config_from_hf_maps_every_field(hf_model):
 def test_unsupported_llama_variant_is_refused(hf_model, tmp_path):
     path, _ = hf_model
     config = json.loads((path / "config.json").read_text())
-    config["attention_bias"] = True
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500.0}
+    config["mlp_bias"] = True
+    config["hidden_act"] = "gelu"
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported Llama variant \(attention_bias, rope_type\)"):
+    with pytest.raises(ValueError, match=r"unsupported Llama variant \(mlp_bias, hidden_act\)"):
         config_from_hf(tmp_path)
 
 

@@ -79,10 +79,7 @@ def test_deepseek_v3_config_maps_every_field(v3):
 
 def test_unsupported_deepseek_v3_variants_are_refused_in_one_line_naming_the_field(v3, tmp_path):
     hf = json.loads((v3["v3"][0] / "config.json").read_text())
-    yarn = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 40.0}
     for fields, named in [
-        ({"rope_parameters": yarn}, "rope_scaling (rope_type=yarn"),
-        ({"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 40.0}}, "rope_scaling (rope_type=yarn"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_key_value_heads": 2}, "num_key_value_heads=2 != num_attention_heads=4"),
         ({"scoring_func": "softmax"}, "scoring_func=softmax"),

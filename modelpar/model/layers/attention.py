@@ -14,6 +14,7 @@ from torch import nn
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.norm import ProjectionRMSNorm, RMSNorm
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.model.rope import RopeScaling, table_options
 from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, local_positions
 from modelpar.parallel.regions import TensorParallelGroup
 
@@ -24,31 +25,40 @@ _ROPE_TABLES_KEPT = 8  # a run meets a few sequence lengths (train, eval); gener
 
 
 def cached_rope_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
+    seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_tables(seq_len, head_dim, theta)`` on ``device``, built once and shared by every attention layer.
+    """``rope_tables(seq_len, head_dim, theta)`` on ``device`` (its frequencies and factor scaled by ``scaling``,
+    ``modelpar.model.rope``), built once and shared by every attention layer.
 
     cos, sin: [seq_len, head_dim / 2], fp32 whatever the activations' dtype (the rotation runs in fp32), so the
     dtype is not part of the key. Read-only: every layer and every step gets the same tensors.
     """
-    key = (seq_len, head_dim, theta, str(device))
+    scaled = scaling is not None and scaling.enabled
+    key = (seq_len, head_dim, theta, str(device), scaling.key() if scaled else None)
     tables = _ROPE_TABLES.get(key)
     if tables is None:
         if len(_ROPE_TABLES) >= _ROPE_TABLES_KEPT:
             _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))  # the oldest
         # normal tensors even when first asked for under inference_mode, so a later training step can save them
         with torch.inference_mode(False):
-            tables = _ROPE_TABLES[key] = rope_tables(seq_len, head_dim, theta, device=device)
+            options = table_options(head_dim, theta, scaling)
+            tables = _ROPE_TABLES[key] = rope_tables(seq_len, head_dim, theta, device=device, **options)
     return tables
 
 
 def local_rope_tables(
-    local_len: int, head_dim: int, theta: float, cp: ContextParallelGroup, device: torch.device
+    local_len: int,
+    head_dim: int,
+    theta: float,
+    cp: ContextParallelGroup,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [local_len, head_dim / 2] at this rank's global positions: ``0 .. local_len - 1``, or under cp
-    the positions of its two chunks of the ``local_len * cp.size``-token sequence."""
+    the positions of its two chunks of the ``local_len * cp.size``-token sequence (rows of the whole sequence's
+    tables, scaled or not)."""
     seq = local_len * cp.size
-    cos, sin = cached_rope_tables(seq, head_dim, theta, device)
+    cos, sin = cached_rope_tables(seq, head_dim, theta, device, scaling)
     if cp.size > 1:
         positions = local_positions(seq, cp.size, cp.rank, device)
         cos, sin = cos[positions], sin[positions]
@@ -94,6 +104,9 @@ class ParallelAttention(nn.Module):
     ``fp8`` (off | rowwise | tensorwise): the qkv and output projections' GEMMs in FP8 (attention itself stays
     in the compute dtype). ``window`` W > 0: the token at global position i attends to positions ``i-W+1 .. i``
     (composed with the document mask); a window as long as the sequence is full causal attention.
+    ``bias``: q, k and v biases (Qwen2), split over tp with their projections' rows; ``out_bias``: an o_proj
+    bias, added once after the tp reduction (``RowParallelLinear``). ``rope_scaling``: RoPE's tables scaled
+    (``modelpar.model.rope``).
 
     ``qk_norm="projection"``: one RMSNorm over all heads of q (and one of k) before they are split into heads
     (OLMo 2; ``ProjectionRMSNorm``, weights sharded with the heads); ``norm_offset`` 1: the per-head norms scale
@@ -122,6 +135,9 @@ class ParallelAttention(nn.Module):
         documents: DocumentIds | None = None,
         window: int = 0,
         fp8: str = "off",
+        bias: bool = False,
+        out_bias: bool = False,
+        rope_scaling: RopeScaling | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -130,7 +146,7 @@ class ParallelAttention(nn.Module):
         self.documents = documents
         self.window = window
         self.head_dim = d = head_dim or hidden // heads
-        self.rope_theta, self.backend = rope_theta, backend
+        self.rope_theta, self.rope_scaling, self.backend = rope_theta, rope_scaling, backend
         self.heads = heads // tp.size
         if kv_heads % tp.size == 0:
             self.kv_heads, first_kv, replicas = kv_heads // tp.size, tp.rank * kv_heads // tp.size, 1
@@ -143,8 +159,8 @@ class ParallelAttention(nn.Module):
         ]
         parts = [ColumnPart.even("q_proj.weight", heads * d, tp.rank, tp.size), *kv]
         kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
-        self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, **kw)
-        self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", **kw)
+        self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, bias=bias, **kw)
+        self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", bias=out_bias, **kw)
         self.query_factor = (d / query_scale) ** 0.5 if query_scale else 1.0
         self.softcap = softcap
         self.q_norm = self.k_norm = None
@@ -170,7 +186,7 @@ class ParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.cp
         seq = q.shape[1] * cp.size
-        cos, sin = local_rope_tables(q.shape[1], d, self.rope_theta, cp, q.device)
+        cos, sin = local_rope_tables(q.shape[1], d, self.rope_theta, cp, q.device, self.rope_scaling)
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
         if self.query_factor != 1.0:
             q = q * self.query_factor

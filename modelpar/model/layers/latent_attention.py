@@ -8,6 +8,7 @@ Per token (n heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dk = dn + dr, 
     c   = kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (dr)],   c_kv <- RMSNorm_kv(c_kv)
     [k_nope | v] = kv_b_proj(c_kv)  [n, dn + dv];   k = [k_nope | k_pe] (k_pe the same for every head)
     q_pe, k_pe rotated by RoPE (rotate-half pairs, tables of dim dr); softmax scale 1 / sqrt(dk)
+        (under YaRN with mscale_all_dim: times ``softmax_factor``, applied as a multiple of q)
     out = o_proj(causal_attention(q, k, v))  (v's head dim dv, not dk)
 
 The latent norms use eps 1e-6 (DeepSeek's, whatever ``model.norm_eps``). The weights carry Hugging Face's
@@ -30,6 +31,7 @@ from torch import nn
 from modelpar.model.layers.attention import DocumentIds, local_rope_tables
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
+from modelpar.model.rope import RopeScaling, softmax_factor
 from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention
 from modelpar.parallel.latent_context import latent_context_attention
 from modelpar.parallel.layout import LayoutError
@@ -68,6 +70,11 @@ class LatentAttention(nn.Module):
 
     Under context parallelism the normed latent and the rotated k_pe of this rank's tokens cross the cp group
     (``modelpar.parallel.latent_context``), each rank expanding them with its kv_b_proj shard.
+
+    ``rope_scaling``: the RoPE tables of q_pe and k_pe scaled (``modelpar.model.rope``); YaRN with
+    ``mscale_all_dim`` (DeepSeek-V3's released config) also multiplies the softmax scale by ``softmax_factor``,
+    here by multiplying q (every score is linear in q), so every attention path (single device, ring,
+    all-gather, the latent exchange) scales alike without a scale threaded through each.
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class LatentAttention(nn.Module):
         v_head_dim: int,
         rope_theta: float,
         tp: TensorParallelGroup,
+        rope_scaling: RopeScaling | None = None,
         sequence_parallel: bool = False,
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
@@ -99,7 +107,8 @@ class LatentAttention(nn.Module):
         if heads % tp.size:
             raise LayoutError(f"tp={tp.size} does not divide heads={heads}")
         self.documents, self.tp = documents, tp
-        self.rope_theta, self.backend = rope_theta, backend
+        self.rope_theta, self.rope_scaling, self.backend = rope_theta, rope_scaling, backend
+        self.q_factor = softmax_factor(rope_scaling)
         self.heads = heads // tp.size
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope, self.rope, self.value_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -141,9 +150,11 @@ class LatentAttention(nn.Module):
         q = rearrange(q, "b s (n d) -> b s n d", n=n)
         c_kv = rms_norm(c_kv, self.kv_a_layernorm, LATENT_NORM_EPS, backend=self.backend)
         cp = self.cp
-        cos, sin = local_rope_tables(q.shape[1], dr, self.rope_theta, cp, q.device)
+        cos, sin = local_rope_tables(q.shape[1], dr, self.rope_theta, cp, q.device, self.rope_scaling)
         q_nope, q_pe = q.split([self.nope, dr], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, cos, sin, backend=self.backend)], dim=-1)
+        if self.q_factor != 1.0:
+            q = q * self.q_factor
         k_pe = apply_rope(k_pe[:, :, None], cos, sin, backend=self.backend)[:, :, 0]
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [b, s, kv_lora_rank + dr]: all a token's keys and values
         expand = self._expand()

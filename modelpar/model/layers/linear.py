@@ -1,4 +1,5 @@
-"""Column- and row-parallel linear layers (Megatron-LM, Shoeybi et al. 2019), without bias as in Llama."""
+"""Column- and row-parallel linear layers (Megatron-LM, Shoeybi et al. 2019), without bias as in Llama or with one
+(Qwen2's q, k, v; GPT-OSS's o_proj)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from modelpar.parallel.regions import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
+
+
+def bias_name(weight_name: str) -> str:
+    """The logical name of the bias beside weight ``weight_name``: ``q_proj.weight`` -> ``q_proj.bias``."""
+    return weight_name.removesuffix("weight") + "bias"
 
 
 class ColumnParallelLinear(nn.Module):
@@ -48,6 +54,9 @@ class ColumnParallelLinear(nn.Module):
     ``fp8`` (rowwise | tensorwise): the matmul and both of its backward GEMMs in FP8 (``modelpar.model.layers.fp8``),
     the input gathered (or entered through f) first, scales reduced over tp (the output features) and ``cp``
     (the tokens).
+
+    ``bias``: ``y = x @ W.T + b`` with ``b`` split like the rows of ``W`` (each part's bias, named as its weight
+    with ``.bias``, is the rows of it this rank holds), so no rank adds another's.
     """
 
     def __init__(
@@ -60,6 +69,7 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         fp8: str = "off",
         cp: ContextParallelGroup | None = None,
+        bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -78,30 +88,37 @@ class ColumnParallelLinear(nn.Module):
         rows = sum(p.size for p in self.parts)
         # zeros: rows past a part's end (vocab padding) are never loaded and must stay inert
         self.weight = nn.Parameter(torch.zeros(rows, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, in] (or [b, s/t, in] with sequence parallel) -> [b, s, local out]."""
         if self.fp8 is not None:
             x = gather_from_sequence_region(x, self.tp) if self.sequence_parallel else copy_to_tp_region(x, self.tp)
-            return fp8_linear(x, self.weight, self.fp8)
-        if self.sequence_parallel:
-            return F.linear(gather_from_sequence_region(x, self.tp), self.weight)
-        return column_parallel_matmul(x, self.weight, self.tp)
+            y = fp8_linear(x, self.weight, self.fp8)
+        elif self.sequence_parallel:
+            y = F.linear(gather_from_sequence_region(x, self.tp), self.weight)
+        else:
+            y = column_parallel_matmul(x, self.weight, self.tp)
+        return y if self.bias is None else y + self.bias
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
         shards, start = {}, 0
         for part in self.parts:
             held = max(0, min(part.size, part.rows - part.offset))
-            shards[prefix + part.name] = ShardInfo(
-                param=self.weight,
-                local_rows=slice(start, start + held),
-                global_shape=(part.rows, self.in_features),
-                dim=None if part.size == part.rows else 0,
-                offset=part.offset,
-                replicated_over_tp=part.replicas > 1,
-                primary=part.primary,
-                grad_is_partial=part.replicas > 1,
-            )
+            pieces = [(part.name, self.weight, (part.rows, self.in_features))]
+            if self.bias is not None:
+                pieces.append((bias_name(part.name), self.bias, (part.rows,)))
+            for name, param, shape in pieces:
+                shards[prefix + name] = ShardInfo(
+                    param=param,
+                    local_rows=slice(start, start + held),
+                    global_shape=shape,
+                    dim=None if part.size == part.rows else 0,
+                    offset=part.offset,
+                    replicated_over_tp=part.replicas > 1,
+                    primary=part.primary,
+                    grad_is_partial=part.replicas > 1,
+                )
             start += part.size
         return shards
 
@@ -125,6 +142,10 @@ class RowParallelLinear(nn.Module):
 
     ``fp8`` (rowwise | tensorwise): the partial matmul and its backward GEMMs in FP8, scales reduced over tp (the
     input features) and ``cp`` (the tokens).
+
+    ``bias`` b [out]: added once, after the partial sums are reduced (added before, the sum would hold it t
+    times). Every rank holds all of it; its gradient is complete on each without sequence parallel and this
+    rank's tokens' share with it (``ShardInfo.grad_is_partial``, summed over tp), as for a norm weight.
     """
 
     def __init__(
@@ -137,6 +158,7 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         fp8: str = "off",
         cp: ContextParallelGroup | None = None,
+        bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -148,17 +170,20 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.zeros(out_features, in_features // tp.size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, in/t] -> [b, s, out] (or [b, s/t, out] with sequence parallel), summed over tp."""
         y = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, self.fp8)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(y, self.tp)
-        return reduce_from_tp_region(y, self.tp)
+            y = reduce_scatter_to_sequence_region(y, self.tp)
+        else:
+            y = reduce_from_tp_region(y, self.tp)
+        return y if self.bias is None else y + self.bias
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
         local = self.in_features // self.tp.size
-        return {
+        shards = {
             prefix + self.name: ShardInfo(
                 param=self.weight,
                 local_rows=slice(None),
@@ -167,6 +192,16 @@ class RowParallelLinear(nn.Module):
                 offset=self.tp.rank * local,
             )
         }
+        if self.bias is not None:
+            shards[prefix + bias_name(self.name)] = ShardInfo(
+                param=self.bias,
+                local_rows=slice(None),
+                global_shape=(self.out_features,),
+                replicated_over_tp=self.tp.size > 1,
+                primary=self.tp.rank == 0,
+                grad_is_partial=self.sequence_parallel and self.tp.size > 1,
+            )
+        return shards
 
     def load_full(self, weight: torch.Tensor) -> RowParallelLinear:
         """Set this rank's columns from the full single-device weight [out, in]. Returns the layer."""
