@@ -14,6 +14,7 @@ not a new block class::
     query_scale      scores scaled by 1/sqrt(query_scale) (Gemma's query_pre_attn_scalar); 0: 1/sqrt(d)
     attention_softcap  scores s -> cap * tanh(s / cap) before the softmax (Gemma 2); 0: off
     final_softcap      logits z -> cap * tanh(z / cap) before the loss (Gemma 2); 0: off
+    attention_sinks  one learned logit per head in each softmax's denominator (GPT-OSS's ``sinks``)
     qk_norm_scope    head: one RMSNorm over each head's d (Qwen3, Gemma 3); projection: one over all heads'
                      concatenation, weights [heads*d] (OLMo 2), its sum of squares reduced over tp
     local_rope_theta the sliding-window layers' own RoPE base, unscaled (Gemma 3's local layers; the global ones
@@ -60,6 +61,7 @@ class BlockStructure:
     query_scale: float = 0.0
     attention_softcap: float = 0.0
     final_softcap: float = 0.0
+    attention_sinks: bool = False
     qk_norm_scope: str = "head"
     local_rope_theta: float = 0.0
 
@@ -141,6 +143,7 @@ class BlockStructure:
             for name, on in (
                 ("GeGLU (the fused MLP kernel is SwiGLU)", self.activation == "geglu"),
                 ("attention soft-cap (the flash kernel has none)", self.attention_softcap > 0),
+                ("attention sinks (the flash kernel has none)", self.attention_sinks),
             )
             if on
         ]

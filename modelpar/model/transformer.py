@@ -50,7 +50,7 @@ class Block(nn.Module):
 
     How it is put together is ``config.block`` (``modelpar.model.structure``), read here and nowhere else: the
     norms' placement (pre, post, sandwich: ``_sub_layer``) and scale form, the MLP's activation, and the
-    attention's scale, soft-cap, QK-norm scope and RoPE base (``_attention``).
+    attention's scale, soft-cap, sinks, QK-norm scope and RoPE base (``_attention``).
 
     Block ``layer`` of the chunk ``spec`` describes: all of it, or the half ``spec.half(layer)`` names
     (``"attention"`` or ``"mlp"``, a pipeline split inside the block), the other half living in the
@@ -155,6 +155,7 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
         norm_offset=b.norm_offset,
         query_scale=b.query_scale,
         softcap=b.attention_softcap,
+        sinks=b.attention_sinks,
         cp=groups.cp,
         documents=documents,
         window=config.window(layer),

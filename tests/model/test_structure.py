@@ -34,6 +34,7 @@ CHANGES = [  # one field each, away from Llama's block
     dict(query_scale=10.0),
     dict(attention_softcap=0.5),
     dict(final_softcap=1.0),
+    dict(attention_sinks=True),
     dict(qk_norm_scope="projection"),
     dict(local_rope_theta=20.0),
 ]
@@ -103,9 +104,20 @@ LAYOUTS = [  # (config, layout, chunk options) on the one 4-rank pool
     ("everything", ParallelLayout(cp=2, dp=2), {"recompute": "full"}),
     ("post", ParallelLayout(tp=2, dp=2), {"sequence_parallel": True}),
     ("post", ParallelLayout(cp=2, dp=2), {"cp_comm": "alltoall"}),
+    ("sinks", ParallelLayout(tp=2, dp=2), {"sequence_parallel": True}),
+    ("sinks", ParallelLayout(pp=2, dp=2), {"recompute": "full"}),
+    ("sinks", ParallelLayout(cp=2, dp=2), {}),
+    ("sinks", ParallelLayout(cp=2, dp=2), {"cp_comm": "allgather", "recompute": "selective"}),
 ]
 CONFIGS = {
     "everything": ModelConfig(**BASE, block=EVERYTHING),
+    # GPT-OSS's attention: sinks, q/k/v/o biases, local and global layers, no QK-norm
+    "sinks": ModelConfig(
+        **BASE | {"qk_norm": False},
+        attention_bias=True,
+        attention_out_bias=True,
+        block=BlockStructure(attention_sinks=True),
+    ),
     "post": ModelConfig(
         **BASE | {"tie_embeddings": True}, block=BlockStructure(norm="post", qk_norm_scope="projection")
     ),

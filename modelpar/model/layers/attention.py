@@ -113,6 +113,8 @@ class ParallelAttention(nn.Module):
     by ``1 + weight`` (Gemma). ``query_scale`` S > 0: scores scaled by 1/sqrt(S) instead of 1/sqrt(d), by
     scaling q before attention, so every kernel and context-parallel exchange runs unchanged. ``softcap`` > 0:
     scores capped by ``softcap * tanh(s / softcap)`` (the torch path, inside each block of the cp exchange).
+    ``sinks``: one learned logit per head (``sinks`` [heads], sharded with the heads) in each row's softmax, a
+    key of value 0 that every query sees (GPT-OSS; the torch path, merged into the cp online softmax).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class ParallelAttention(nn.Module):
         norm_offset: float = 0.0,
         query_scale: float = 0.0,
         softcap: float = 0.0,
+        sinks: bool = False,
         sequence_parallel: bool = False,
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
@@ -163,6 +166,8 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", bias=out_bias, **kw)
         self.query_factor = (d / query_scale) ** 0.5 if query_scale else 1.0
         self.softcap = softcap
+        self.first_head, self.tp_size = tp.rank * self.heads, tp.size
+        self.sinks = nn.Parameter(torch.zeros(self.heads, device=device, dtype=dtype)) if sinks else None
         self.q_norm = self.k_norm = None
         self.projection_norm = qk_norm == "projection"
         if self.projection_norm:  # over whole projections, sharded like their heads
@@ -193,10 +198,12 @@ class ParallelAttention(nn.Module):
         documents = self.documents.current() if self.documents is not None else None
         window = self.window if self.window < seq else 0  # a window spanning the sequence masks nothing
         if cp.size == 1 and documents is None:
-            out = attention(q, k, v, causal=True, backend=self.backend, window=window, softcap=self.softcap)
+            out = attention(
+                q, k, v, causal=True, backend=self.backend, window=window, softcap=self.softcap, sinks=self.sinks
+            )
         else:
             out = context_parallel_attention(
-                q, k, v, cp, documents, backend=self.backend, window=window, softcap=self.softcap
+                q, k, v, cp, documents, backend=self.backend, window=window, softcap=self.softcap, sinks=self.sinks
             )
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
@@ -204,4 +211,7 @@ class ParallelAttention(nn.Module):
         shards = self.qkv_proj.logical_shards(prefix) | self.o_proj.logical_shards(prefix)
         if self.q_norm is not None:
             shards |= self.q_norm.logical_shards(prefix + "q_norm.") | self.k_norm.logical_shards(prefix + "k_norm.")
+        if self.sinks is not None:
+            global_shape = (self.heads * self.tp_size,)
+            shards[prefix + "sinks"] = ShardInfo(self.sinks, slice(None), global_shape, dim=0, offset=self.first_head)
         return shards
