@@ -60,7 +60,10 @@ ROUTERS = ("softmax", "sigmoid")
 AUX_LOSS_SCOPES = ("global_batch", "micro_batch", "sequence")
 # routing fields outside MoEConfig.IDENTITY that change what the weights compute: part of the identity only when
 # they differ from these defaults, so older mixtures keep their identity
-ROUTING_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0)
+ROUTING_DEFAULTS = dict(
+    n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0, bias=False, activation="swiglu"
+)
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass
@@ -109,6 +112,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # the routed experts' weighted sum multiplied by this
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     first_k_dense_replace: int = 0  # layers 0..k-1 dense whatever ``layers`` / ``every`` say
+    bias: bool = False  # the router and every expert's projections with biases (GPT-OSS)
+    activation: str = "swiglu"  # swiglu | clamped_swiglu: GPT-OSS's (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_alpha: float = 1.702  # clamped_swiglu's alpha
+    swiglu_limit: float = 7.0  # clamped_swiglu's clamp: gate <= limit, |up| <= limit
 
     @property
     def enabled(self) -> bool:
@@ -145,6 +152,8 @@ class MoEConfig:
         if self.capacity_factor < 0:
             raise ModelConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
         self._check_routing(layers)
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelConfigError(f"model.moe.activation={self.activation!r} is not one of {EXPERT_ACTIVATIONS}")
         if self.bias_update_rate and self.router != "sigmoid":
             raise ModelConfigError(
                 "model.moe.bias_update_rate is the sigmoid router's balancing bias; set model.moe.router=sigmoid "
@@ -180,6 +189,8 @@ class MoEConfig:
         routing = {
             name: getattr(self, name) for name, default in ROUTING_DEFAULTS.items() if getattr(self, name) != default
         }
+        if self.activation == "clamped_swiglu":
+            routing |= {"swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
         return {name: getattr(self, name) for name in self.IDENTITY} | {"layers": list(self.layers)} | routing
 
 

@@ -50,6 +50,16 @@ from modelpar.model.hf_deepseek import (
 )
 from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
 from modelpar.model.hf_gemma import GEMMA_TYPES, gemma_config_to_hf, gemma_fields, gemma_unsupported
+from modelpar.model.hf_gpt_oss import (
+    GPT_OSS_TYPES,
+    expert_from_fused,
+    expert_part,
+    fuse_experts,
+    gpt_oss_config_to_hf,
+    gpt_oss_fields,
+    gpt_oss_name,
+    gpt_oss_unsupported,
+)
 from modelpar.model.hf_olmo import OLMO_TYPES, olmo_config_to_hf, olmo_fields, olmo_unsupported
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.hf_qwen2 import QWEN2_TYPES, qwen2_config_to_hf, qwen2_fields, qwen2_unsupported
@@ -59,7 +69,7 @@ from modelpar.model.transformer import ModelChunk
 
 FAMILY_NAMES = {
     "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3",
-    "gemma2": "Gemma 2",
+    "gemma2": "Gemma 2", "gpt_oss": "GPT-OSS",
 }  # fmt: skip
 CONFIG_NAME = "config.json"
 
@@ -73,6 +83,8 @@ def hf_name(logical: str, model_type: str = "llama", layers: int = 0) -> str:
         return deepseek_name(logical, layers)
     if logical == "lm_head.weight":
         return logical
+    if model_type in GPT_OSS_TYPES and gpt_oss_name(logical):
+        return gpt_oss_name(logical)
     if model_type == "mixtral":
         for moe_part in (".mlp.gate.", ".mlp.experts."):
             logical = logical.replace(moe_part, moe_part.replace(".mlp.", ".block_sparse_moe."))
@@ -97,7 +109,8 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     refuse, in one line naming the fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    known = ("llama", "mistral", "mixtral", *QWEN2_TYPES, *QWEN_TYPES, *DEEPSEEK_TYPES, *OLMO_TYPES, *GEMMA_TYPES)
+    known = ("llama", "mistral", "mixtral", *QWEN2_TYPES, *QWEN_TYPES, *DEEPSEEK_TYPES, *OLMO_TYPES, *GEMMA_TYPES,
+             *GPT_OSS_TYPES)  # fmt: skip
     if kind not in known:
         raise ValueError(f"{path}: model_type={kind!r}; supported: {', '.join(repr(k) for k in known)}")
     if kind in DEEPSEEK_TYPES:
@@ -128,6 +141,8 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         unsupported |= olmo_unsupported(hf)
     if kind in GEMMA_TYPES:
         unsupported |= gemma_unsupported(hf)  # its RoPE per layer type, not at the top level
+    if kind in GPT_OSS_TYPES:
+        unsupported |= gpt_oss_unsupported(hf)
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
         family = FAMILY_NAMES.get(kind, kind.capitalize())
@@ -158,13 +173,16 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         fields |= olmo_fields(hf)
     if kind in GEMMA_TYPES:
         fields |= gemma_fields(hf, _window_from_hf(hf, path), path)
+    if kind in GPT_OSS_TYPES:
+        fields |= gpt_oss_fields(hf)
     return ModelConfig(**fields)
 
 
 def _window_from_hf(hf: dict, path) -> dict:
     """``sliding_window`` and ``window_layers`` of a Mistral/Mixtral config (a Llama has neither; Qwen3's
     ``use_sliding_window`` is refused by ``modelpar.model.hf_qwen``)."""
-    window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral", *GEMMA_TYPES) else None
+    windowed = ("mistral", "mixtral", *GEMMA_TYPES, *GPT_OSS_TYPES)
+    window = hf.get("sliding_window") if hf.get("model_type") in windowed else None
     if window is None:
         return {}
     if not isinstance(window, int) or window < 1:
@@ -187,6 +205,9 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if config.mla.enabled:
         llama = config_to_hf(_plain(config, mla=MLAConfig(), moe=MoEConfig(), mtp_depth=0), dtype)
         return deepseek_config_to_hf(config, llama)
+    if config.block.attention_sinks or config.moe.activation == "clamped_swiglu":
+        plain = dict(block=BlockStructure(), moe=MoEConfig(), sliding_window=0, window_layers=[])
+        return gpt_oss_config_to_hf(config, config_to_hf(_plain(config, **plain), dtype))
     if config.block.norm != "pre":  # OLMo 2's post-norms, Gemma's sandwich
         plain = _plain(config, block=BlockStructure(), qk_norm=False, sliding_window=0, window_layers=[])
         to_hf = olmo_config_to_hf if config.block.norm == "post" else gemma_config_to_hf
@@ -348,9 +369,17 @@ def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
     interleaved RoPE rows reordered to rotate-half)."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     with HFWeights(path) as f:
-        chunk.load_logical(
-            lambda name, shard: hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
-        )
+
+        def fetch(name, shard):
+            part = expert_part(name) if hf.get("model_type") in GPT_OSS_TYPES else None
+            if part is not None:  # a GPT-OSS expert: its slice of the fused, interleaved, transposed tensors
+                prefix, expert, ours = part
+                key = prefix + {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}[ours[:2]]
+                key += "_bias" if ours.endswith("bias") else ""
+                return expert_from_fused(f.get_slice(key)[expert : expert + 1][0], ours)[shard.index]
+            return hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
+
+        chunk.load_logical(fetch)
 
 
 def save_hf(
@@ -369,6 +398,10 @@ def save_hf(
     if kind in DEEPSEEK_TYPES:  # written with rope_interleave, V3's own row order
         state = {name: rope_rows_to_hf(name, t, config.mla) for name, t in state.items()}
     tensors = {hf_name(name, kind, config.layers): t.detach().cpu().contiguous() for name, t in state.items()}
+    if kind in GPT_OSS_TYPES:  # the experts fused as GPT-OSS keeps them
+        state = {name: t.detach().cpu() for name, t in state.items()}
+        tensors = {k: t for k, t in tensors.items() if ".mlp.experts." not in k}
+        tensors |= {k: t.contiguous() for k, t in fuse_experts(state, config.layers).items()}
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     entries = {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()}
     write_hf_weights(path, entries, tensors.__getitem__, max_shard_size)

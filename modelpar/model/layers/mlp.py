@@ -55,3 +55,10 @@ class ParallelSwiGLU(nn.Module):
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
         return self.gate_up_proj.logical_shards(prefix) | self.down_proj.logical_shards(prefix)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = gate
+    clamped above at ``limit``. gate, up: [..., f] -> [..., f]."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
