@@ -164,7 +164,8 @@ def describe_run(cfg: TrainConfig) -> str:
     layout, p, moe = cfg.parallel.layout(), cfg.parallel, cfg.model.moe
     model = cfg.model.name + (f" (MoE {moe.experts} experts, top-{moe.top_k})" if moe.enabled else "")
     parts = [f"{model} on {layout} ({_count(layout.world_size, 'rank')})"]
-    unfused = cfg.model.block.unfused() if cfg.model.kernels != "torch" else []
+    clamped = ["clamped SwiGLU experts (the fused kernel is SwiGLU)"] if moe.activation == "clamped_swiglu" else []
+    unfused = cfg.model.block.unfused() + clamped if cfg.model.kernels != "torch" else []
     if unfused:
         parts.append(f"torch path for {' and '.join(unfused)}")
     if cfg.optim.zero:

@@ -1,5 +1,5 @@
-"""OLMo 2, Gemma 3 and Gemma 2 blocks trained at tp2 by the trainer export to directories transformers loads
-with the trained model's loss."""
+"""OLMo 2, Gemma 3 and Gemma 2 blocks trained at tp2, and GPT-OSS at tp2 x ep2, by the trainer export to
+directories transformers loads with the trained model's loss."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelpar.model.config import ModelConfig
+from modelpar.model.config import ModelConfig, MoEConfig
+from modelpar.model.rope import RopeScaling
 from modelpar.model.structure import BlockStructure
 from modelpar.testing import run_on_ranks
 from tests.helpers import make_config
@@ -40,6 +41,13 @@ FAMILIES = {  # name: (config, transformers class)
         "Gemma2ForCausalLM",
     ),
 }  # fmt: skip
+GPT_OSS = ModelConfig(
+    name="gpt-oss-test", **SHAPE | {"ffn_hidden": 16}, sliding_window=3, window_layers=[0], attention_bias=True,
+    attention_out_bias=True, rope_theta=150000.0,
+    rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=8, truncate=False),
+    moe=MoEConfig(experts=4, top_k=2, bias=True, activation="clamped_swiglu", swiglu_limit=0.5),
+    block=BlockStructure(attention_sinks=True),
+)  # fmt: skip
 IDS = torch.tensor([[3, 17, 60, 0, 42, 9, 9, 31, 5], [59, 1, 2, 44, 12, 37, 50, 8, 8]])
 
 
@@ -50,14 +58,14 @@ def _train_then_export(cfgs, data_path, root):
     from modelpar.training.trainer import Trainer
 
     results = {}
-    for family, cfg in cfgs.items():
+    for family, cfg in cfgs.items():  # under ep, the ranks of one ep group (dp 0 and 1 of a tp pair) export
         trainer = Trainer(cfg, data_path, None)
         (chunk,) = trainer.model.chunks
         with torch.no_grad():
             before = chunk.loss(chunk(IDS[:, :-1]), IDS[:, 1:]).item()
         for _ in range(cfg.trainer.steps):
             trainer.train_step()
-        if trainer.groups.dp_rank == 0:
+        if trainer.groups.dp_rank < cfg.parallel.ep:
             export_hf(chunk, root / family)
         with torch.no_grad():
             results[family] = before, chunk.loss(chunk(IDS[:, :-1]), IDS[:, 1:]).item()
@@ -69,8 +77,9 @@ def test_block_families_trained_at_tp2_export_to_transformers_with_the_same_loss
         family: replace(make_config(tmp_path / family, tp=2, dp=2), model=model)
         for family, (model, _) in FAMILIES.items()
     }
+    cfgs["gpt_oss"] = replace(make_config(tmp_path / "gpt_oss", tp=2, dp=2, ep=2), model=GPT_OSS)
     results = run_on_ranks(4, _train_then_export, cfgs, token_path, tmp_path / "hf")
-    for family, (_, cls) in FAMILIES.items():
+    for family, cls in {**{f: cls for f, (_, cls) in FAMILIES.items()}, "gpt_oss": "GptOssForCausalLM"}.items():
         hf = getattr(transformers, cls).from_pretrained(tmp_path / "hf" / family).eval()
         with torch.no_grad():
             logits = hf(IDS[:, :-1]).logits
