@@ -15,8 +15,10 @@ from modelpar_kernels import grid  # noqa: F401
 from modelpar_kernels.attention import (
     attention_block_backward,
     attention_block_forward,
+    attention_math_reference,
     attention_reference,
     attention_triton,
+    window_keep,
 )
 from modelpar_kernels.block_attention import (
     BlockMask,
@@ -62,10 +64,29 @@ def swiglu(gate, up, *, backend: str = "torch"):
     return swiglu_reference(gate, up)
 
 
-def attention(q, k, v, causal: bool = True, *, backend: str = "torch", documents=None, window: int = 0, scale=None):
+def attention(
+    q,
+    k,
+    v,
+    causal: bool = True,
+    *,
+    backend: str = "torch",
+    documents=None,
+    window: int = 0,
+    scale=None,
+    softcap=0.0,
+    sinks=None,
+):
     """See ``attention.attention_reference`` for shapes (v's head dim may differ from q's and k's); ``window``
     W > 0: each query sees the W latest positions up to its own; ``documents`` [b, s] (Triton only: the torch
-    path of document masking is the engine's); ``scale``: of the scores, 1/sqrt(d) unless given."""
+    path of document masking is the engine's); ``scale``: of the scores, 1/sqrt(d) unless given. ``softcap``
+    > 0 (scores capped by ``softcap * tanh(s / softcap)``) and ``sinks`` [hq] (a learned logit per head in each
+    softmax) run on the plain-matmul torch path whatever the backend (``attention_math_reference``)."""
+    if softcap or sinks is not None:
+        if documents is not None:
+            raise ValueError("attention(softcap=..., sinks=...) takes no documents; the engine masks them")
+        keep = window_keep(q.shape[1], k.shape[1], causal, window, device=q.device)
+        return attention_math_reference(q, k, v, keep, softcap, sinks, scale)
     if resolve_backend(backend, q.device) == "triton":
         return attention_triton(q, k, v, causal, documents, window, scale)
     if documents is not None:

@@ -71,6 +71,34 @@ def attention_reference(
     return rearrange(out, "b h s d -> b s h d")
 
 
+def attention_math_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention in plain fp32 matmuls for what the flash kernels do not compute: scores s capped by
+    ``softcap * tanh(s / softcap)`` (Gemma 2) before the mask, and ``sinks`` [hq] (GPT-OSS: one learned logit
+    per head, a column of every row's softmax whose value is zero). q: [b, s, hq, d], k, v: [b, s, hkv, d];
+    ``keep``: boolean [sq, sk] or [b, 1, sq, sk], key visible to query. Returns [b, s, hq, d]."""
+    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * _scale(q, scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return rearrange(torch.matmul(probs, v.float()).to(v.dtype), "b h s d -> b s h d")
+
+
 @triton.jit
 def _attention_forward_tiles(
     acc,

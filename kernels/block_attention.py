@@ -9,7 +9,10 @@ block's share of dq, dk, dv. Three ways to compute it, chosen by ``backend``:
 
 - "triton": the flash kernel of ``modelpar_kernels.attention`` (document masks as ids, no boolean mask);
 - "torch" on CPU: aten's flash attention for CPU, which returns the lse with the output (equal head dims);
-- "torch" elsewhere, or with ``dv != d``: plain matmuls in the accumulation dtype.
+- "torch" elsewhere, or with ``dv != d``, or with a soft-cap: plain matmuls in the accumulation dtype.
+
+A ``softcap`` c > 0 caps each score s (after scaling) by ``c * tanh(s / c)`` before the mask and softmax (Gemma 2);
+only the plain-matmul path implements it, so the caller runs such blocks on the torch backend.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class BlockMask:
     k_docs: torch.Tensor | None = None
     window: int = 0
     offset: int = 0
+    softcap: float = 0.0
 
     def torch_keep(self, sq: int, sk: int, device) -> torch.Tensor | None:
         """The boolean mask of the torch paths: ``keep`` and the window (None: plain causal or all visible)."""
@@ -65,13 +69,13 @@ def block_attention_forward(q, k, v, mask: BlockMask, backend: str = "torch"):
     keep = mask.torch_keep(q.shape[2], k.shape[2], q.device)
     causal = mask.causal and keep is None
     scale = q.shape[-1] ** -0.5
-    if _cpu_flash(q, v):  # the aten flash op returns the lse on CPU
+    if _cpu_flash(q, v) and not mask.softcap:  # the aten flash op returns the lse on CPU
         additive = None if keep is None else _additive(keep, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=additive, scale=scale
         )
     else:
-        out, lse = _block_forward_math(q, k, v, keep, causal)
+        out, lse = _block_forward_math(q, k, v, keep, causal, mask.softcap)
     lse = lse.to(accumulation_dtype(q.dtype))
     if keep is not None:
         lse = torch.where(keep.any(-1), lse, float("-inf"))
@@ -98,12 +102,12 @@ def _block_backward_torch(dout, q, k, v, out, lse, mask: BlockMask):
     keep = mask.torch_keep(q.shape[2], k.shape[2], q.device)
     causal = mask.causal and keep is None
     scale = q.shape[-1] ** -0.5
-    if _cpu_flash(q, v):
+    if _cpu_flash(q, v) and not mask.softcap:
         additive = None if keep is None else _additive(keep, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=additive, scale=scale
         )
-    return _block_backward_math(dout, q, k, v, out, lse, keep, causal)
+    return _block_backward_math(dout, q, k, v, out, lse, keep, causal, mask.softcap)
 
 
 def _cpu_flash(q, v) -> bool:
@@ -112,25 +116,34 @@ def _cpu_flash(q, v) -> bool:
     return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
-def _block_forward_math(q, k, v, keep, causal):
-    """``block_attention_forward`` in plain matmuls (equal heads), for devices without an lse-returning attention op."""
+def _capped(scores, softcap):
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
+def _block_forward_math(q, k, v, keep, causal, softcap=0.0):
+    """``block_attention_forward`` in plain matmuls (equal heads), for devices without an lse-returning attention op
+    and for capped scores."""
     acc = accumulation_dtype(q.dtype)
-    scores = _mask_scores(torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5, keep, causal)
+    scores = _capped(torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5, softcap)
+    scores = _mask_scores(scores, keep, causal)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
 
 
-def _block_backward_math(dout, q, k, v, out, lse, keep, causal):
-    """``block_attention_backward`` in plain matmuls (equal heads): FlashAttention-2's backward of one block."""
+def _block_backward_math(dout, q, k, v, out, lse, keep, causal, softcap=0.0):
+    """``block_attention_backward`` in plain matmuls (equal heads): FlashAttention-2's backward of one block (a
+    capped score's gradient times the cap's derivative ``1 - tanh^2``)."""
     acc = accumulation_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5
     q32, k32, v32, dout32 = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    scores = _mask_scores(torch.matmul(q32, k32.transpose(-1, -2)) * scale, keep, causal)
-    probs = torch.exp(scores - lse[..., None])
+    capped = _capped(torch.matmul(q32, k32.transpose(-1, -2)) * scale, softcap)
+    probs = torch.exp(_mask_scores(capped, keep, causal) - lse[..., None])
     dv = torch.matmul(probs.transpose(-1, -2), dout32)
     dp = torch.matmul(dout32, v32.transpose(-1, -2))
     ds = probs * (dp - (dout32 * out.to(acc)).sum(-1, keepdim=True))
+    if softcap:
+        ds = ds * (1 - (capped / softcap).square())
     dq = torch.matmul(ds, k32) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

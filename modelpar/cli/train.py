@@ -201,10 +201,15 @@ def _count(n: int, word: str, plural: str = "") -> str:
 
 
 def describe_run(cfg: TrainConfig) -> str:
-    """The start-up banner: model (and its experts), layout, ZeRO stage, schedule, masking, steps."""
+    """The start-up banner: model (and its experts), layout, ZeRO stage, schedule, masking, steps; what of the
+    model's block runs on the torch path where the Triton kernels may run (``model.kernels`` not torch)."""
     layout, p, moe = cfg.parallel.layout(), cfg.parallel, cfg.model.moe
     model = cfg.model.name + (f" (MoE {moe.experts} experts, top-{moe.top_k})" if moe.enabled else "")
     parts = [f"{model} on {layout} ({_count(layout.world_size, 'rank')})"]
+    clamped = ["clamped SwiGLU experts (the fused kernel is SwiGLU)"] if moe.activation == "clamped_swiglu" else []
+    unfused = cfg.model.block.unfused() + clamped if cfg.model.kernels != "torch" else []
+    if unfused:
+        parts.append(f"torch path for {' and '.join(unfused)}")
     if cfg.optim.zero:
         parts.append(f"ZeRO-{cfg.optim.zero}")
     parts.append(f"schedule {p.schedule}, {_count(p.microbatches, 'micro-batch', 'micro-batches')}")

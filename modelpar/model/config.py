@@ -27,6 +27,7 @@ from modelpar_kernels import BACKENDS
 
 from modelpar.model.layers.fp8 import FP8_MODES
 from modelpar.model.rope import RopeScaling, RopeScalingError
+from modelpar.model.structure import BlockStructure, ModelConfigError
 from modelpar.parallel.layout import LayoutError
 
 IDENTITY = (
@@ -55,15 +56,14 @@ OPTIONAL_IDENTITY = {"attention_bias": False, "attention_out_bias": False}
 ATTENTION_VARIANT = ("sliding_window", "window_layers")
 
 
-class ModelConfigError(ValueError):
-    """A model shape that cannot exist; the message is one line naming the field and a fix."""
-
-
 ROUTERS = ("softmax", "sigmoid")
 AUX_LOSS_SCOPES = ("global_batch", "micro_batch", "sequence")
 # routing fields outside MoEConfig.IDENTITY that change what the weights compute: part of the identity only when
 # they differ from these defaults, so older mixtures keep their identity
-ROUTING_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0)
+ROUTING_DEFAULTS = dict(
+    n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0, bias=False, activation="swiglu"
+)
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass
@@ -112,6 +112,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # the routed experts' weighted sum multiplied by this
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     first_k_dense_replace: int = 0  # layers 0..k-1 dense whatever ``layers`` / ``every`` say
+    bias: bool = False  # the router and every expert's projections with biases (GPT-OSS)
+    activation: str = "swiglu"  # swiglu | clamped_swiglu: GPT-OSS's (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_alpha: float = 1.702  # clamped_swiglu's alpha
+    swiglu_limit: float = 7.0  # clamped_swiglu's clamp: gate <= limit, |up| <= limit
 
     @property
     def enabled(self) -> bool:
@@ -148,6 +152,8 @@ class MoEConfig:
         if self.capacity_factor < 0:
             raise ModelConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
         self._check_routing(layers)
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelConfigError(f"model.moe.activation={self.activation!r} is not one of {EXPERT_ACTIVATIONS}")
         if self.bias_update_rate and self.router != "sigmoid":
             raise ModelConfigError(
                 "model.moe.bias_update_rate is the sigmoid router's balancing bias; set model.moe.router=sigmoid "
@@ -183,6 +189,8 @@ class MoEConfig:
         routing = {
             name: getattr(self, name) for name, default in ROUTING_DEFAULTS.items() if getattr(self, name) != default
         }
+        if self.activation == "clamped_swiglu":
+            routing |= {"swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
         return {name: getattr(self, name) for name in self.IDENTITY} | {"layers": list(self.layers)} | routing
 
 
@@ -252,7 +260,8 @@ class ModelConfig:
     ``head_dim``: each head's width ``d`` (0: hidden/heads, Llama's), so q is [heads*d] wide whatever ``hidden``
     is (Qwen3: hidden 2048, 32 heads of 128); ``head_size`` is the width in use. ``qk_norm``: an RMSNorm over
     each q and k head (weights ``q_norm``, ``k_norm`` [d], shared by the heads) after the projections and
-    before RoPE, as Qwen3 and OLMo-2 do; ``norm_eps`` is its epsilon too.
+    before RoPE, as Qwen3 does (``block.qk_norm_scope=projection``: one over all heads, OLMo 2's); ``norm_eps``
+    is its epsilon too. ``block``: how a layer is put together (``modelpar.model.structure``; Llama's by default).
 
     ``attention_bias``: q, k and v projections with biases (Qwen2/2.5; Llama's and GPT-OSS's ``attention_bias``
     sets ``attention_out_bias`` too); ``attention_out_bias``: the o_proj with one. ``rope_scaling``: RoPE's
@@ -285,12 +294,15 @@ class ModelConfig:
     window_layers: list[int] = field(default_factory=list)  # the windowed layers; empty: all of them
     mtp_depth: int = 0  # multi-token prediction modules on the last stage (DeepSeek-V3: 1); 0: off
     mtp_loss_weight: float = 0.3  # lambda: loss = main + lambda / D * sum of the D modules' losses
+    block: BlockStructure = field(default_factory=BlockStructure)  # norm placement, activation, scales, caps
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint index or JSON
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.block, dict):
+            self.block = BlockStructure(**self.block)
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
 
@@ -352,6 +364,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model.mtp_depth={self.mtp_depth} and model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0"
             )
+        self.block.check_with(self)
         if self.fp8 not in FP8_MODES:
             raise ModelConfigError(f"model.fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
         if self.fp8 != "off" and self.moe.enabled:
@@ -387,6 +400,7 @@ class ModelConfig:
                 f"model.fp8={self.fp8} with tp={layout.tp} > model.kv_heads={self.kv_heads}: replicated k/v heads get "
                 "partial gradients, whose FP8 scales no rank sees whole; use tp <= kv_heads or model.fp8=off"
             )
+        self.block.check_layout_with(self, layout)
         ep = getattr(layout, "ep", 1)
         if self.moe.enabled and self.moe.experts % ep:
             raise LayoutError(
@@ -437,6 +451,8 @@ class ModelConfig:
             identity |= {"moe": self.moe.identity()}
         if self.mla.enabled:
             identity |= {"mla": self.mla.identity()}
+        if self.block.changed():  # a Llama block's identity is what it was before the structure existed
+            identity |= {"block": self.block.changed()}
         return identity
 
     # -- parameter counts (matmul weights; norms are negligible) ------------------------------------------

@@ -17,8 +17,13 @@ for us and ``model.layers.<i>.block_sparse_moe....`` in its safetensors file; a 
 in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], gate rows first, and ``mlp.experts.down_proj`` [E, h, f])
 is read too.
 
-Which family a model exports as: a latent-attention model as DeepSeek-V3, a QK-norm model as Qwen3 (Qwen3-MoE
-with experts), one with q/k/v biases but none on o_proj as Qwen2, any other as Llama (Mixtral with experts).
+OLMo 2 (``Olmo2ForCausalLM``: ``modelpar.model.hf_olmo``), Gemma 3 text and Gemma 2 (``Gemma3ForCausalLM``,
+``Gemma2ForCausalLM``: ``modelpar.model.hf_gemma``) are named as Llama; what sets them apart is their configs'
+block structure.
+
+Which family a model exports as: a latent-attention model as DeepSeek-V3, a post-norm block as OLMo 2, a
+sandwich block as Gemma 3 (Gemma 2 without QK-norm), a QK-norm model as Qwen3 (Qwen3-MoE with experts), one
+with q/k/v biases but none on o_proj as Qwen2, any other as Llama (Mixtral with experts).
 A Llama's or Qwen3's ``attention_bias`` puts biases on q, k, v and o_proj (ours: ``attention_bias`` and
 ``attention_out_bias``); Mistral and Mixtral have none.
 """
@@ -44,11 +49,28 @@ from modelpar.model.hf_deepseek import (
     rope_rows_to_hf,
 )
 from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
+from modelpar.model.hf_gemma import GEMMA_TYPES, gemma_config_to_hf, gemma_fields, gemma_unsupported
+from modelpar.model.hf_gpt_oss import (
+    GPT_OSS_TYPES,
+    expert_from_fused,
+    expert_part,
+    fuse_experts,
+    gpt_oss_config_to_hf,
+    gpt_oss_fields,
+    gpt_oss_name,
+    gpt_oss_unsupported,
+)
+from modelpar.model.hf_olmo import OLMO_TYPES, olmo_config_to_hf, olmo_fields, olmo_unsupported
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.hf_qwen2 import QWEN2_TYPES, qwen2_config_to_hf, qwen2_fields, qwen2_unsupported
 from modelpar.model.hf_rope import rope_parameters_of, rope_scaling_from_hf, rope_scaling_to_hf
+from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import ModelChunk
 
+FAMILY_NAMES = {
+    "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "olmo2": "OLMo 2", "gemma3_text": "Gemma 3",
+    "gemma2": "Gemma 2", "gpt_oss": "GPT-OSS",
+}  # fmt: skip
 CONFIG_NAME = "config.json"
 
 
@@ -61,6 +83,8 @@ def hf_name(logical: str, model_type: str = "llama", layers: int = 0) -> str:
         return deepseek_name(logical, layers)
     if logical == "lm_head.weight":
         return logical
+    if model_type in GPT_OSS_TYPES and gpt_oss_name(logical):
+        return gpt_oss_name(logical)
     if model_type == "mixtral":
         for moe_part in (".mlp.gate.", ".mlp.experts."):
             logical = logical.replace(moe_part, moe_part.replace(".mlp.", ".block_sparse_moe."))
@@ -85,11 +109,10 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
     refuse, in one line naming the fields, features this model does not implement."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     kind = hf.get("model_type")
-    if kind not in ("llama", "mistral", "mixtral", *QWEN2_TYPES, *QWEN_TYPES, *DEEPSEEK_TYPES):
-        raise ValueError(
-            f"{path}: model_type={kind!r}, only 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe' and "
-            "'deepseek_v3' are supported"
-        )
+    known = ("llama", "mistral", "mixtral", *QWEN2_TYPES, *QWEN_TYPES, *DEEPSEEK_TYPES, *OLMO_TYPES, *GEMMA_TYPES,
+             *GPT_OSS_TYPES)  # fmt: skip
+    if kind not in known:
+        raise ValueError(f"{path}: model_type={kind!r}; supported: {', '.join(repr(k) for k in known)}")
     if kind in DEEPSEEK_TYPES:
         return deepseek_config_from_hf(hf, path)
     heads = hf["num_attention_heads"]
@@ -114,13 +137,19 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         unsupported |= qwen_unsupported(hf)
     if kind in QWEN2_TYPES:
         unsupported |= qwen2_unsupported(hf)
+    if kind in OLMO_TYPES:
+        unsupported |= olmo_unsupported(hf)
+    if kind in GEMMA_TYPES:
+        unsupported |= gemma_unsupported(hf)  # its RoPE per layer type, not at the top level
+    if kind in GPT_OSS_TYPES:
+        unsupported |= gpt_oss_unsupported(hf)
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
-        family = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}.get(kind, kind.capitalize())
+        family = FAMILY_NAMES.get(kind, kind.capitalize())
         raise ValueError(f"{path}: unsupported {family} variant ({', '.join(bad)}); modelpar implements plain {family}")
     if kind == "qwen3_moe":
         moe = qwen_moe_config(hf, hf["num_hidden_layers"])
-    return ModelConfig(
+    fields = dict(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],
         layers=hf["num_hidden_layers"],
@@ -140,12 +169,20 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
         moe=moe,
         **(qwen2_fields(hf, path) if kind in QWEN2_TYPES else _window_from_hf(hf, path)),
     )
+    if kind in OLMO_TYPES:
+        fields |= olmo_fields(hf)
+    if kind in GEMMA_TYPES:
+        fields |= gemma_fields(hf, _window_from_hf(hf, path), path)
+    if kind in GPT_OSS_TYPES:
+        fields |= gpt_oss_fields(hf)
+    return ModelConfig(**fields)
 
 
 def _window_from_hf(hf: dict, path) -> dict:
     """``sliding_window`` and ``window_layers`` of a Mistral/Mixtral config (a Llama has neither; Qwen3's
     ``use_sliding_window`` is refused by ``modelpar.model.hf_qwen``)."""
-    window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral") else None
+    windowed = ("mistral", "mixtral", *GEMMA_TYPES, *GPT_OSS_TYPES)
+    window = hf.get("sliding_window") if hf.get("model_type") in windowed else None
     if window is None:
         return {}
     if not isinstance(window, int) or window < 1:
@@ -168,6 +205,13 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if config.mla.enabled:
         llama = config_to_hf(_plain(config, mla=MLAConfig(), moe=MoEConfig(), mtp_depth=0), dtype)
         return deepseek_config_to_hf(config, llama)
+    if config.block.attention_sinks or config.moe.activation == "clamped_swiglu":
+        plain = dict(block=BlockStructure(), moe=MoEConfig(), sliding_window=0, window_layers=[])
+        return gpt_oss_config_to_hf(config, config_to_hf(_plain(config, **plain), dtype))
+    if config.block.norm != "pre":  # OLMo 2's post-norms, Gemma's sandwich
+        plain = _plain(config, block=BlockStructure(), qk_norm=False, sliding_window=0, window_layers=[])
+        to_hf = olmo_config_to_hf if config.block.norm == "post" else gemma_config_to_hf
+        return to_hf(config, config_to_hf(plain, dtype))
     if config.mtp_depth:
         raise ValueError(
             f"model.mtp_depth={config.mtp_depth}: only DeepSeek-V3 (latent attention, model.mla) checkpoints hold "
@@ -325,9 +369,17 @@ def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
     interleaved RoPE rows reordered to rotate-half)."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     with HFWeights(path) as f:
-        chunk.load_logical(
-            lambda name, shard: hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
-        )
+
+        def fetch(name, shard):
+            part = expert_part(name) if hf.get("model_type") in GPT_OSS_TYPES else None
+            if part is not None:  # a GPT-OSS expert: its slice of the fused, interleaved, transposed tensors
+                prefix, expert, ours = part
+                key = prefix + {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}[ours[:2]]
+                key += "_bias" if ours.endswith("bias") else ""
+                return expert_from_fused(f.get_slice(key)[expert : expert + 1][0], ours)[shard.index]
+            return hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
+
+        chunk.load_logical(fetch)
 
 
 def save_hf(
@@ -346,6 +398,10 @@ def save_hf(
     if kind in DEEPSEEK_TYPES:  # written with rope_interleave, V3's own row order
         state = {name: rope_rows_to_hf(name, t, config.mla) for name, t in state.items()}
     tensors = {hf_name(name, kind, config.layers): t.detach().cpu().contiguous() for name, t in state.items()}
+    if kind in GPT_OSS_TYPES:  # the experts fused as GPT-OSS keeps them
+        state = {name: t.detach().cpu() for name, t in state.items()}
+        tensors = {k: t for k, t in tensors.items() if ".mlp.experts." not in k}
+        tensors |= {k: t.contiguous() for k, t in fuse_experts(state, config.layers).items()}
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     entries = {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()}
     write_hf_weights(path, entries, tensors.__getitem__, max_shard_size)

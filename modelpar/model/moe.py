@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.layers import ParallelSwiGLU, ShardInfo
+from modelpar.model.layers.mlp import clamped_swiglu
 from modelpar.model.router import route, sequence_of_tokens, sequence_statistics
 from modelpar.parallel import collectives
 from modelpar.parallel.context import ContextParallelGroup
@@ -46,6 +47,7 @@ from modelpar.parallel.experts import ExpertParallelGroup, all_to_all_tokens, ga
 from modelpar.parallel.regions import TensorParallelGroup
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate [f, h], up [f, h], down [h, f]: Mixtral's names per expert
+EXPERT_BIASES = ("b1", "b3", "b2")  # with model.moe.bias: [f], [f], [h], logical ``<w>.bias``
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -95,22 +97,37 @@ class RoutedExperts(nn.Module):
         *,
         grouped_gemm: bool = True,
         backend: str = "torch",
+        bias: bool = False,
+        clamp: tuple[float, float] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
         e, f, h, kw = local_experts, ffn_hidden, hidden, dict(device=device, dtype=dtype)
-        self.grouped_gemm, self.backend = grouped_gemm, backend
+        self.grouped_gemm, self.backend, self.clamp = grouped_gemm, backend, clamp
         self.w1 = nn.Parameter(torch.zeros(e, f, h, **kw))
         self.w3 = nn.Parameter(torch.zeros(e, f, h, **kw))
         self.w2 = nn.Parameter(torch.zeros(e, h, f, **kw))
+        self.b1 = self.b3 = self.b2 = None
+        if bias:  # GPT-OSS: each projection of each expert with its bias
+            self.b1, self.b3 = nn.Parameter(torch.zeros(e, f, **kw)), nn.Parameter(torch.zeros(e, f, **kw))
+            self.b2 = nn.Parameter(torch.zeros(e, h, **kw))
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by local expert (``counts`` [E/ep] each) -> w2(silu(w1 x) * w3 x), the same order."""
+        """Rows sorted by local expert (``counts`` [E/ep] each) -> w2(silu(w1 x) * w3 x), the same order (with
+        biases, ``+ b[expert of the row]`` after each projection; ``clamp`` (alpha, limit): GPT-OSS's
+        ``clamped_swiglu``, on the torch path)."""
         grouped = self.grouped_gemm
-        gate = grouped_linear(rows, self.w1, counts, grouped)
-        up = grouped_linear(rows, self.w3, counts, grouped)
-        return grouped_linear(swiglu(gate, up, backend=self.backend), self.w2, counts, grouped)
+        gate = self._biased(grouped_linear(rows, self.w1, counts, grouped), self.b1, counts)
+        up = self._biased(grouped_linear(rows, self.w3, counts, grouped), self.b3, counts)
+        act = swiglu(gate, up, backend=self.backend) if self.clamp is None else clamped_swiglu(gate, up, *self.clamp)
+        return self._biased(grouped_linear(act, self.w2, counts, grouped), self.b2, counts)
+
+    @staticmethod
+    def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+        if bias is None:
+            return y
+        return y + bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=y.shape[0])
 
 
 class _AuxLossGradient(torch.autograd.Function):
@@ -183,7 +200,11 @@ class MoELayer(nn.Module):
         kw = dict(device=device, dtype=dtype)
         e, f, h = self.local_experts, self.ffn_hidden, self.hidden
         self.gate_weight = nn.Parameter(torch.zeros(self.experts, h, **kw))
-        self.routed_experts = RoutedExperts(e, h, f, grouped_gemm=moe.grouped_gemm, backend=backend, **kw)
+        self.gate_bias = nn.Parameter(torch.zeros(self.experts, **kw)) if moe.bias else None
+        clamp = (moe.swiglu_alpha, moe.swiglu_limit) if moe.activation == "clamped_swiglu" else None
+        self.routed_experts = RoutedExperts(
+            e, h, f, grouped_gemm=moe.grouped_gemm, backend=backend, bias=moe.bias, clamp=clamp, **kw
+        )
         self.score_bias = None
         if moe.router == "sigmoid":
             self.score_bias = nn.Parameter(torch.zeros(self.experts, device=device), requires_grad=False)
@@ -224,7 +245,8 @@ class MoELayer(nn.Module):
         """tokens [T, h] -> sum over the top-k experts of weight * expert(token) [T, h]. ``sequence`` [T]: each
         token's sequence of the ``batch`` (for the sequence-wise balance loss)."""
         n_tokens, k, n_experts = tokens.shape[0], self.top_k, self.experts
-        logits = F.linear(tokens, self.gate_weight.to(tokens.dtype)).float()  # [T, E]
+        bias = None if self.gate_bias is None else self.gate_bias.to(tokens.dtype)
+        logits = F.linear(tokens, self.gate_weight.to(tokens.dtype), bias).float()  # [T, E]
         scores, chosen, weights = route(logits, self.moe, self.score_bias)  # [T, E], [T, k], [T, k]
 
         expert_of_row = chosen.reshape(-1)  # row t*k + j: token t's j-th expert
@@ -444,14 +466,16 @@ class MoELayer(nn.Module):
         shards = {
             prefix + "gate.weight": ShardInfo(self.gate_weight, slice(None), (self.experts, self.hidden), **kw),
         }
+        if self.gate_bias is not None:
+            shards[prefix + "gate.bias"] = ShardInfo(self.gate_bias, slice(None), (self.experts,), **kw)
         if self.score_bias is not None:
             shards[prefix + "gate.e_score_correction_bias"] = ShardInfo(
                 self.score_bias, slice(None), (self.experts,), replicated_over_tp=tp, primary=self.tp.rank == 0
             )
-        for name in EXPERT_WEIGHTS:
+        for name, logical_name in self._expert_tensors():
             param = getattr(self.routed_experts, name)
             for e in range(self.local_experts):
-                logical = f"{prefix}experts.{self.first_expert + e}.{name}.weight"
+                logical = f"{prefix}experts.{self.first_expert + e}.{logical_name}"
                 shards[logical] = ShardInfo(param, e, tuple(param.shape[1:]), **kw)
         if self.shared_experts is not None:
             shards |= self.shared_experts.logical_shards(prefix + "shared_experts.")
@@ -463,14 +487,21 @@ class MoELayer(nn.Module):
         if self.ep.size == 1:
             return {}
         state = {}
-        for name in EXPERT_WEIGHTS:
+        for name, logical_name in self._expert_tensors():
             mine = getattr(self.routed_experts, name).detach()
             if isinstance(mine, DTensor):  # ZeRO-2/3: sharded over the ranks holding the same experts
                 mine = mine.full_tensor()
             with collectives.comm_tag("export"):
                 whole = collectives.all_gather(mine, self.ep.group)  # [E, ...]
-            state |= {f"{prefix}experts.{e}.{name}.weight": whole[e] for e in range(self.experts)}
+            state |= {f"{prefix}experts.{e}.{logical_name}": whole[e] for e in range(self.experts)}
         return state
+
+    def _expert_tensors(self) -> list[tuple[str, str]]:
+        """(parameter of ``routed_experts``, logical name after ``experts.<id>.``) of each expert tensor."""
+        names = [(w, f"{w}.weight") for w in EXPERT_WEIGHTS]
+        if self.moe.bias:
+            names += [(b, f"{w}.bias") for b, w in zip(EXPERT_BIASES, EXPERT_WEIGHTS, strict=True)]
+        return names
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters split over ep (gradients averaged over the expert data-parallel group)."""

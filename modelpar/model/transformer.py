@@ -48,6 +48,10 @@ from modelpar.parallel.layout import ParallelLayout
 class Block(nn.Module):
     """One transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; x: [b, s, h] or [b, s/t, h].
 
+    How it is put together is ``config.block`` (``modelpar.model.structure``), read here and nowhere else: the
+    norms' placement (pre, post, sandwich: ``_sub_layer``) and scale form, the MLP's activation, and the
+    attention's scale, soft-cap, sinks, QK-norm scope and RoPE base (``_attention``).
+
     Block ``layer`` of the chunk ``spec`` describes: all of it, or the half ``spec.half(layer)`` names
     (``"attention"`` or ``"mlp"``, a pipeline split inside the block), the other half living in the
     neighbouring chunk, the residual stream between them being what crosses the stages. Block ``layer`` of a
@@ -71,15 +75,20 @@ class Block(nn.Module):
         self.recompute = spec.recompute_policy()
         backend = resolve_backend(config.kernels, spec.device or "cpu")
         kw = dict(sequence_parallel=spec.sequence_parallel, backend=backend, device=spec.device, dtype=spec.dtype)
+        structure = config.block
+        self.norm_names = {part: structure.norms(part) for part in ("attention", "mlp") if half in (None, part)}
+        for name in (name for pair in self.norm_names.values() for name in pair if name):
+            setattr(self, name, RMSNorm(config.hidden, config.norm_eps, tp, offset=structure.norm_offset, **kw))
         if half != "mlp":
-            self.input_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             self.self_attn = _attention(config, spec, groups, documents, kw, layer)
         if half != "attention":
-            self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps, tp, **kw)
             if config.moe.is_moe_layer(layer):
                 self.mlp = MoELayer(config, tp, groups.ep, cp=groups.cp, **kw)
             else:
-                self.mlp = ParallelSwiGLU(config.hidden, config.ffn_hidden, tp, fp8=spec.fp8, cp=groups.cp, **kw)
+                self.mlp = ParallelSwiGLU(
+                    config.hidden, config.ffn_hidden, tp, fp8=spec.fp8, cp=groups.cp, activation=structure.activation,
+                    **kw,
+                )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.half != "mlp":
@@ -89,18 +98,25 @@ class Block(nn.Module):
         return x
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(x))
+        return self._sub_layer("attention", self.self_attn, x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
+        return self._sub_layer("mlp", self.mlp, x)
+
+    def _sub_layer(self, part: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """What sub-layer ``part`` adds to the residual stream: ``layer`` between the norms ``model.block.norm``
+        places around it (``modelpar.model.structure.NORM_NAMES``)."""
+        before, after = self.norm_names[part]
+        x = layer(getattr(self, before)(x) if before else x)
+        return getattr(self, after)(x) if after else x
 
     def logical_shards(self, prefix: str) -> dict[str, ShardInfo]:
         shards = {}
+        for name in (name for pair in self.norm_names.values() for name in pair if name):
+            shards |= getattr(self, name).logical_shards(f"{prefix}{name}.")
         if self.half != "mlp":
-            shards |= self.input_layernorm.logical_shards(prefix + "input_layernorm.")
             shards |= self.self_attn.logical_shards(prefix + "self_attn.")
         if self.half != "attention":
-            shards |= self.post_attention_layernorm.logical_shards(prefix + "post_attention_layernorm.")
             shards |= self.mlp.logical_shards(prefix + "mlp.")
         return shards
 
@@ -125,22 +141,28 @@ def _attention(config: ModelConfig, spec: ChunkSpec, groups: ChunkGroups, docume
             documents=documents,
             **kw,
         )
+    b = config.block
+    rope_theta, rope_scaling = b.rope(config, layer)
     return ParallelAttention(
         config.hidden,
         config.heads,
         config.kv_heads,
-        config.rope_theta,
+        rope_theta,
         groups.tp,
         head_dim=config.head_size,
-        qk_norm=config.qk_norm,
+        qk_norm=config.qk_norm and b.qk_norm_scope,
         norm_eps=config.norm_eps,
+        norm_offset=b.norm_offset,
+        query_scale=b.query_scale,
+        softcap=b.attention_softcap,
+        sinks=b.attention_sinks,
         cp=groups.cp,
         documents=documents,
         window=config.window(layer),
         fp8=spec.fp8,
         bias=config.attention_bias,
         out_bias=config.attention_out_bias,
-        rope_scaling=config.rope_scaling,
+        rope_scaling=rope_scaling,
         **kw,
     )
 
@@ -188,7 +210,8 @@ class ModelChunk(nn.Module):
         h = config.hidden
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp, **kw) if self.first else None
         self.layers = nn.ModuleDict({str(i): Block(config, spec, g, layer=i, documents=self.documents) for i in ids})
-        self.norm = RMSNorm(h, config.norm_eps, tp, backend=self.backend, **kw) if self.last else None
+        offset = config.block.norm_offset
+        self.norm = RMSNorm(h, config.norm_eps, tp, offset=offset, backend=self.backend, **kw) if self.last else None
         self.lm_head = None
         if self.last:
             start, size = vocab_range(config.vocab_size, tp)
@@ -252,6 +275,8 @@ class ModelChunk(nn.Module):
         if self.embed_tokens is not None:
             self._check_sequence(x.shape[1] * self.cp.size)
             x = self.embed_tokens(x)
+            if self.config.block.embedding_scale:  # in the embedding's dtype, as Gemma multiplies
+                x = x * torch.tensor(self.config.hidden**0.5, dtype=x.dtype)
         offload = self.offload is not None and torch.is_grad_enabled()
         with self.offload.hooks() if offload else contextlib.nullcontext():
             for block in self.layers.values():
@@ -265,6 +290,9 @@ class ModelChunk(nn.Module):
             if self.mtp is not None:
                 self._hidden = x  # h^0 of multi-token prediction, read by ``loss`` right after
             x = self.lm_head(self.norm(x))
+            cap = self.config.block.final_softcap
+            if cap:  # elementwise on this rank's vocabulary shard
+                x = cap * torch.tanh(x / cap)
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -357,7 +385,9 @@ class ModelChunk(nn.Module):
         """Layout-invariant initialisation: every logical tensor drawn whole from (seed, name), then sliced."""
         c = self.config
         self.load_logical(
-            lambda name, shard: init_logical(name, shard.global_shape, seed=seed, std=c.init_std, layers=c.layers)
+            lambda name, shard: init_logical(
+                name, shard.global_shape, seed=seed, std=c.init_std, layers=c.layers, norm_offset=c.block.norm_offset
+            )
         )
 
 

@@ -37,13 +37,20 @@ neighbours on both sides of the ring, so no transfer can be dropped, only comput
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
-from modelpar_kernels import BlockMask, accumulation_dtype, attention, block_attention_backward, block_attention_forward
+from modelpar_kernels import (
+    BlockMask,
+    accumulation_dtype,
+    attention,
+    attention_math_reference,
+    block_attention_backward,
+    block_attention_forward,
+)
 
 from modelpar.parallel.collectives import all_gather, blocking, comm_tag, current_tag, reduce_scatter, send_recv
 from modelpar.parallel.kept import kept_result
@@ -211,8 +218,9 @@ class _Blocks:
     """This cp rank's queries against the K/V of every cp rank, one source block at a time (ring and all-gather
     share it): the forward's running (out, lse) merge, and each block's share of the backward."""
 
-    def __init__(self, q, cp, documents, backend, window=0, value_dim: int | None = None):
+    def __init__(self, q, cp, documents, backend, window=0, value_dim: int | None = None, softcap: float = 0.0):
         self.q, self.cp, self.documents, self.backend, self.window = q, cp, documents, backend, window
+        self.softcap = softcap
         b, hq, self.local, d = q.shape
         self.positions = [local_positions(self.local * cp.size, cp.size, r, q.device) for r in range(cp.size)]
         self.acc = accumulation_dtype(q.dtype)
@@ -221,9 +229,16 @@ class _Blocks:
         self.lse = torch.full((b, hq, self.local), float("-inf"), dtype=self.acc, device=q.device)
 
     def _masked(self, source: int):
-        return _blocks_and_masks(
+        blocks = _blocks_and_masks(
             self.cp.rank, source, self.local, self.positions, self.documents, self.backend, self.window
         )
+        return [(blk, replace(mask, softcap=self.softcap)) for blk, mask in blocks] if self.softcap else blocks
+
+    def add_sinks(self, sinks: torch.Tensor | None) -> None:
+        """Merge the sinks [hq] as one more block: a key every query sees with score ``sinks[h]`` and value 0."""
+        if sinks is not None:
+            sink_lse = sinks.to(self.acc)[None, :, None].expand_as(self.lse)
+            self.out, self.lse = merge_partial(self.out, self.lse, torch.zeros_like(self.out), sink_lse)
 
     def forward(self, source: int, kv) -> None:
         """Merge the block(s) of ``source``'s K/V (kv: [2, b, hkv, L, d], or a pair k, v whose head dims differ)
@@ -257,41 +272,57 @@ class _Blocks:
             dkv[1][:, :, blk.cols] += dv_blk.to(dkv[1].dtype)
 
 
-def _save(ctx, q, k, v, out, lse, documents, cp, backend, window):
+def _save(ctx, q, k, v, out, lse, documents, cp, backend, window, softcap, sinks):
     ctx.cp, ctx.tag, ctx.backend, ctx.has_documents = cp, current_tag(), backend, documents is not None
-    ctx.window = window
-    ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
+    ctx.window, ctx.softcap, ctx.has_sinks = window, softcap, sinks is not None
+    empty = torch.empty(0)
+    ctx.save_for_backward(
+        q, k, v, out, lse, documents if documents is not None else empty, sinks if sinks is not None else empty
+    )
 
 
 def _saved(ctx):
-    q, k, v, out, lse, documents = ctx.saved_tensors
-    return q, k, v, out, lse, documents if ctx.has_documents else None
+    """(q, k, v, out, lse, documents or None, sinks or None): ``saved_tensors`` read once (recompute allows one
+    unpack)."""
+    q, k, v, out, lse, documents, sinks = ctx.saved_tensors
+    return q, k, v, out, lse, documents if ctx.has_documents else None, sinks if ctx.has_sinks else None
+
+
+def _sinks_grad(sinks, dout, out, lse):
+    """d loss / d sinks [hq]: each row's sink column has probability exp(sink - lse) and value 0, so its score's
+    gradient is ``-p_sink * rowsum(dout * out)`` (FlashAttention's D), summed over batch and rows."""
+    if sinks is None:
+        return None
+    d = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    return (-(p_sink * d)).sum((0, 2)).to(sinks.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     """q [b, hq, L, d], k, v [b, hkv, L, d] of this cp rank (L = s/cp) -> out [b, hq, L, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, documents, backend, window):
+    def forward(ctx, q, k, v, cp, documents, backend, window, softcap, sinks):
         def ring():
-            blocks = _Blocks(q, cp, documents, backend, window)
+            blocks = _Blocks(q, cp, documents, backend, window, softcap=softcap)
             kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, L, d]: what travels
             for step in range(cp.size):
                 pending = _pass_on(kv, cp) if step < cp.size - 1 else None  # overlapped with this block
                 blocks.forward((cp.rank - step) % cp.size, kv)
                 if pending is not None:
                     kv = pending.wait()
+            blocks.add_sinks(sinks)
             return blocks.out.to(q.dtype), blocks.lse
 
         out, lse = kept_result(ring)  # under selective recompute: kept whole, not rerun
-        _save(ctx, q, k, v, out, lse, documents, cp, backend, window)
+        _save(ctx, q, k, v, out, lse, documents, cp, backend, window, softcap, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, documents = _saved(ctx)
+        q, k, v, out, lse, documents, sinks = _saved(ctx)
         cp = ctx.cp
-        blocks = _Blocks(q, cp, documents, ctx.backend, ctx.window)
+        blocks = _Blocks(q, cp, documents, ctx.backend, ctx.window, softcap=ctx.softcap)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -308,7 +339,8 @@ class _RingAttention(torch.autograd.Function):
                 if pending is not None:
                     kv = pending.wait()
             dkv = arriving.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        sinks = _sinks_grad(sinks, dout, out, lse)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, sinks
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -316,23 +348,24 @@ class _AllGatherAttention(torch.autograd.Function):
     same blocks as the ring computed on them; backward reduce-scatters the gathered dK/dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, documents, backend, window):
+    def forward(ctx, q, k, v, cp, documents, backend, window, softcap, sinks):
         def gather_and_attend():
-            blocks = _Blocks(q, cp, documents, backend, window)
+            blocks = _Blocks(q, cp, documents, backend, window, softcap=softcap)
             gathered = all_gather(torch.stack([k, v]).unsqueeze(0), cp.group)  # [cp, 2, b, hkv, L, d]
             for source in range(cp.size):
                 blocks.forward(source, gathered[source])
+            blocks.add_sinks(sinks)
             return blocks.out.to(q.dtype), blocks.lse
 
         out, lse = kept_result(gather_and_attend)  # under selective recompute: kept whole, not rerun
-        _save(ctx, q, k, v, out, lse, documents, cp, backend, window)
+        _save(ctx, q, k, v, out, lse, documents, cp, backend, window, softcap, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, documents = _saved(ctx)
+        q, k, v, out, lse, documents, sinks = _saved(ctx)
         cp = ctx.cp
-        blocks = _Blocks(q, cp, documents, ctx.backend, ctx.window)
+        blocks = _Blocks(q, cp, documents, ctx.backend, ctx.window, softcap=ctx.softcap)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=blocks.acc, device=q.device)
         with comm_tag(ctx.tag):
@@ -341,7 +374,8 @@ class _AllGatherAttention(torch.autograd.Function):
             for source in range(cp.size):
                 blocks.backward(source, gathered[source], dout, out, lse, dq, dkv[source])
             mine = reduce_scatter(dkv, cp.group)[0]  # [2, b, hkv, L, d]
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
+        sinks = _sinks_grad(sinks, dout, out, lse)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None, None, sinks
 
 
 def _blocks_and_masks(rank, source, local, positions, documents, backend, window=0):
@@ -407,6 +441,8 @@ def context_parallel_attention(
     documents: torch.Tensor | None = None,
     backend: str = "torch",
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole sequence.
 
@@ -414,28 +450,39 @@ def context_parallel_attention(
     ``documents``: None, or document ids [b, s] of the whole sequence (a query sees only its own document).
     ``window`` W > 0: a query at global position i sees positions ``i-W+1 .. i`` only. Returns [b, s/cp, hq, dv]
     (v's head dim). With cp size 1 this is plain (document-, window-)causal attention. ``backend`` "triton": the
-    flash kernel computes every block.
+    flash kernel computes every block. ``softcap`` c > 0: scores capped by ``c * tanh(s / c)`` inside each block
+    before it enters the online softmax, on the torch path (the flash kernel has no cap). ``sinks`` [hq]: one
+    learned logit per head in every row's softmax (a key of value 0 every query sees), merged into the online
+    softmax as one more block; not under the all-to-all (its heads are exchanged).
     """
+    if softcap or sinks is not None:
+        backend = "torch"
     if cp.a2a_size > 1:  # heads exchanged, then the ring (if any) across the all-to-all groups
+        if sinks is not None:
+            raise ValueError("attention sinks are not exchanged by the all-to-all; use cp_comm=ring or allgather")
         q, k, v = exchange_qkv(q, k, v, cp.a2a_group, cp.a2a_size)
-        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend, window)
+        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend, window, softcap)
         return sequence_from_heads(out, cp.a2a_group, cp.a2a_size)
     if cp.size == 1 and backend == "triton":
         return attention(q, k, v, True, backend="triton", documents=documents, window=window)
     q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
     if cp.size == 1:
-        out = _local_attention(q, k, v, documents, window)
+        out = _local_attention(q, k, v, documents, window, softcap, sinks)
     else:
         function = _RingAttention if cp.comm == "ring" else _AllGatherAttention
-        out = function.apply(q, k, v, cp, documents, backend, window)
+        out = function.apply(q, k, v, cp, documents, backend, window, softcap, sinks)
     return rearrange(out, "b h s d -> b s h d")
 
 
-def _local_attention(q, k, v, documents, window=0):
+def _local_attention(q, k, v, documents, window=0, softcap=0.0, sinks=None):
     keep = None
-    if documents is not None or window:
+    if documents is not None or window or softcap or sinks is not None:
         pos = torch.arange(q.shape[2], device=q.device)
         keep = _visible(pos, pos, documents, documents, window)
+    if softcap or sinks is not None:  # plain matmuls, autograd's backward
+        q, k, v = (rearrange(t, "b h s d -> b s h d") for t in (q, k, v))
+        out = attention_math_reference(q, k, v, keep, softcap, sinks)
+        return rearrange(out, "b s h d -> b h s d")
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=keep, is_causal=keep is None, enable_gqa=q.shape[1] != k.shape[1]
     )

@@ -26,6 +26,7 @@ from modelpar.parallel.collectives import (
 #   gather_from_sequence_region (f, SP)  all-gather       reduce-scatter
 #   reduce_scatter_to_sequence_region    reduce-scatter   all-gather     (g, SP)
 #   scatter_to_sequence_region           split            all-gather
+#   sum_over_tp                          all-reduce       all-reduce     (a sum every rank's output depends on)
 #
 # The label active at forward time (``comm_tag``) is re-applied in backward, so both directions count under it.
 
@@ -112,6 +113,18 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp, ctx.tag = tp, current_tag()
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), tp.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with comm_tag(ctx.tag):
+            return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.tp.group), None
+
+
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp, dim):
@@ -158,6 +171,12 @@ def copy_to_tp_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
 def reduce_from_tp_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     """g: all-reduce (sum of partial results) forward, identity backward. Leaves a row-parallel region."""
     return x if tp.size == 1 else _ReduceFromTensorParallelRegion.apply(x, tp)
+
+
+def sum_over_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """The sum of every tp rank's ``x``, on every rank; backward sums the gradients likewise (each rank's output
+    depends on every rank's ``x``, as a norm's sum of squares over heads split by tp)."""
+    return x if tp.size == 1 else _SumOverTensorParallel.apply(x, tp)
 
 
 def gather_from_sequence_region(x: torch.Tensor, tp: TensorParallelGroup, dim: int = 1) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from modelpar.cli.train import describe_run
 from modelpar.model.config import MoEConfig
+from modelpar.model.structure import BlockStructure
 from modelpar.training.sinks import ConsoleSink, ProgressSink, open_sinks
 from tests.helpers import make_config
 
@@ -21,6 +22,15 @@ def test_the_banner_names_zero_moe_and_masking_in_good_english(tmp_path):
     assert "1 micro-batch," in text and "document masking" in text and text.endswith("1 step")
     single = describe_run(make_config(tmp_path))
     assert "(1 rank)" in single and "2 micro-batches" in single and "ZeRO" not in single
+
+
+def test_the_banner_names_the_block_pieces_no_fused_kernel_runs(tmp_path):
+    cfg = make_config(tmp_path)
+    gemma2 = BlockStructure(norm="sandwich", norm_offset=1.0, activation="geglu", attention_softcap=50.0)
+    text = describe_run(replace(cfg, model=replace(cfg.model, kernels="triton", block=gemma2)))
+    assert "torch path for GeGLU (the fused MLP kernel is SwiGLU) and attention soft-cap (the flash kernel" in text
+    assert "torch path" not in describe_run(replace(cfg, model=replace(cfg.model, kernels="triton")))
+    assert "torch path" not in describe_run(replace(cfg, model=replace(cfg.model, kernels="torch", block=gemma2)))
 
 
 def test_the_progress_bar_only_draws_on_a_terminal(tmp_path, monkeypatch):

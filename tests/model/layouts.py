@@ -52,7 +52,7 @@ def layout_loss_and_grads(config, layout, options, *, seed=0, hf_path=None, back
     import torch.distributed as dist
 
     from modelpar.model.hf import import_hf
-    from modelpar.optim.finalize import reduce_tensor_parallel_grads
+    from modelpar.optim.finalize import reduce_tensor_parallel_grads, sum_tied_embedding
     from modelpar.parallel.context import split_for_context
     from modelpar.parallel.groups import ParallelGroups
 
@@ -72,6 +72,9 @@ def layout_loss_and_grads(config, layout, options, *, seed=0, hf_path=None, back
     out = {}
     if backward:
         reduce_tensor_parallel_grads(chunk)
+        if config.tie_embeddings and layout.pp > 1:  # the first stage's embedding and the last stage's copy
+            embedding = chunk.embed_tokens if chunk.first else chunk.lm_head
+            sum_tied_embedding([embedding.weight], groups.embedding_group)
     for name, shard in chunk.logical_shards().items():
         grad = None if not backward or shard.grad is None else shard.grad.clone()
         if grad is not None and dp_cp > 1:

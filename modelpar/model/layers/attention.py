@@ -13,7 +13,7 @@ from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from modelpar.model.layers.logit_max import max_attention_logits
-from modelpar.model.layers.norm import RMSNorm
+from modelpar.model.layers.norm import ProjectionRMSNorm, RMSNorm
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
 from modelpar.model.rope import RopeScaling, table_options
 from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention, local_positions
@@ -108,6 +108,14 @@ class ParallelAttention(nn.Module):
     ``bias``: q, k and v biases (Qwen2), split over tp with their projections' rows; ``out_bias``: an o_proj
     bias, added once after the tp reduction (``RowParallelLinear``). ``rope_scaling``: RoPE's tables scaled
     (``modelpar.model.rope``).
+
+    ``qk_norm="projection"``: one RMSNorm over all heads of q (and one of k) before they are split into heads
+    (OLMo 2; ``ProjectionRMSNorm``, weights sharded with the heads); ``norm_offset`` 1: the per-head norms scale
+    by ``1 + weight`` (Gemma). ``query_scale`` S > 0: scores scaled by 1/sqrt(S) instead of 1/sqrt(d), by
+    scaling q before attention, so every kernel and context-parallel exchange runs unchanged. ``softcap`` > 0:
+    scores capped by ``softcap * tanh(s / softcap)`` (the torch path, inside each block of the cp exchange).
+    ``sinks``: one learned logit per head (``sinks`` [heads], sharded with the heads) in each row's softmax, a
+    key of value 0 that every query sees (GPT-OSS; the torch path, merged into the cp online softmax).
     """
 
     def __init__(
@@ -119,8 +127,12 @@ class ParallelAttention(nn.Module):
         tp: TensorParallelGroup,
         *,
         head_dim: int | None = None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        query_scale: float = 0.0,
+        softcap: float = 0.0,
+        sinks: bool = False,
         sequence_parallel: bool = False,
         backend: str = "torch",
         cp: ContextParallelGroup | None = None,
@@ -158,9 +170,18 @@ class ParallelAttention(nn.Module):
         kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
         self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, bias=bias, **kw)
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", bias=out_bias, **kw)
+        self.query_factor = (d / query_scale) ** 0.5 if query_scale else 1.0
+        self.softcap = softcap
+        self.first_head, self.tp_size = tp.rank * self.heads, tp.size
+        self.sinks = nn.Parameter(torch.zeros(self.heads, device=device, dtype=dtype)) if sinks else None
         self.q_norm = self.k_norm = None
-        if qk_norm:  # each rank sees its own heads only: the weights' gradients are partial over tp
-            norm = dict(backend=backend, partial_over_tp=True, device=device, dtype=dtype)
+        self.projection_norm = qk_norm == "projection"
+        if self.projection_norm:  # over whole projections, sharded like their heads
+            norm = dict(tp=tp, device=device, dtype=dtype)
+            self.q_norm = ProjectionRMSNorm(heads * d, parts[0].offset, self.heads * d, norm_eps, **norm)
+            self.k_norm = ProjectionRMSNorm(kv_heads * d, first_kv * d, self.kv_heads * d, norm_eps, **norm)
+        elif qk_norm:  # each rank sees its own heads only: the weights' gradients are partial over tp
+            norm = dict(backend=backend, partial_over_tp=True, offset=norm_offset, device=device, dtype=dtype)
             self.q_norm = RMSNorm(d, norm_eps, tp, **norm)
             self.k_norm = RMSNorm(d, norm_eps, tp, **norm)
 
@@ -169,26 +190,37 @@ class ParallelAttention(nn.Module):
         at 0 (under cp: the global positions of this rank's chunks)."""
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        if self.projection_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (rearrange(t, "b s (n d) -> b s n d", d=d) for t in (q, k, v))
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.projection_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.cp
         seq = q.shape[1] * cp.size
         cos, sin = local_rope_tables(q.shape[1], d, self.rope_theta, cp, q.device, self.rope_scaling)
         q, k = apply_rope(q, cos, sin, backend=self.backend), apply_rope(k, cos, sin, backend=self.backend)
+        if self.query_factor != 1.0:
+            q = q * self.query_factor
         documents = self.documents.current() if self.documents is not None else None
         window = self.window if self.window < seq else 0  # a window spanning the sequence masks nothing
         if self.max_logits is not None and torch.is_grad_enabled():  # training forwards only, not evaluation
             seen = max_attention_logits(q, k, cp, window=window, documents=documents)
             self.max_logits = torch.maximum(self.max_logits, seen)
         if cp.size == 1 and documents is None:
-            out = attention(q, k, v, causal=True, backend=self.backend, window=window)
+            out = attention(
+                q, k, v, causal=True, backend=self.backend, window=window, softcap=self.softcap, sinks=self.sinks
+            )
         else:
-            out = context_parallel_attention(q, k, v, cp, documents, backend=self.backend, window=window)
+            out = context_parallel_attention(
+                q, k, v, cp, documents, backend=self.backend, window=window, softcap=self.softcap, sinks=self.sinks
+            )
         return self.o_proj(rearrange(out, "b s n d -> b s (n d)"))
 
     def logical_shards(self, prefix: str = "") -> dict[str, ShardInfo]:
         shards = self.qkv_proj.logical_shards(prefix) | self.o_proj.logical_shards(prefix)
         if self.q_norm is not None:
             shards |= self.q_norm.logical_shards(prefix + "q_norm.") | self.k_norm.logical_shards(prefix + "k_norm.")
+        if self.sinks is not None:
+            global_shape = (self.heads * self.tp_size,)
+            shards[prefix + "sinks"] = ShardInfo(self.sinks, slice(None), global_shape, dim=0, offset=self.first_head)
         return shards
