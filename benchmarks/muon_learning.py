@@ -1,7 +1,7 @@
 """Does Muon learn? Muon beside a tuned AdamW on the default corpus: held-out loss curves, steps to AdamW's loss.
 
-    python benchmarks/muon_learning.py                   # 200 steps, lr sweep x 3 seeds per optimizer, one CPU rank
-    python benchmarks/muon_learning.py --steps 100 --lrs 3e-3 1e-2 --seeds 2
+    python benchmarks/muon_learning.py --steps 150       # lr 3e-3 and 1e-2 x 3 seeds per optimizer, one CPU rank
+    python benchmarks/muon_learning.py --steps 150 --adamw-lrs 1e-3 --muon-lrs 3e-2 --name muon_learning_edges
 
 Each run trains the `single` recipe (the default corpus, Python's standard-library source, byte-level; its
 sequence length and batch) on one rank in fp32, with the model shrunk to fit a 2-core machine (hidden 64, 2
@@ -84,9 +84,13 @@ def plot(curves: dict[str, dict[int, float]], path: Path) -> bool:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2], help="every optimizer's learning rates")
+    ap.add_argument("--adamw-lrs", type=float, nargs="+", help="AdamW's own (instead of --lrs)")
+    ap.add_argument("--muon-lrs", type=float, nargs="+", help="Muon's own (instead of --lrs)")
+    ap.add_argument("--name", default="muon_learning", help="results file name (without extension)")
+    ap.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier JSON results whose runs join these")
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--set", nargs="*", default=[], help="recipe overrides (model.hidden=64 ...)")
@@ -116,8 +120,9 @@ def main(argv=None) -> None:
     data_path, val_path = resolve_data(base)
     held: dict[str, list[dict[int, float]]] = {}
     seconds: dict[str, list[float]] = {}
+    lrs = {"adamw": args.adamw_lrs or args.lrs, "muon": args.muon_lrs or args.lrs}
     for name in OPTIMIZERS:
-        for lr in args.lrs:
+        for lr in lrs[name]:
             label = f"{name} lr={lr:g}"
             held[label], seconds[label] = [], []
             for seed in range(args.seeds):
@@ -134,6 +139,15 @@ def main(argv=None) -> None:
                 held[label].append(curve)
                 seconds[label].append(took)
                 print(f"{label} seed {seed}: held-out {curve[0]:.4f} -> {curve[args.steps]:.4f} in {took:.1f} s")
+    for earlier in args.merge:  # the same protocol's runs at other learning rates
+        saved = json.loads(earlier.read_text())
+        for label, runs in saved["held_out"].items():
+            if label not in held:
+                held[label] = [{int(k): v for k, v in run.items()} for run in runs]
+                seconds[label] = saved["seconds"][label]
+                name = label.split()[0]
+                theirs = saved["lrs"][name] if isinstance(saved["lrs"], dict) else saved["lrs"]
+                lrs[name] = sorted({*lrs[name], *theirs})
     means = {label: mean_curve(runs) for label, runs in held.items()}
     best = {
         name: min((label for label in means if label.startswith(name + " ")), key=lambda lab: means[lab][args.steps])
@@ -158,13 +172,13 @@ def main(argv=None) -> None:
     )
     md = "\n".join(rows) + "\n\n" + summary
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "muon_learning.md").write_text(md)
-    (args.results_dir / "muon_learning.json").write_text(
+    (args.results_dir / f"{args.name}.md").write_text(md)
+    (args.results_dir / f"{args.name}.json").write_text(
         json.dumps(
             {
                 "steps": args.steps,
                 "seeds": args.seeds,
-                "lrs": args.lrs,
+                "lrs": lrs,
                 "model": overrides[: len(SMALL)] + args.set,
                 "held_out": {lab: [{str(k): v for k, v in run.items()} for run in runs] for lab, runs in held.items()},
                 "seconds": seconds,
@@ -177,7 +191,7 @@ def main(argv=None) -> None:
             indent=1,
         )
     )
-    plot(means, args.results_dir / "muon_learning.png")
+    plot(means, args.results_dir / f"{args.name}.png")
     print(md)
 
 
