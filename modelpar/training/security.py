@@ -19,7 +19,7 @@ from pathlib import Path
 
 from modelpar.checkpoint.store import CheckpointError
 from modelpar.data import DataError
-from modelpar.parallel.admission import SECRET_ENV, AdmissionError, AdmissionSpec
+from modelpar.parallel.admission import SECRET_ENV, AdmissionError, AdmissionSpec, AdmissionTimeout
 from modelpar.parallel.redact import redact
 from modelpar.training.config import TrainConfig
 
@@ -29,7 +29,8 @@ EVENTS = {  # the exception a verdict arrives as -> its event
     "CheckpointError": "tampered-checkpoint",
     "DataError": "changed-data",
 }
-VERDICTS = (AdmissionError, CheckpointError, DataError)  # one-line verdicts a rank raises under torchrun/SLURM
+# one-line verdicts a rank raises under torchrun/SLURM (a rank that never answered the admission is no event)
+VERDICTS = (AdmissionError, AdmissionTimeout, CheckpointError, DataError)
 _RANK = re.compile(r"\brank (\d+)")
 
 
