@@ -57,6 +57,12 @@ class AdmissionError(RuntimeError):
         self.event, self.refused, self.reporter = event, refused, reporter
 
 
+class AdmissionTimeout(TimeoutError):
+    """A rank never answered the admission (it did not start, or hangs); the message names it in one line."""
+
+    one_line = True
+
+
 @dataclass(frozen=True)
 class AdmissionSpec:
     """What a rank needs to take part: the secret's file ("" for none), the attempt (restart count) and a
@@ -95,8 +101,8 @@ def node_and_host() -> tuple[str, str]:
 
 def admit(store, rank: int, world_size: int, spec: AdmissionSpec, timeout: datetime.timedelta) -> str:
     """Run the admission of ``rank`` over ``store`` (see the module's docstring). Returns the prefix under which
-    the process group meets; raises ``AdmissionError`` (the job's verdict) or ``TimeoutError`` (a rank that never
-    answered, named)."""
+    the process group meets; raises ``AdmissionError`` (the job's verdict) or ``AdmissionTimeout`` (a rank that
+    never answered, named)."""
     secret = spec.secret()
     ns = f"modelpar-admission/{spec.attempt}/"
     node, host = node_and_host()
@@ -201,10 +207,21 @@ def _gather(store, ns: str, kind: str, world_size: int, deadline: float) -> list
             raise AdmissionError(message, "refused-worker", [], False)
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise TimeoutError(f"admission: rank(s) {missing} sent no {kind} in time; they did not start or hang")
+            raise AdmissionTimeout(
+                f"admission: rank(s) {missing} sent no {kind} within trainer.timeout_s; they did not start or hang"
+            )
         time.sleep(pause)
         pause = min(2 * pause, _POLL_S[1])
     return [store.get(k).decode() for k in keys]
 
 
-__all__ = ["SECRET_ENV", "AdmissionError", "AdmissionSpec", "admit", "code_version", "judge", "proof"]
+__all__ = [
+    "SECRET_ENV",
+    "AdmissionError",
+    "AdmissionTimeout",
+    "AdmissionSpec",
+    "admit",
+    "code_version",
+    "judge",
+    "proof",
+]

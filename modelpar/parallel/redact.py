@@ -21,8 +21,10 @@ def secret_values(extra_files: tuple[str, ...] = ()) -> list[str]:
     """Every secret this process knows of (see the module's docstring), longest first."""
     values = {v for k, v in os.environ.items() if SECRET_NAME.search(k) and k not in SECRET_FILES}
     for path in [os.environ.get(name, "") for name in SECRET_FILES] + list(extra_files):
+        if not path:
+            continue
         try:
-            values.add(Path(path).read_text().strip()) if path else None
+            values.add(Path(path).read_text().strip())
         except OSError:
             continue
     return sorted((v for v in values if len(v) >= MIN_LENGTH), key=len, reverse=True)

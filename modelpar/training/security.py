@@ -19,7 +19,7 @@ from pathlib import Path
 
 from modelpar.checkpoint.store import CheckpointError
 from modelpar.data import DataError
-from modelpar.parallel.admission import SECRET_ENV, AdmissionError, AdmissionSpec
+from modelpar.parallel.admission import SECRET_ENV, AdmissionError, AdmissionSpec, AdmissionTimeout
 from modelpar.parallel.redact import redact
 from modelpar.training.config import TrainConfig
 
@@ -29,7 +29,8 @@ EVENTS = {  # the exception a verdict arrives as -> its event
     "CheckpointError": "tampered-checkpoint",
     "DataError": "changed-data",
 }
-VERDICTS = (AdmissionError, CheckpointError, DataError)  # one-line verdicts a rank raises under torchrun/SLURM
+# one-line verdicts a rank raises under torchrun/SLURM (a rank that never answered the admission is no event)
+VERDICTS = (AdmissionError, AdmissionTimeout, CheckpointError, DataError)
 _RANK = re.compile(r"\brank (\d+)")
 
 
@@ -53,11 +54,13 @@ def recipe_hash(cfg: TrainConfig) -> str:
 
 
 def record(out_dir: str | Path, event: str, rank: int | None, line: str) -> None:
-    """Append one event to ``<out_dir>/security.jsonl`` (its text redacted of any secret)."""
+    """Append one event to ``<out_dir>/security.jsonl`` (its text redacted of any secret); the rank is the first
+    the line names, else ``rank``."""
+    named = _RANK.search(line)
     entry = {
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
         "event": event,
-        "rank": rank,
+        "rank": int(named.group(1)) if named else rank,
         "host": socket.gethostname(),
         "line": redact(line, (os.environ.get(SECRET_ENV, ""),)),
     }
@@ -69,8 +72,7 @@ def record(out_dir: str | Path, event: str, rank: int | None, line: str) -> None
 
 def record_verdict(out_dir: str | Path, exc: BaseException, rank: int | None) -> bool:
     """Record ``exc`` if it is a security verdict (a rank's own, or one a launcher reports as
-    ``"halted: <Error>: <line>"``); returns whether it was one. The rank named is the first the line names,
-    else ``rank``."""
+    ``"halted: <Error>: <line>"``); returns whether it was one."""
     name, line = type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     reported = re.match(r"(?:halted: |rank \d+ failed: )?(\w+): (.*)", line)
     if name == "LaunchError" and reported:
@@ -80,8 +82,7 @@ def record_verdict(out_dir: str | Path, exc: BaseException, rank: int | None) ->
     event = exc.event if isinstance(exc, AdmissionError) else EVENTS[name]
     if event is None:  # an admission verdict relayed by the launcher
         event = "code-version" if " runs " in line and " but the job runs " in line else "refused-worker"
-    named = _RANK.search(line)
-    record(out_dir, event, int(named.group(1)) if named else rank, line)
+    record(out_dir, event, rank, line)
     return True
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from modelpar.parallel.admission import AdmissionError, AdmissionSpec, admit
+from modelpar.parallel.admission import AdmissionError, AdmissionSpec, AdmissionTimeout, admit
 from modelpar.parallel.secret_file import SecretFileError
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -169,3 +169,12 @@ def test_each_attempt_admits_again_in_its_own_namespace(server, tmp_path):
     again = _admit_all(server, dict.fromkeys(range(2), AdmissionSpec(spec.secret_file, attempt=1)), 2)
     assert all(isinstance(p, str) for p in [*first.values(), *again.values()]), (first, again)
     assert set(first.values()).isdisjoint(again.values())
+
+
+def test_a_rank_that_never_answers_is_named_when_the_timeout_ends(server, tmp_path):
+    spec = AdmissionSpec(_secret(tmp_path, "job"))
+    with pytest.raises(AdmissionTimeout) as err:
+        admit(_client(server), 0, 2, spec, datetime.timedelta(seconds=1))
+    assert str(err.value) == (
+        "admission: rank(s) [1] sent no nonce within trainer.timeout_s; they did not start or hang"
+    )

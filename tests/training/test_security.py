@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from modelpar.data import DataError
 from modelpar.parallel.launch import LaunchError
 from modelpar.training.security import record_verdict
 from tests.helpers import LOOPBACK, SMALL, descendants, listening, listening_addresses, socket_inodes, train
@@ -121,8 +122,9 @@ def test_a_two_node_job_holding_the_secret_trains_as_the_plain_job_and_writes_no
 @pytest.mark.slow
 @needs_proc
 def test_the_store_modelpar_serves_listens_on_the_named_address_only(tmp_path):
+    env = {"MODELPAR_JOB_SECRET": str(_secret(tmp_path / "job.key"))}  # admitted through the store it serves
     run = tmp_path / "run"
-    procs, port = _two_nodes(run, [{}, {}], [["trainer.steps=1", "trainer.ckpt_every=0"]] * 2, "slurm")
+    procs, port = _two_nodes(run, [env, env], [["trainer.steps=1", "trainer.ckpt_every=0"]] * 2, "slurm")
     seen = set()
     while any(p.poll() is None for p in procs):
         seen |= listening_addresses(*(p.pid for p in procs))
@@ -140,8 +142,16 @@ def test_verdicts_are_logged_with_the_rank_they_name(tmp_path):
     assert record_verdict(tmp_path, relayed, 0)
     assert record_verdict(tmp_path, LaunchError(2, "halted: CheckpointError: index.sig does not match"), 2)
     assert not record_verdict(tmp_path, LaunchError(1, "rank 1 died (signal SIGKILL)"), 1)
+    assert record_verdict(tmp_path, DataError("data.npy (...) is not the data ckpt was trained on (...)"), None)
+    code = "halted: AdmissionError: rank 1 (node 1, host h) runs modelpar code 3f but the job runs 9c; install ..."
+    assert record_verdict(tmp_path, LaunchError(0, code), 0)
     events = [json.loads(e) for e in (tmp_path / "security.jsonl").read_text().splitlines()]
-    assert [(e["event"], e["rank"]) for e in events] == [("refused-worker", 3), ("tampered-checkpoint", 2)]
+    assert [(e["event"], e["rank"]) for e in events] == [
+        ("refused-worker", 3),
+        ("tampered-checkpoint", 2),
+        ("changed-data", None),
+        ("code-version", 1),
+    ]
     assert all(e["time"].endswith("+00:00") for e in events)
 
 
@@ -154,3 +164,14 @@ def test_a_secret_file_others_can_read_stops_the_job_before_any_rank_starts(tmp_
         f"modelpar-train: error: the job secret {key} is readable by others (mode 0640); run `chmod 600 {key}`"
     ]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_local_job_with_a_secret_admits_again_on_each_restart(tmp_path):
+    key = _secret(tmp_path / "job.key")
+    run = tmp_path / "run"
+    restarts = ["trainer.max_restarts=1", "trainer.restart_backoff_s=0", "trainer.ckpt_every=1"]
+    proc, _ = train(run, *JOB, *restarts, f"trainer.job_secret={key}", faults="kill@1:1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((run / "restarts.jsonl").read_text().splitlines()) == 1
+    assert len(_losses(run)) == 2 and not (run / "security.jsonl").exists()
