@@ -270,7 +270,9 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     if p.schedule in V_SCHEDULES and m.tie_embeddings and cfg.optim.zero >= 2:
         raise RecipeError(
             f"parallel.schedule={p.schedule} with tied embeddings at optim.zero={cfg.optim.zero} is not supported "
-            "(rank 0 holds both ends, one weight in two FSDP units); set model.tie_embeddings=false or zero<=1"
+            "(rank 0 holds both ends of the V, one weight in two FSDP units); a tied model (Llama 3.2 1B/3B, Gemma) "
+            f"trains at optim.zero={cfg.optim.zero} with parallel.schedule=zb-h1 or interleaved, or under "
+            f"{p.schedule} at optim.zero=1"
         )
     if p.vpp > 1 and p.schedule not in ("interleaved", *V_SCHEDULES):
         raise RecipeError(

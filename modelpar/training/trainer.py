@@ -29,7 +29,7 @@ from modelpar.checkpoint.save import CheckpointSaveError, prepare_save, save_che
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index
 from modelpar.data import DataError, tokenizer_spec
-from modelpar.data.fingerprint import check_same_data, fingerprint
+from modelpar.data.fingerprint import check_same_data, data_source, fingerprint
 from modelpar.model.flops import training_flops_per_token
 from modelpar.optim.fsdp import local
 from modelpar.parallel import collectives
@@ -245,6 +245,7 @@ class Trainer:
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
             "data_fingerprint": fingerprint(self.data_path) if self.rank == 0 else None,  # rank 0 writes the index
+            "data": data_source(self.data_path),  # what modelpar-eval scores unless told otherwise
             "tokenizer": tokenizer_spec(self.data_path)
             if self.rank == 0
             else None,  # what modelpar-generate decodes with
