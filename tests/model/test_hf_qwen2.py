@@ -46,13 +46,18 @@ def _save(model, path):
 
 @pytest.fixture(scope="module")
 def biased(tmp_path_factory):
-    """Random Qwen2ForCausalLM (Qwen2.5's shape of config) and LlamaForCausalLM with ``attention_bias`` directories,
-    with transformers' loss on IDS."""
+    """Random Qwen2ForCausalLM (Qwen2.5's shape of config), and LlamaForCausalLM and Qwen3ForCausalLM with
+    ``attention_bias`` directories, with transformers' loss on IDS."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False)).eval()
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, attention_bias=True)).eval()
-    return {"qwen2": _save(qwen2, root / "qwen2"), "llama": _save(llama, root / "llama")}
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=12, attention_bias=True)).eval()
+    return {
+        "qwen2": _save(qwen2, root / "qwen2"),
+        "llama": _save(llama, root / "llama"),
+        "qwen3": _save(qwen3, root / "qwen3"),
+    }
 
 
 def test_qwen2_config_maps_every_field(biased):
@@ -60,8 +65,9 @@ def test_qwen2_config_maps_every_field(biased):
         vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=1, ffn_hidden=40, max_seq_len=16, rope_theta=500.0,
         norm_eps=1e-5, init_std=0.2, attention_bias=True,
     )  # fmt: skip
-    llama = config_from_hf(biased["llama"][0])
-    assert llama.attention_bias and llama.attention_out_bias
+    for kind in ("llama", "qwen3"):
+        config = config_from_hf(biased[kind][0])
+        assert config.attention_bias and config.attention_out_bias, kind
 
 
 def test_qwen2_sliding_window_layers_come_from_max_window_layers_or_layer_types(biased, tmp_path):
@@ -103,7 +109,9 @@ def test_qwen2_attention_dropout_is_refused_in_one_line(biased, tmp_path):
         config_from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("kind, cls", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")])
+@pytest.mark.parametrize(
+    "kind, cls", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]
+)
 def test_imported_biased_model_gives_transformers_loss_and_exports_what_transformers_saved(biased, tmp_path, kind, cls):
     path, want = biased[kind]
     model = build_model(config_from_hf(path), seed=0)

@@ -7,6 +7,7 @@ reloads in transformers with the same loss."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
 from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.reference import rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,10 +127,6 @@ def test_imported_scaled_model_gives_transformers_loss_and_single_device_gradien
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_triton_kernels_rotate_with_the_scaled_tables(scaled, name):
     """The Triton rotation (and attention) under the interpreter on CPU give the torch path's loss and gradients."""
-    from dataclasses import replace
-
-    from tests.model.reference import rel_err
-
     path = scaled[name][0]
     runs = []
     for kernels in ("torch", "triton"):
