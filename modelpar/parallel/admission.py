@@ -115,7 +115,7 @@ def admit(store, rank: int, world_size: int, spec: AdmissionSpec, timeout: datet
     _claim(store, ns, f"response/{rank}", payload + "\n" + proof(secret, challenge, payload), rank, node, host)
     responses = _gather(store, ns, "response", world_size, deadline)
     judge(responses, secret, challenge, spec.attempt, rank)
-    session = hashlib.sha256((secret or b"") + challenge).hexdigest()[:16]
+    session = hmac.new(secret or b"", PROTOCOL + b"\nsession\n" + challenge, hashlib.sha256).hexdigest()[:16]
     return f"modelpar-pg/{spec.attempt}/{session}/"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from modelpar.checkpoint.signing import SIGNATURE, keygen
+from modelpar.checkpoint.signing import SIGNATURE, keygen, load_key
 from modelpar.checkpoint.store import CheckpointError, sha256_file
 from modelpar.cli.ckpt import main as ckpt_main
 from modelpar.testing import run_on_ranks
@@ -101,3 +101,11 @@ def test_hf_export_is_signed_beside_model_safetensors(signed_run, tmp_path):
     out = tmp_path / "hf"
     assert ckpt_main(["export-hf", str(ckpt), str(out), "--key", str(key)]) == 0
     assert (out / "model.safetensors.sig").exists()
+
+
+def test_a_signing_key_others_can_read_is_refused_naming_the_chmod(tmp_path):
+    key = keygen(tmp_path / "key")
+    key.chmod(0o604)
+    with pytest.raises(CheckpointError) as err:
+        load_key(key)
+    assert str(err.value) == f"the signing key {key} is readable by others (mode 0604); run `chmod 600 {key}`"
