@@ -153,16 +153,17 @@ def table(results: list[dict]) -> str:
     lines = [
         "Streaming HF conversion on this machine (2 cores, 24 GiB), random bf16 weights, default dtype; one run",
         "",
-        "| model | GB | shards in/out | step | wall | peak RSS | GB/s | x cp | bit for bit |",
+        "| model | GB | shards in/out | step | wall | peak RSS | GB/s | x cp | exported = input, bit for bit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        exact = "yes" if r["bit_exact"] else "NO"
         for step in ("cp", "cp + sync", "import-hf", "export-hf"):
             row = r[step]
             lines.append(
                 f"| {r['model']} | {r['bytes'] / 1e9:.2f} | {r['shards_in']}/{r['shards_out']} | {step} | "
                 f"{row['wall_s']:.1f} s | {row['peak_rss_gb']:.2f} GB | {row['gb_per_s']:.3f} | "
-                f"{row.get('of_cp', 1.0):.2f} | {'yes' if r['bit_exact'] else 'NO'} |"
+                f"{row.get('of_cp', 1.0):.2f} | {exact if step == 'export-hf' else '-'} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -18,26 +18,9 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+from modelpar.model.safetensors_io import DTYPES, raw_bytes
+
 CHUNK = 4 << 20  # bytes written and hashed at a time: small enough to hash from cache
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` (contiguous, on the CPU), without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], fsync: bool = True) -> dict[str, object]:
@@ -59,7 +42,7 @@ def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], fsync: 
             f.write(block)
             digest.update(block)
         for t in ready.values():
-            raw = _raw(t)
+            raw = raw_bytes(t)
             for start in range(0, len(raw), CHUNK):
                 part = raw[start : start + CHUNK]
                 f.write(part)
