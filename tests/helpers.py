@@ -173,3 +173,54 @@ def save_whole_model_checkpoint(root, config: ModelConfig, **meta):
             "world_size": 1, "sampler": None, "optimizer": False, **meta}  # fmt: skip
     pieces = model_pieces([build_model(config, seed=0)])
     return save_checkpoint(root, 0, pieces, {"rng/torch": torch.get_rng_state()}, meta)
+
+
+LISTEN = "0A"
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::1
+
+
+def descendants(root: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == pid and p not in found]
+        found.update(children)
+        frontier.extend(children)
+    return found
+
+
+def socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return inodes
+
+
+def listening(inodes: set[str]) -> set[str]:
+    """Local addresses (hex, as /proc/net shows them) of the listening TCP sockets among ``inodes``."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == LISTEN and fields[9] in inodes:
+                out.add(fields[1])
+    return out
+
+
+def listening_addresses(*roots: int) -> set[str]:
+    """Local addresses (hex ``addr:port`` as /proc/net/tcp shows them) the process trees of ``roots`` listen on."""
+    return listening(socket_inodes(set().union(*(descendants(r) for r in roots))))

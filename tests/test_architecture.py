@@ -176,6 +176,18 @@ def test_every_module_imports_on_its_own():
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
 
 
+def test_no_test_module_imports_another():
+    """Shared test code lives in conftest.py or a helpers module (not named ``test_*``), never in a test module:
+    importing one runs its module-level set-up and ties two specifications together."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert not found, "; ".join(found)
+
+
 # -- CONTRIBUTING.md's import table is this rule --------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ cast): peak memory is a few times the largest tensor plus the interpreter, whate
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -21,15 +22,14 @@ from typing import Any
 
 import torch
 
+from modelpar.checkpoint.schema import check_file_name
 from modelpar.checkpoint.store import (
     FORMAT,
     INDEX,
     LATEST,
     CheckpointError,
-    Piece,
     fsync_dir,
     fsync_write,
-    load_pieces,
     region_key,
     step_dir,
 )
@@ -171,17 +171,49 @@ def export_hf_dir(
     name_of = {key: name for name, key in key_of.items()}
     entries = {key_of[n]: (cast or stored[n], tuple(index["tensors"][n]["global_shape"])) for n in names}
 
+    readers: dict[str, TensorReader] = {}
+
     def value_of(key: str) -> torch.Tensor:
         name = name_of[key]
-        whole = Piece.whole(name, tuple(index["tensors"][name]["global_shape"]))
-        value = load_pieces(ckpt, index, [whole])[whole]
+        value = read_whole(ckpt, index["tensors"][name], name, readers)
         return rope_rows_to_hf(name, value, config.mla) if kind in DEEPSEEK_TYPES else value
 
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
-    write_hf_weights(out, entries, value_of, max_shard_size)
+    try:
+        write_hf_weights(out, entries, value_of, max_shard_size)
+    finally:
+        for reader in readers.values():
+            reader.close()
     copy_tokenizer(index, out)
     return hf_config
+
+
+def read_whole(ckpt: Path, entry: dict, name: str, readers: dict[str, TensorReader]) -> torch.Tensor:
+    """A logical tensor assembled from its pieces (any layout), each read with plain reads: one whole piece is
+    returned as read; otherwise each piece is copied into place and dropped (one copy of the tensor plus its
+    largest piece resident). ``readers``: open files by name, kept between calls."""
+    shape = tuple(entry["global_shape"])
+    result, covered = None, 0
+    for piece in entry["pieces"]:
+        file = check_file_name(piece["file"], "piece")
+        if file not in readers:
+            readers[file] = TensorReader(ckpt / file)
+        region = [tuple(r) for r in piece["region"]]
+        want = tuple(b - a for a, b in region)
+        if readers[file].shape(piece["key"]) != want:
+            raise CheckpointError(f"{ckpt / file}: {piece['key']!r:.80} has a shape other than its region's")
+        chunk = readers[file].read(piece["key"])
+        if want == shape and len(entry["pieces"]) == 1:
+            return chunk
+        if result is None:
+            result = torch.empty(shape, dtype=chunk.dtype)
+        result[tuple(slice(a, b) for a, b in region)] = chunk
+        covered += chunk.numel()
+        del chunk
+    if result is None or covered < math.prod(shape):
+        raise CheckpointError(f"{ckpt}: the pieces of {name} do not cover it")
+    return result
 
 
 def _stored_dtypes(ckpt: Path, index: dict, names: list[str]) -> dict[str, torch.dtype]:

@@ -2,7 +2,8 @@
 
 A rank holds regions of logical (HF-named, layout-free) tensors; ``model_pieces`` names them as ``Piece``s
 for ``save_checkpoint``, and loading asks the checkpoint for exactly the regions the new layout holds, which
-is all resharding is. The Adam moments are saved the same way, as ``<moment>/<tensor name>``.
+is all resharding is. The Adam moments are saved the same way, as ``<moment>/<tensor name>``, and Muon's
+momentum buffer as ``momentum_buffer/<tensor name>``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from modelpar.model.layers import ShardInfo
 from modelpar.model.transformer import ModelChunk
 from modelpar.optim.fsdp import full_local, is_sharded, load_local, local
 from modelpar.optim.param_info import ParamsWithInfo
-from modelpar.optim.state import MOMENTS
+from modelpar.optim.state import MOMENTS, moment_kinds, switch_error
 
 
 def model_pieces(chunks: list[ModelChunk]) -> dict[Piece, torch.Tensor]:
@@ -49,7 +50,7 @@ def optimizer_pieces(chunks: list[ModelChunk], optimizer) -> tuple[dict[Piece, t
         state = state_of.get(id(shard.param))
         if not state:
             continue
-        for kind in MOMENTS:
+        for kind in state:
             moment = state[kind].detach()[shard.local_rows]
             pieces[Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region)] = moment
     return pieces, step
@@ -65,26 +66,47 @@ def _pieces_and_shards(chunks: list[ModelChunk]):
             yield Piece(name, tuple(shard.global_shape), region), shard
 
 
-def _moment_regions(chunks: list[ModelChunk]) -> dict[Piece, tuple[str, ShardInfo]]:
+def _moment_regions(
+    chunks: list[ModelChunk], muon: frozenset[int] | None = frozenset()
+) -> dict[Piece, tuple[str, ShardInfo]]:
+    """The moment regions to load: Adam's two of each tensor, Muon's buffer of those in ``muon`` (param ids;
+    None: whichever of the two a checkpoint's ``index`` holds is decided by the caller)."""
     return {
         Piece(f"{kind}/{piece.name}", piece.global_shape, piece.region): (kind, shard)
         for piece, shard in _pieces_and_shards(chunks)
         if shard.param.requires_grad  # a MoE router's balancing bias has no optimizer state
-        for kind in MOMENTS
+        for kind in moment_kinds(id(shard.param) in muon)
     }
 
 
 def load_optimizer_pieces(chunks: list[ModelChunk], ckpt: Path, index: dict) -> dict[Piece, torch.Tensor]:
-    """The regions of the saved logical Adam moments that ``chunks`` (this rank, any layout) hold."""
-    return load_pieces(ckpt, index, list(_moment_regions(chunks)), table="optimizer_tensors")
+    """The regions of the saved logical Adam moments (or Muon buffers) that ``chunks`` (this rank, any layout)
+    hold: for each parameter, whichever the checkpoint has."""
+    saved = index.get("optimizer_tensors", {})
+    muon = frozenset(
+        id(shard.param) for piece, shard in _pieces_and_shards(chunks) if f"momentum_buffer/{piece.name}" in saved
+    )
+    return load_pieces(ckpt, index, list(_moment_regions(chunks, muon)), table="optimizer_tensors")
 
 
 def resharded_optimizer_state(
-    chunks: list[ModelChunk], params: ParamsWithInfo, ckpt: Path, index: dict, step: float
+    chunks: list[ModelChunk],
+    params: ParamsWithInfo,
+    ckpt: Path,
+    index: dict,
+    step: float,
+    muon: frozenset[int] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """This rank's optimizer state rebuilt from a checkpoint's logical moments (any layout that saved them),
-    keyed as ``load_optimizer_state_tensors`` takes it: whole local parameters, which ZeRO-1 slices itself."""
-    wanted = _moment_regions(chunks)
+    keyed as ``load_optimizer_state_tensors`` takes it: whole local parameters, which ZeRO-1 slices itself.
+    ``muon``: the ids of the parameters Muon updates (their state is a momentum buffer); a checkpoint whose
+    state of a tensor was kept by the other optimizer is refused in one line."""
+    saved = index.get("optimizer_tensors", {})
+    for piece, shard in _pieces_and_shards(chunks):
+        is_muon = id(shard.param) in muon
+        if f"{moment_kinds(not is_muon)[0]}/{piece.name}" in saved:
+            raise switch_error(piece.name, saved_muon=not is_muon)
+    wanted = _moment_regions(chunks, muon)
     loaded = load_pieces(ckpt, index, list(wanted), table="optimizer_tensors")
     moments: dict[tuple[str, int], torch.Tensor] = {}
     for key, (kind, shard) in wanted.items():
@@ -94,10 +116,12 @@ def resharded_optimizer_state(
         full[shard.local_rows] = loaded[key].to(full.dtype)
     out = {}
     for param, info in params:
-        if ("exp_avg", id(param)) in moments:
-            for kind in MOMENTS:
+        kinds = moment_kinds(id(param) in muon)
+        if (kinds[0], id(param)) in moments:
+            for kind in kinds:
                 out[f"{kind}/{info.name}"] = moments[kind, id(param)]
-            out[f"step/{info.name}"] = torch.tensor(step, dtype=torch.float32)
+            if kinds == MOMENTS:  # torch's Muon keeps no step count
+                out[f"step/{info.name}"] = torch.tensor(step, dtype=torch.float32)
     return out
 
 

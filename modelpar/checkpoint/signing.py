@@ -5,7 +5,8 @@ file needs a rewritten index, and a rewritten index needs the key. HMAC (standar
 ed25519 signature: no new dependency, and the readers of a training checkpoint (resume, eval, export) are the
 same people who write it, so they can hold the one key; ed25519 would matter when readers must not be able to
 sign, which is not this workload. The key is 32 random bytes, hex, in a file readable by its owner only
-(``modelpar-ckpt keygen``); ``trainer.signing_key`` or ``MODELPAR_SIGNING_KEY`` names the file.
+(``modelpar-ckpt keygen``); ``trainer.signing_key`` or ``MODELPAR_SIGNING_KEY`` names the file, which is
+refused when its group or other users may read it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 from pathlib import Path
 
 from modelpar.checkpoint.store import INDEX, CheckpointError, read_index
+from modelpar.parallel.secret_file import SecretFileError, check_private
 
 SIGNATURE = "index.sig"
 KEY_ENV = "MODELPAR_SIGNING_KEY"
@@ -37,8 +39,11 @@ def load_key(path: str | Path | None = None) -> bytes | None:
     if path is None:
         return None
     try:
+        check_private(path, "the signing key")
         text = Path(path).read_text().strip()
         key = bytes.fromhex(text)
+    except SecretFileError as exc:
+        raise CheckpointError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"cannot read the signing key {path} ({type(exc).__name__}); write one with `modelpar-ckpt keygen FILE`"

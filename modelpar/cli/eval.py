@@ -5,7 +5,8 @@
 The model's shape comes from the checkpoint (a field set on the command line must agree with it). Scores the
 first ``eval.windows`` windows of ``data.seq_len + 1`` tokens (neighbours share one token) of
 ``data.val_path``, else the held-out split of ``data.path`` (a shard directory's ``val/``; a token file is
-scored itself), else the default corpus's held-out split. A ``data.blend`` is scored on each dataset's held-out
+scored itself), else the held-out split of the training data the checkpoint records (one that records none is
+refused); the data scored is printed first. A ``data.blend`` is scored on each dataset's held-out
 split; the JSON line then has each one's loss and their mean weighted by the blend. The windows form one
 batch, split over dp replicas and ``parallel.microbatches``, and run through the same pipeline runtime as
 training, forwards only (the schedule's forwards in its order, without autograd); every window has the same
@@ -34,14 +35,14 @@ from modelpar.checkpoint.reshard import load_model_from_checkpoint
 from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.cli.overrides import refuse_unknown_overrides
-from modelpar.data import DataError, default_corpus, eval_split, open_dataset
+from modelpar.data import DataError, eval_split, open_dataset
 from modelpar.model.config import ATTENTION_VARIANT, IDENTITY, ROUTING_DEFAULTS, MLAConfig, ModelConfig, MoEConfig
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
 from modelpar.pipeline import PipelineRuntime, forward_only
 from modelpar.training.build import build_rank_model, resolve_device, resolve_eos_id
-from modelpar.training.config import RECIPES, RecipeError, TrainConfig, register_schema, validate
+from modelpar.training.config import RECIPES, BlendEntry, RecipeError, TrainConfig, register_schema, validate
 from modelpar.training.preflight import USER_ERRORS, runs_on_cpu
 from modelpar.training.torch_version import check_torch_version
 
@@ -178,8 +179,11 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> dict:
         index = read_signed_index(ckpt, load_key(cfg.trainer.signing_key or None))
         cfg = replace(cfg, model=model_of_checkpoint(cfg, index["model"], overridden, ckpt))
         cfg = eval_config(cfg, microbatches_set="parallel.microbatches" in overridden or "parallel" in overridden)
+        cfg, recorded = data_of_checkpoint(cfg, index, ckpt)
         validate(cfg)
         sets = eval_sets(cfg)
+        scored = ", ".join(path for path, _ in sets)
+        print(f"modelpar-eval: scoring {scored}" + (f" ({recorded})" if recorded else ""), flush=True)
         for path, _ in sets:
             tokens = open_dataset(path, cfg.model.vocab_size, cfg.data.seq_len)
             if tokens.num_windows < cfg.eval.windows:
@@ -198,17 +202,38 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> dict:
     return result
 
 
+def data_of_checkpoint(cfg: TrainConfig, index: dict, ckpt: Path) -> tuple[TrainConfig, str]:
+    """The recipe with the data to score: as given (``data.val_path``, ``data.blend`` or ``data.path``), else the
+    training data the checkpoint records (its held-out split), with a note saying so; a checkpoint that records
+    none is refused rather than scored on a default corpus it may never have seen."""
+    d = cfg.data
+    if d.val_path or d.blend or d.path:
+        return cfg, ""
+    source = index.get("data")
+    if isinstance(source, dict) and isinstance(source.get("path"), str):
+        return replace(cfg, data=replace(d, path=source["path"])), f"the held-out split of what {ckpt} trained on"
+    if isinstance(source, dict) and isinstance(source.get("blend"), list):
+        try:
+            blend = [BlendEntry(path=str(path), weight=float(weight)) for path, weight in source["blend"]]
+        except (TypeError, ValueError):
+            blend = []
+        if blend:
+            return replace(cfg, data=replace(d, blend=blend)), f"the held-out splits of the blend {ckpt} trained on"
+    raise RecipeError(
+        f"{ckpt} does not record the data it was trained on (saved by an older modelpar); pass data.path=<its "
+        "training data> (its held-out split is scored) or data.val_path=<a token file>"
+    )
+
+
 def eval_sets(cfg: TrainConfig) -> list[tuple[str, float]]:
     """What to score, with weights: ``data.val_path``; each blend dataset's held-out split; the held-out split
-    of ``data.path`` (or the file itself); the default corpus's held-out split."""
+    of ``data.path`` (or the file itself)."""
     d = cfg.data
     if d.val_path:
         return [(d.val_path, 1.0)]
     if d.blend:
         return [(eval_split(e.path), e.weight) for e in d.blend]
-    if d.path:
-        return [(eval_split(d.path), 1.0)]
-    return [(str(default_corpus(d.cache_dir, max_bytes=d.corpus_max_bytes).val_path), 1.0)]
+    return [(eval_split(d.path), 1.0)]
 
 
 def _evaluate(cfg: TrainConfig, path: str, ckpt: Path) -> dict:

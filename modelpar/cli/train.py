@@ -37,17 +37,21 @@ from modelpar.parallel.world import launch_env_from_environ
 from modelpar.training.config import FILE_ACCESS, RECIPES, TrainConfig, register_schema, validate
 from modelpar.training.elastic import available_world, elastic_config, lost_dir, lost_ranks
 from modelpar.training.faults import FIRED_ENV, LOST_ENV
+from modelpar.training.final_save import unsaved_final_state
 from modelpar.training.flight import flight_hang_report
 from modelpar.training.init_from import init_source
+from modelpar.training.interrupt import StopOnInterrupt
 from modelpar.training.outliers import outlier_check_note
 from modelpar.training.preflight import USER_ERRORS, preflight, runs_on_cpu
 from modelpar.training.restart import RestartPolicy, run_with_restarts
+from modelpar.training.run_dir import RunDirError, RunLock, check_writable, run_dir_of
+from modelpar.training.security import VERDICTS, admission_spec, record_verdict
 from modelpar.training.trainer import train_worker
 
 
-def fail(message: str) -> None:
+def fail(message: str, status: int = 2) -> None:
     print(f"modelpar-train: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
@@ -75,10 +79,14 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
     recipe = cfg
     cfg = laid_out(recipe, env, out_dir, job_rank0)
     try:
+        check_writable(out_dir)
+        lock = RunLock.acquire(out_dir) if job_rank0 else None  # held until this process ends  # noqa: F841
+        admission = admission_spec(cfg, multi_node=env is not None)
         train_path, val_path, resume_from = preflight(cfg)
-    except USER_ERRORS as exc:
+    except (*USER_ERRORS, RunDirError) as exc:
+        if job_rank0 and not isinstance(exc, RunDirError):
+            record_verdict(out_dir, exc, None)
         fail(str(exc))
-    out_dir.mkdir(parents=True, exist_ok=True)
     note = outlier_check_note(cfg.trainer.grad_outlier_action, cfg.parallel.dp, cfg.optim.zero)
     if job_rank0 and note:
         print(f"modelpar-train: note: {note}", flush=True)
@@ -104,11 +112,14 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
 
     def attempt(restart: int) -> None:
         resume, run_cfg = resume_from, cfg
+        if restart and interrupt.requested:
+            interrupted(out_dir, stopped=False)  # Ctrl-C is not a failure to restart from
         if restart:
             run_cfg = laid_out(recipe, env, out_dir, job_rank0)  # fewer ranks if one was lost for good
             try:
                 _, _, resume = preflight(run_cfg)  # the newest checkpoint that verifies now
             except USER_ERRORS as exc:
+                record_verdict(out_dir, exc, None)
                 fail(str(exc))
             start = f"the weights of {source.describe()}" if source else "the start"
             print(f"modelpar-train: resuming from {resume or start + ' (no checkpoint yet)'}", flush=True)
@@ -124,15 +135,46 @@ def run(cfg: TrainConfig, overridden: Mapping[str, str] | None = None) -> None:
             hang_report=partial(flight_hang_report, str(out_dir / "flight")),
             rank_setup=rank_setup(runs_on_cpu(cfg), cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity),
             log_path=str(out_dir / "failure.log"),
+            # every attempt admits its ranks again (torchrun counts its own restarts)
+            admission=replace(admission, attempt=restart + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+            if admission
+            else None,
         )
 
-    try:
-        run_with_restarts(attempt, policy, out_dir / "restarts.jsonl", say=partial(print, flush=True))
-    except LaunchError as exc:
-        print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    with StopOnInterrupt() as interrupt:
+        try:
+            run_with_restarts(attempt, policy, out_dir / "restarts.jsonl", say=partial(print, flush=True))
+        except LaunchError as exc:
+            if interrupt.requested:
+                interrupted(out_dir, stopped=False)
+            record_verdict(out_dir, exc, exc.rank)
+            print(f"modelpar-train: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except VERDICTS as exc:  # under torchrun/SLURM: this rank's own verdict, recorded by one rank
+            if getattr(exc, "reporter", job_rank0):
+                record_verdict(out_dir, exc, env.rank)
+            print(f"modelpar-train: rank {env.rank}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+    if interrupt.requested:
+        interrupted(out_dir, stopped=True)
+    problem = unsaved_final_state(cfg) if job_rank0 else None
+    if problem:
+        fail(problem, status=1)
     if job_rank0:
         summarize(cfg, val_path)
+
+
+def interrupted(out_dir: Path, stopped: bool) -> None:
+    """Exit 130 with one line: where the interrupted run's newest saved state is."""
+    newest = latest_checkpoint(out_dir / "checkpoints")
+    how = "every rank stopped and saved" if stopped else "stopped before the ranks agreed on a step to save"
+    held = f"the newest saved state is {newest}" if newest else "nothing was saved"
+    print(
+        f"modelpar-train: interrupted ({how}); {held}; rerun the same command to go on from there",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(130)
 
 
 def laid_out(cfg: TrainConfig, env, out_dir: Path, say: bool) -> TrainConfig:
@@ -234,8 +276,18 @@ def _app(dcfg: DictConfig) -> None:
 def main() -> None:
     refuse_unknown_overrides("modelpar-train", TrainConfig, RECIPES)
     os.umask(FILE_ACCESS["group"])  # before Hydra makes the run directory: nothing the run writes is world-readable
+    run_dir = run_dir_of(sys.argv[1:])
+    try:
+        if run_dir is not None:
+            check_writable(run_dir)  # before Hydra makes it: a PermissionError there is a traceback
+    except RunDirError as exc:
+        fail(str(exc))
     register_schema()
-    _app()
+    try:
+        _app()
+    except KeyboardInterrupt:
+        print("modelpar-train: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

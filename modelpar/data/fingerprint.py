@@ -81,3 +81,11 @@ def check_same_data(saved: dict | None, path, allow_changed: bool, ckpt: str | P
             f"{path} ({describe(now)}) is not the data {ckpt} was trained on ({describe(saved)}); its sampler "
             "position means nothing on other data: use the original file, or data.allow_changed=true"
         )
+
+
+def data_source(path) -> dict:
+    """Where a run's training data is, as a checkpoint records it: ``{"path": ...}`` (absolute) or
+    ``{"blend": [[path, weight], ...]}``; what ``modelpar-eval`` scores when it is given no data."""
+    if isinstance(path, Blend):
+        return {"blend": [[str(Path(p).resolve()), w] for p, w in path.parts]}
+    return {"path": str(Path(path).resolve())}

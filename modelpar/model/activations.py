@@ -29,11 +29,12 @@ and the outputs selective checkpointing caches itself (``cached``), which no hoo
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from modelpar.parallel import kept
@@ -90,6 +91,26 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
+class _KeptEntries(dict):
+    """One op's cached outputs, by call index, that a backward reads without consuming."""
+
+    def __setitem__(self, key, value) -> None:
+        if value is not _checkpoint._CONSUMED:
+            super().__setitem__(key, value)
+
+
+def _replayable_selective_contexts():
+    """``create_selective_checkpoint_contexts(_keep_matmuls)`` whose cache a second backward through the region
+    may read again. A zero-bubble schedule's backward is two autograd passes over one graph (B for the input
+    gradient, then W for the weights: ``modelpar.pipeline.split_backward``), and each reruns the region; torch's
+    cache marks an output consumed at its first read and refuses the second. Kept, the cached outputs live as
+    long as the region's graph (until W), instead of being dropped one by one during the first pass."""
+    caching, cached = create_selective_checkpoint_contexts(_keep_matmuls)
+    storage = collections.defaultdict(_KeptEntries)
+    caching.storage = cached.storage = storage
+    return caching, cached
+
+
 class RecomputePolicy:
     """How a block runs its halves under ``mode`` (none | selective | full) and ``modules``."""
 
@@ -114,8 +135,7 @@ class RecomputePolicy:
         if name in self.modules:
             return checkpoint(fn, x, use_reentrant=False)
         if "elementwise" in self.modules:
-            context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
-            return checkpoint(fn, x, use_reentrant=False, context_fn=context)
+            return checkpoint(fn, x, use_reentrant=False, context_fn=_replayable_selective_contexts)
         return fn(x)
 
 

@@ -10,6 +10,7 @@ from modelpar.optim.data_parallel import (
 )
 from modelpar.optim.fsdp import FullyShardedAdamW
 from modelpar.optim.grad_sync import DEFAULT_BUCKET_BYTES
+from modelpar.optim.muon_layout import MuonLayout
 from modelpar.optim.param_info import ParamsWithInfo
 from modelpar.parallel.groups import ParallelGroups
 
@@ -26,9 +27,11 @@ def build_optimizer(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     chunks: list | None = None,
     reduce_every_micro_batch: bool = False,
+    muon_layout: MuonLayout | None = None,
 ) -> DataParallelOptimizer:
-    """The optimizer of ZeRO stage ``zero`` (0 or 1) over ``groups``' dp group."""
-    adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    """The optimizer of ZeRO stage ``zero`` (0 to 3) over ``groups``' dp group; with ``muon_layout``, Muon for
+    the matrices it covers (``modelpar.optim.muon_layout``), AdamW for the rest."""
+    adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, muon_layout=muon_layout)
     if zero == 0:
         return ReplicatedAdamW(params_with_info, groups, bucket_bytes=bucket_bytes, **adam)
     if zero == 1:

@@ -27,7 +27,13 @@ from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.grad_sync import GradientSynchronizer
 from modelpar.optim.param_info import ParamsWithInfo
-from modelpar.optim.state import MOMENTS, load_optimizer_state_tensors, optimizer_state_tensors
+from modelpar.optim.state import (
+    MOMENTS,
+    MUON_MOMENTS,
+    load_optimizer_state_tensors,
+    moment_kinds,
+    optimizer_state_tensors,
+)
 from modelpar.optim.zero import ZeroOneAdamW
 from modelpar.parallel.groups import ParallelGroups
 
@@ -121,6 +127,12 @@ class DataParallelOptimizer(ABC):
         """Every local parameter's whole Adam moments keyed by ``id(param)``, and AdamW's step count; None
         before the first step or when parameters disagree on it. Collective over dp under ZeRO."""
 
+    def muon_param_ids(self) -> frozenset[int]:
+        """The ids of the parameters Muon updates (``optim.name=muon``); empty under AdamW alone."""
+        torch_opt = getattr(self.optimizer, "shard_optimizer", self.optimizer)
+        layout = getattr(torch_opt, "layout", None)
+        return frozenset(id(p) for p, _ in self.params_with_info if layout is not None and layout.is_muon(p))
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state for a safetensors checkpoint (see ``modelpar.optim.state``)."""
         return optimizer_state_tensors(self.optimizer)
@@ -212,10 +224,11 @@ class ReplicatedAdamW(DataParallelOptimizer):
 
     def full_moments(self) -> tuple[dict[int, dict[str, torch.Tensor]], float] | None:
         state_of = {id(p): st for p, st in self.optimizer.state.items()}
-        steps = {float(st["step"]) for st in state_of.values()}
+        steps = {float(st["step"]) for st in state_of.values() if "step" in st}  # Muon's state has none
         if len(steps) != 1:
             return None
-        return {k: {kind: st[kind] for kind in MOMENTS} for k, st in state_of.items()}, steps.pop()
+        kinds = (*MOMENTS, *MUON_MOMENTS)
+        return {k: {kind: st[kind] for kind in kinds if kind in st} for k, st in state_of.items()}, steps.pop()
 
 
 class ZeroOneOptimizer(DataParallelOptimizer):
@@ -248,8 +261,12 @@ class ZeroOneOptimizer(DataParallelOptimizer):
         self.optimizer.zero_grad()
 
     def full_moments(self) -> tuple[dict[int, dict[str, torch.Tensor]], float] | None:
-        gathered = self.optimizer.full_moments(MOMENTS)
+        gathered = self.optimizer.full_moments((*MOMENTS, *MUON_MOMENTS))
         if gathered is None:
             return None
         per_param, step = gathered
-        return {id(p): state for p, state in zip(self.optimizer.params, per_param, strict=True)}, step
+        muon = self.muon_param_ids()
+        return {
+            id(p): {kind: state[kind] for kind in moment_kinds(id(p) in muon)}
+            for p, state in zip(self.optimizer.params, per_param, strict=True)
+        }, step

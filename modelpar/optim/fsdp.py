@@ -51,7 +51,7 @@ from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.data_parallel import DataParallelOptimizer, _nothing
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo
-from modelpar.optim.state import MOMENTS
+from modelpar.optim.state import MOMENTS, moment_kinds, switch_error
 from modelpar.parallel.groups import ParallelGroups
 
 
@@ -111,7 +111,7 @@ class FullyShardedAdamW(DataParallelOptimizer):
         # stage 3 frees a chunk's weights after each backward; stage 2 keeps them gathered until the step reduces
         self._reshard_every_backward = zero == 3
         self._switches: dict[int, tuple[bool, bool]] = {}  # chunk -> (reshard after backward, gradient sync)
-        self.optimizer = build_adamw(self.params_with_info, **adam)
+        self.optimizer = build_adamw(self.params_with_info, rows=dp_rows, **adam)
         self.chunks = list(chunks)  # the FSDP2 roots, in the pipeline runtime's local order
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self._micro_batches = 1
@@ -194,26 +194,32 @@ class FullyShardedAdamW(DataParallelOptimizer):
 
     def full_moments(self) -> tuple[dict[int, dict[str, torch.Tensor]], float] | None:
         state_of = {id(p): st for p, st in self.optimizer.state.items()}
-        steps = {float(st["step"]) for st in state_of.values()}
+        steps = {float(st["step"]) for st in state_of.values() if "step" in st}  # Muon's state has none
         if len(steps) != 1 or len(state_of) != len(self.params_with_info):
             return None
         out = {}
+        muon = self.muon_param_ids()
         for p, _ in self.params_with_info:  # the same order on every dp rank: the gathers pair up
             st = self.optimizer.state[p]
-            out[id(p)] = {kind: full_local(st[kind]) for kind in MOMENTS}
+            out[id(p)] = {kind: full_local(st[kind]) for kind in moment_kinds(id(p) in muon)}
         return out, steps.pop()
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Whole tp-local moments (``resharded_optimizer_state``) into this rank's dp shards."""
+        muon = self.muon_param_ids()
         for p, info in self.params_with_info:
-            if f"exp_avg/{info.name}" not in tensors:
+            kinds = moment_kinds(id(p) in muon)
+            if f"{moment_kinds(id(p) not in muon)[0]}/{info.name}" in tensors:
+                raise switch_error(info.name, saved_muon=id(p) not in muon)
+            if f"{kinds[0]}/{info.name}" not in tensors:
                 continue
             state = self.optimizer.state[p]
-            for kind in MOMENTS:
+            for kind in kinds:
                 moment = torch.zeros_like(p)
                 load_local(moment, tensors[f"{kind}/{info.name}"].to(p.device, p.dtype))
                 state[kind] = moment
-            state["step"] = tensors[f"step/{info.name}"].clone()
+            if kinds == MOMENTS:  # torch's Muon keeps no step count
+                state["step"] = tensors[f"step/{info.name}"].clone()
 
 
 def _end_weight_backward(chunk: torch.nn.Module, reduce: bool) -> None:

@@ -32,6 +32,7 @@ class HasParamGroups(Protocol):
 
 
 def set_lr(optimizer: HasParamGroups, lr: float) -> None:
-    """Use ``lr`` for every parameter group (decay and no-decay alike) from the next ``step()`` on."""
+    """Use ``lr`` for every parameter group (decay and no-decay alike) from the next ``step()`` on, times the
+    group's ``lr_scale`` where it has one (Muon's group: its learning rate relative to AdamW's)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

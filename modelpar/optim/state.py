@@ -5,7 +5,8 @@ Every tensor is keyed by what it is, not by who held it::
     exp_avg/<name>            plain AdamW: the whole parameter's moment, shaped like the parameter
     exp_avg/<name>[a:b]       ZeRO-1: elements a..b of the flattened parameter (1-D), held by one dp rank
     exp_avg_sq/...            the same for the second moment
-    step/<name>, step/<name>[a:b]      0-d step count (only for parameters that have been stepped)
+    momentum_buffer/...       Muon's one momentum buffer, for the parameters Muon updates (no Adam moments)
+    step/<name>, step/<name>[a:b]      0-d step count (AdamW's parameters that have been stepped)
     master/<name>[a:b]        ZeRO-1 only: the fp32 master weights of the segment
 
 Loading assembles each parameter (or segment) from whatever pieces cover it. The same layout reloads its own
@@ -24,7 +25,22 @@ import torch
 from modelpar.optim.zero import ZeroOneAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-_KEY = re.compile(r"^(exp_avg|exp_avg_sq|step|master)/(.+?)(?:\[(\d+):(\d+)\])?$")
+MUON_MOMENTS = ("momentum_buffer",)
+_KEY = re.compile(r"^(exp_avg|exp_avg_sq|momentum_buffer|step|master)/(.+?)(?:\[(\d+):(\d+)\])?$")
+
+
+def moment_kinds(muon: bool) -> tuple[str, ...]:
+    """The state tensors shaped like a parameter that its optimizer keeps: Muon's buffer, or Adam's moments."""
+    return MUON_MOMENTS if muon else MOMENTS
+
+
+def switch_error(name: str, saved_muon: bool) -> ValueError:
+    """One line: the checkpoint's state of ``name`` was kept by the other optimizer."""
+    saved, now = ("Muon", "AdamW") if saved_muon else ("AdamW", "Muon")
+    return ValueError(
+        f"the checkpoint holds {saved} state for {name}, which this run updates with {now}: resume with the "
+        f"optimizer that saved it (optim.name), or start from the weights only with a fresh optimizer"
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,6 +52,7 @@ class _Piece:
     end: int
     tensor: torch.Tensor
     whole: bool  # plain AdamW's whole parameter, saved under the bare name
+    muon: bool = False  # updated by Muon: its state is a momentum buffer
 
     def key(self, kind: str) -> str:
         return f"{kind}/{self.name}" if self.whole else f"{kind}/{self.name}[{self.start}:{self.end}]"
@@ -44,7 +61,8 @@ class _Piece:
 def _pieces(opt: torch.optim.Optimizer | ZeroOneAdamW) -> tuple[torch.optim.Optimizer, list[_Piece], dict[str, int]]:
     """The torch optimizer holding the state, its pieces, and the element count of every parameter of this rank."""
     if isinstance(opt, ZeroOneAdamW):
-        pieces = [_Piece(n, a, b, view, whole=False) for n, a, b, view in opt.named_segments()]
+        muon = getattr(opt.shard_optimizer, "muon_pieces", {})
+        pieces = [_Piece(n, a, b, view, whole=False, muon=id(view) in muon) for n, a, b, view in opt.named_segments()]
         return (
             opt.shard_optimizer,
             pieces,
@@ -55,7 +73,7 @@ def _pieces(opt: torch.optim.Optimizer | ZeroOneAdamW) -> tuple[torch.optim.Opti
         if "param_names" not in group:
             raise ValueError("optimizer parameters have no names: build it with modelpar.optim.build_adamw")
         for p, name in zip(group["params"], group["param_names"], strict=True):
-            pieces.append(_Piece(name, 0, p.numel(), p, whole=True))
+            pieces.append(_Piece(name, 0, p.numel(), p, whole=True, muon=bool(group.get("muon"))))
     return opt, pieces, {piece.name: piece.end for piece in pieces}
 
 
@@ -66,8 +84,9 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW) -> dict[s
     for piece in pieces:
         state = torch_opt.state.get(piece.tensor)
         if state:
-            for kind in (*MOMENTS, "step"):
-                tensors[piece.key(kind)] = state[kind]
+            for kind in (*moment_kinds(piece.muon), "step"):
+                if kind in state:
+                    tensors[piece.key(kind)] = state[kind]
         if not piece.whole:
             tensors[piece.key("master")] = piece.tensor
     return {key: t.detach().to("cpu", copy=True) for key, t in tensors.items()}
@@ -133,17 +152,20 @@ def load_optimizer_state_tensors(opt: torch.optim.Optimizer | ZeroOneAdamW, tens
     torch_opt, pieces, numels = _pieces(opt)
     saved = _SavedPieces(tensors, numels)
     for piece in pieces:
-        moments = [saved.assemble(kind, piece) for kind in MOMENTS]
-        step = saved.step(piece)
-        present = [value is not None for value in (*moments, step)]
+        kinds = moment_kinds(piece.muon)
+        if saved.ranges.get((moment_kinds(not piece.muon)[0], piece.name)):
+            raise switch_error(piece.name, saved_muon=not piece.muon)
+        moments = [saved.assemble(kind, piece) for kind in kinds]
+        step = None if piece.muon else saved.step(piece)
+        present = [value is not None for value in (*moments, *([] if piece.muon else [step]))]
         if not any(present):
             torch_opt.state.pop(piece.tensor, None)
             continue
         if not all(present):
-            raise KeyError(f"optimizer state of {piece.name} needs exp_avg, exp_avg_sq and step; some are missing")
+            raise KeyError(f"optimizer state of {piece.name} needs {', '.join(kinds)} and step; some are missing")
         p = piece.tensor
-        torch_opt.state[p] = {"step": step} | {
-            kind: value.to(p.device, p.dtype).view(p.shape) for kind, value in zip(MOMENTS, moments, strict=True)
+        torch_opt.state[p] = ({} if piece.muon else {"step": step}) | {
+            kind: value.to(p.device, p.dtype).view(p.shape) for kind, value in zip(kinds, moments, strict=True)
         }
     if isinstance(opt, ZeroOneAdamW):
         opt.load_master([saved.assemble("master", piece) for piece in pieces])

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from modelpar.optim.adamw import make_adamw
+from modelpar.optim.muon_adamw import muon_piece
+from modelpar.optim.muon_layout import MuonLayout
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo, check_same_across, check_unique
 from modelpar.parallel import collectives
 
@@ -40,6 +42,11 @@ class _Segment:
     end: int
     param_start: int
     shard_start: int
+
+    @property
+    def within_param(self) -> tuple[int, int]:
+        """The segment's flat positions in its parameter."""
+        return self.start - self.param_start, self.end - self.param_start
 
     @property
     def local(self) -> slice:
@@ -122,6 +129,7 @@ class ZeroOneAdamW:
         weight_decay: float = 0.1,
         expert_group: dist.ProcessGroup | None = None,
         expert_divisor: int | None = None,
+        muon_layout: MuonLayout | None = None,
     ):
         if not params_with_info:
             raise ValueError("ZeroOneAdamW needs at least one parameter")
@@ -144,6 +152,14 @@ class ZeroOneAdamW:
             self.partitions.append(_Partition.build(self.params, indices, group, divisor))
         self.segments = [seg for part in self.partitions for seg in part.segments]
         self._views = [part.master[seg.local] for part in self.partitions for seg in part.segments]
+        muon = None
+        if muon_layout is not None:  # Muon's pieces: the segments of the parameters it covers
+            pieces = {
+                id(view): muon_piece(muon_layout, self.params[seg.index], flat=slice(*seg.within_param))
+                for seg, view in zip(self.segments, self._views, strict=True)
+                if muon_layout.is_muon(self.params[seg.index])
+            }
+            muon = (muon_layout, pieces)
         self.shard_optimizer = make_adamw(
             [
                 (
@@ -157,6 +173,7 @@ class ZeroOneAdamW:
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            muon=muon,
         )
         self._master_ready = False
 
@@ -256,7 +273,8 @@ class ZeroOneAdamW:
         states = {id(view): self.shard_optimizer.state.get(view) for view in self._views}
         device = self.partitions[0].master.device
         stepped = torch.tensor([float(any(states.values()))], device=device)
-        step = torch.tensor([max((float(st["step"]) for st in states.values() if st), default=0.0)], device=device)
+        steps = (float(st["step"]) for st in states.values() if st and "step" in st)  # Muon's state has none
+        step = torch.tensor([max(steps, default=0.0)], device=device)
         for part in self.partitions:  # a shard of padding only has no state: ask the other ranks
             if part.size > 1:
                 collectives.all_reduce(stepped, part.group, op=dist.ReduceOp.MAX)
@@ -270,7 +288,7 @@ class ZeroOneAdamW:
             for part, mine in zip(self.partitions, part_views, strict=True):
                 flat = torch.zeros(part.shard_numel, dtype=torch.float32, device=device)
                 for seg, view in zip(part.segments, mine, strict=True):
-                    if states[id(view)]:
+                    if states[id(view)] and kind in states[id(view)]:  # Adam's moments or Muon's buffer
                         flat[seg.local] = states[id(view)][kind]
                 full = part.gather(flat)  # [size * S]
                 for pos, i in enumerate(part.indices):

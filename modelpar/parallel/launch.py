@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from modelpar.parallel.admission import AdmissionSpec
+from modelpar.parallel.redact import redact
 from modelpar.parallel.world import LOCAL_ADDR, destroy_distributed, init_distributed, launch_env_from_environ
 
 _STOP_GRACE_S = 5.0
@@ -32,7 +34,7 @@ class LaunchError(RuntimeError):
         self.rank = rank
 
 
-def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, fn, args, errors) -> None:
+def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, admission, fn, args, errors) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOCAL_ADDR)
     if rank_setup is not None:
         rank_setup(rank)
@@ -40,7 +42,7 @@ def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, fn, args
 
     torch.set_num_threads(threads)
     try:
-        init_distributed(timeout_s=timeout_s, init_method=f"file://{store}")
+        init_distributed(timeout_s=timeout_s, init_method=f"file://{store}", admission=admission)
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then the rank exits non-zero
         # a verdict (an exception class with ``one_line = True``: halted by a health check, a failed save) is
@@ -61,6 +63,7 @@ def launch(
     hang_report: Callable[[list[int]], str] | None = None,
     rank_setup: Callable[[int], None] | None = None,
     log_path: str | None = None,
+    admission: AdmissionSpec | None = None,
 ) -> None:
     """Run ``fn(*args)`` on every rank of a ``world_size`` job.
 
@@ -71,7 +74,8 @@ def launch(
     Raises ``LaunchError`` naming the first rank that failed; ``hang_report(alive ranks)`` adds lines to its
     message, e.g. the rank that stopped making progress and its action (``modelpar.training.flight``). A rank
     whose process is stopped (frozen) is named as the cause, in a few lines; the tracebacks of the ranks that
-    timed out waiting for it go to ``log_path``.
+    timed out waiting for it go to ``log_path``. With ``admission`` every rank proves it holds the job's secret
+    before the process group exists (``modelpar.parallel.admission``).
     """
     env = launch_env_from_environ()
     if env is not None:
@@ -84,7 +88,7 @@ def launch(
             )
         if rank_setup is not None and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
             rank_setup(env.local_rank)
-        init_distributed(timeout_s=timeout_s)
+        init_distributed(timeout_s=timeout_s, admission=admission)
         try:
             fn(*args)
         finally:
@@ -107,6 +111,7 @@ def launch(
                 timeout_s,
                 threads_per_rank,
                 rank_setup if world_size > 1 else None,
+                admission,
                 fn,
                 args,
                 errors,
@@ -185,7 +190,7 @@ def _frozen_message(
     if log_path is not None:
         with open(log_path, "a") as log:
             for r, (message, trace) in sorted(reports.items()):
-                log.write(f"rank {r}: {message}\n{trace}\n")
+                log.write(redact(f"rank {r}: {message}\n{trace}\n"))
             log.write("\n".join(where) + "\n")
         lines.append(f"tracebacks of the ranks that timed out: {log_path}")
     return "\n".join(lines)

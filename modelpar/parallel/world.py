@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
 from modelpar.parallel import collective_trace
+from modelpar.parallel.admission import AdmissionSpec, admit
 
 DEFAULT_TIMEOUT_S = 300.0
 LOCAL_ADDR = "127.0.0.1"
@@ -76,11 +78,14 @@ def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     init_method: str | None = None,
+    admission: AdmissionSpec | None = None,
 ) -> LaunchEnv:
     """Initialise the default process group from the launcher environment, or from the arguments.
 
     Local runs bind 127.0.0.1. Every collective inherits ``timeout_s``. ``init_method`` (for instance a
-    ``file://`` store) replaces the TCP rendezvous; emulated ranks use it to avoid port races.
+    ``file://`` store) replaces the TCP rendezvous; emulated ranks use it to avoid port races. With
+    ``admission``, every rank proves it holds the job's secret before the group exists
+    (``modelpar.parallel.admission``).
     """
     env = launch_env_from_environ()
     if env is None:
@@ -97,22 +102,62 @@ def init_distributed(
     collective_trace.enable()  # torch's flight recorder of collectives, read back by hang reports
     url = init_method or f"tcp://{env.master_addr}:{env.master_port}"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if init_method is None and env.source == "torchrun" and restart not in (None, "0"):
-        # torchrun --max-restarts keeps its rendezvous store across restarts: the gloo/NCCL addresses the last
-        # attempt's ranks published there are stale, so each attempt meets under its own prefix
-        store, _, _ = next(rendezvous(f"{url}?rank={env.rank}&world_size={env.world_size}", timeout=_timeout))
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(f"attempt-{restart}/", store),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=_timeout,
-        )
-        return env
+    # torchrun --max-restarts may keep its rendezvous store across restarts: the gloo/NCCL addresses the last
+    # attempt's ranks published there are stale, so each attempt meets under its own prefix
+    prefix = (
+        f"attempt-{restart}/" if init_method is None and env.source == "torchrun" and restart not in (None, "0") else ""
+    )
+    store = rendezvous_store(env, url)
+    if admission is not None:  # before the process group exists: no collective reaches a rank not admitted
+        prefix += admit(store, env.rank, env.world_size, admission, _timeout)
     dist.init_process_group(
-        backend=backend, init_method=url, rank=env.rank, world_size=env.world_size, timeout=_timeout
+        backend=backend,
+        store=dist.PrefixStore(prefix, store) if prefix else store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=_timeout,
     )
     return env
+
+
+def rendezvous_store(env: LaunchEnv, url: str) -> dist.Store:
+    """The store the ranks meet through. Under torchrun the workers use its agent's store (a client, no new
+    listener); otherwise rank 0 serves a TCP store listening on ``MASTER_ADDR`` only (torch's own would listen on
+    every interface), or a ``file://`` store is opened."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not url.startswith("tcp://") or agent_store:
+        store, _, _ = next(rendezvous(f"{url}?rank={env.rank}&world_size={env.world_size}", timeout=_timeout))
+        store.set_timeout(_timeout)
+        return store
+    listen_fd = None
+    if env.rank == 0:
+        listen_fd = listen_on(env.master_addr, env.master_port)
+    return dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=env.rank == 0,
+        timeout=_timeout,
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
+
+
+def listen_on(addr: str, port: int) -> int:
+    """A listening socket bound to ``addr:port`` alone, as a file descriptor for the store to serve on."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on MASTER_ADDR:MASTER_PORT {addr}:{port} ({exc.strerror}); choose a free MASTER_PORT "
+            "or an address of this host"
+        ) from None
+    sock.listen(1024)
+    return sock.detach()
 
 
 _on_destroy: list[Callable[[], None]] = []  # forget what was built on this world (cached groups)

@@ -24,6 +24,8 @@ from modelpar.model.parallelize import Parallelism, parallelize
 from modelpar.model.spec import ChunkSpec
 from modelpar.model.transformer import ModelChunk
 from modelpar.optim import DataParallelOptimizer, ParamInfo, build_optimizer, default_decay
+from modelpar.optim.muon import MuonSettings
+from modelpar.optim.muon_layout import MuonLayout, build_muon_layout
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import Partition, PipelineRuntime, build_schedule, partition_explicit, partition_uniform
 from modelpar.pipeline.partition import partition_by_cost
@@ -230,8 +232,45 @@ def build_runtime(
     )
 
 
+def muon_settings(cfg: TrainConfig) -> MuonSettings:
+    """Muon's hyper-parameters from the recipe's ``optim.muon_*``."""
+    o = cfg.optim
+    return MuonSettings(
+        lr_scale=o.muon_lr_scale,
+        weight_decay=o.weight_decay if o.muon_weight_decay < 0 else o.muon_weight_decay,
+        momentum=o.muon_momentum,
+        nesterov=o.muon_nesterov,
+        ns_steps=o.muon_ns_steps,
+        adjust_lr=o.muon_adjust_lr,
+        ns_dtype=o.muon_ns_dtype,
+        adamw_for=tuple(o.muon_adamw_for),
+    )
+
+
+def build_muon_layout_for(cfg: TrainConfig, model: RankModel, groups: ParallelGroups) -> MuonLayout | None:
+    """Where this rank's Muon matrices live (``optim.name=muon``), else None. Collective over the stage."""
+    if cfg.optim.name != "muon":
+        return None
+    shards = {}
+    for chunk in model.chunks:
+        shards |= chunk.logical_shards()
+    writer = {}
+    if cfg.optim.zero == 0:  # replicas over dp x cp (experts: over the ranks holding them): the first writes
+        dense_first = groups.dp_cp_ranks[0] == groups.rank if groups.dp_cp_ranks else True
+        expert_first = groups.expert_dp_ranks[0] == groups.rank if groups.expert_dp_ranks else True
+        writer = {id(p): expert_first if info.expert_parallel else dense_first for p, info in model.params}
+    return build_muon_layout(
+        muon_settings(cfg),
+        [p for p, _ in model.params],
+        shards,
+        tp_group=groups.tp_group,
+        dp_group=groups.dp_cp_group,
+        replica_writer=writer,
+    )
+
+
 def build_rank_optimizer(cfg: TrainConfig, model: RankModel, groups: ParallelGroups) -> DataParallelOptimizer:
-    """AdamW over this rank's parameters at ZeRO stage ``optim.zero``."""
+    """The optimizer (AdamW, or Muon and AdamW) over this rank's parameters at ZeRO stage ``optim.zero``."""
     o = cfg.optim
     return build_optimizer(
         model.params,
@@ -244,6 +283,7 @@ def build_rank_optimizer(cfg: TrainConfig, model: RankModel, groups: ParallelGro
         bucket_bytes=int(o.bucket_mb * 2**20),
         chunks=model.chunks,
         reduce_every_micro_batch=o.reduce_every_micro_batch,
+        muon_layout=build_muon_layout_for(cfg, model, groups),
     )
 
 

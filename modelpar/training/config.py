@@ -17,6 +17,7 @@ from modelpar.backends.gloo_cpu import AFFINITY_MODES, COLLECTIVE_ALGORITHMS, GL
 from modelpar.model.activations import RECOMPUTE, RECOMPUTE_MODULES
 from modelpar.model.config import ModelConfig, ModelConfigError
 from modelpar.optim import ZERO_STAGES
+from modelpar.optim.muon import ADJUST_LR, DEFAULT_ADAMW_FOR, NS_DTYPES
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
@@ -92,6 +93,19 @@ class OptimConfig:
     zero_group: int = 0
     # ZeRO-2/3: reduce-scatter gradients after every micro-batch (less memory, m x the traffic) instead of once
     reduce_every_micro_batch: bool = False
+    # muon: Muon for the hidden 2-D matrices, AdamW for the rest (modelpar/optim/muon.py, docs/optimizers.md)
+    name: str = "adamw"  # adamw | muon
+    muon_lr_scale: float = 1.0  # Muon's learning rate over optim.lr (the schedule scales both)
+    muon_weight_decay: float = -1.0  # < 0: optim.weight_decay
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original (torch.optim.Muon's adjust_lr_fn)
+    muon_ns_dtype: str = "bf16"  # Newton-Schulz's dtype: bf16 (torch.optim.Muon's) | fp32
+    # logical tensors (fnmatch patterns) kept on AdamW although 2-D: the embedding, the head, MoE routers
+    muon_adamw_for: list[str] = field(default_factory=lambda: list(DEFAULT_ADAMW_FOR))
+    # QK-clip (MuonClip): > 0 rescales q/k of a head whose largest logit passed it (modelpar/training/qk_clip.py)
+    qk_clip: float = 0.0
 
 
 @dataclass
@@ -138,6 +152,9 @@ class TrainerConfig:
     world: int = 0  # ranks a local job may spawn (0: the layout's world); another value needs trainer.elastic
     files: str = "group"  # who may read run directories, checkpoints, flight records: group (and owner) | owner
     signing_key: str = ""  # a key file (modelpar-ckpt keygen): checkpoints signed, unsigned ones refused
+    # a secret file (modelpar-ckpt keygen) every rank must prove it holds before the job starts (MODELPAR_JOB_SECRET
+    # names one too); never the secret itself: modelpar/parallel/admission.py
+    job_secret: str = ""
     timeout_s: float = 300.0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
@@ -227,6 +244,18 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             f"optim.zero_group={g} needs optim.zero=2 or 3 and a divisor of dp x cp = {dpcp} ({fits}); "
             "0 shards over all of dp x cp"
         )
+    if cfg.optim.qk_clip:  # modelpar/training/qk_clip.py: what it is not combined with
+        o, why = cfg.optim, ""
+        if o.zero:
+            why = f"optim.zero={o.zero} (the update lands in sharded master weights); use optim.zero=0"
+        elif m.qk_norm:
+            why = "model.qk_norm=true (the norms undo a scale of the projections); set model.qk_norm=false"
+        elif m.mla.enabled:
+            why = "multi-head latent attention (model.mla); its q/k split is not handled"
+        if why:
+            raise RecipeError(f"optim.qk_clip={o.qk_clip} is not supported with {why}")
+    if cfg.optim.name == "muon" and g:
+        raise RecipeError(f"optim.name=muon with optim.zero_group={g} is not supported; use optim.zero_group=0")
     if p.recompute == "selective":
         unknown = [m for m in p.recompute_modules if m not in RECOMPUTE_MODULES]
         if unknown or not p.recompute_modules:
@@ -241,7 +270,9 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     if p.schedule in V_SCHEDULES and m.tie_embeddings and cfg.optim.zero >= 2:
         raise RecipeError(
             f"parallel.schedule={p.schedule} with tied embeddings at optim.zero={cfg.optim.zero} is not supported "
-            "(rank 0 holds both ends, one weight in two FSDP units); set model.tie_embeddings=false or zero<=1"
+            "(rank 0 holds both ends of the V, one weight in two FSDP units); a tied model (Llama 3.2 1B/3B, Gemma) "
+            f"trains at optim.zero={cfg.optim.zero} with parallel.schedule=zb-h1 or interleaved, or under "
+            f"{p.schedule} at optim.zero=1"
         )
     if p.vpp > 1 and p.schedule not in ("interleaved", *V_SCHEDULES):
         raise RecipeError(
@@ -337,6 +368,9 @@ CHOICES: dict[str, tuple] = {
     "parallel.cp_comm": CP_COMMS,
     "optim.zero": ZERO_STAGES,
     "optim.reduce_dtype": ("fp32", "bf16"),
+    "optim.name": ("adamw", "muon"),
+    "optim.muon_adjust_lr": ADJUST_LR,
+    "optim.muon_ns_dtype": tuple(NS_DTYPES),
     "trainer.cpu_affinity": AFFINITY_MODES,
     "trainer.gloo_threads": GLOO_THREAD_MODES,
     "trainer.dtype": DTYPES,
@@ -442,6 +476,10 @@ def _check_numbers(cfg: TrainConfig) -> None:
         ("optim.eps", o.eps, o.eps > 0, "> 0"),
         ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0: measure the norm, clip nothing)"),
         ("optim.bucket_mb", o.bucket_mb, o.bucket_mb > 0, "> 0"),
+        ("optim.muon_lr_scale", o.muon_lr_scale, o.muon_lr_scale >= 0, ">= 0"),
+        ("optim.muon_momentum", o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"),
+        ("optim.muon_ns_steps", o.muon_ns_steps, 1 <= o.muon_ns_steps < 100, "in [1, 100)"),
+        ("optim.qk_clip", o.qk_clip, o.qk_clip >= 0, ">= 0 (0: off)"),
         ("data.seed", d.seed, 0 <= d.seed < SEED_LIMIT, "in [0, 2**32)"),
         ("data.corpus_max_bytes", d.corpus_max_bytes, d.corpus_max_bytes >= 1, ">= 1"),
         ("trainer.seed", t.seed, 0 <= t.seed < SEED_LIMIT, "in [0, 2**32)"),

@@ -34,9 +34,12 @@ from modelpar.data import (
 )
 from modelpar.data.fingerprint import check_same_data
 from modelpar.parallel.layout import LayoutError
+from modelpar.parallel.secret_file import SecretFileError
 from modelpar.pipeline import PartitionError, ScheduleError, build_schedule
 from modelpar.training.build import build_partition, resolve_eos_id
 from modelpar.training.config import RecipeError, TrainConfig, validate
+from modelpar.training.resume_identity import check_resume_identity
+from modelpar.training.security import record
 from modelpar.training.torch_version import UntestedTorchError, check_torch_version
 
 # what a user can fix in the recipe, the data or the checkpoint: reported in one line, never as a traceback
@@ -49,6 +52,7 @@ USER_ERRORS = (
     CheckpointError,
     UntestedTorchError,
     ValueError,
+    SecretFileError,
 )
 
 
@@ -108,7 +112,9 @@ def newest_good_checkpoint(root: Path) -> Path | None:
             aside = ckpt.with_name(ckpt.name + ".corrupt")
             with contextlib.suppress(OSError):  # under torchrun every rank checks; one of them moves it
                 ckpt.rename(aside)  # kept for inspection; the run will write this step again
-            print(f"modelpar-train: skipping {ckpt.name} (moved to {aside.name}): {exc}", file=sys.stderr)
+            line = f"skipping {ckpt.name} (moved to {aside.name}): {exc}"
+            record(root.parent, "tampered-checkpoint", None, line)
+            print(f"modelpar-train: {line}", file=sys.stderr)
             continue
         return ckpt
     return None
@@ -143,7 +149,8 @@ def check_device(cfg: TrainConfig) -> None:
 
 
 def preflight(cfg: TrainConfig) -> tuple[str | Blend, str, str | None]:
-    """Every check that needs no rank: torch, recipe, device, layout, schedule, data, checkpoint."""
+    """Every check that needs no rank: torch, recipe, device, layout, schedule, data, checkpoint (its hashes, its
+    model's identity against the recipe's, its data's fingerprint)."""
     check_torch_version()
     check_recipe(cfg)
     check_device(cfg)
@@ -157,6 +164,7 @@ def preflight(cfg: TrainConfig) -> tuple[str | Blend, str, str | None]:
     resolve_eos_id(cfg, train_path)  # data.document_mask needs an EOS id: named here, before any rank
     resume_from = resolve_resume(cfg)
     if resume_from is not None:
-        saved = read_index(resume_from, verify=False).get("data_fingerprint")
-        check_same_data(saved, train_path, cfg.data.allow_changed, resume_from)
+        index = read_index(resume_from, verify=False)
+        check_resume_identity(cfg.model, index.get("model"), resume_from)
+        check_same_data(index.get("data_fingerprint"), train_path, cfg.data.allow_changed, resume_from)
     return train_path, val_path, resume_from

@@ -25,9 +25,15 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step, appended (a resumed run continues the same file)."""
+    """One JSON object per step, appended: a resumed run continues the same file from its checkpoint's step,
+    dropping the lines of the steps after it that it is about to train again (each step is in the file once)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start_step: int = 0):
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= start_step]
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text("".join(kept))
+            partial.replace(path)
         self.file = open(path, "a")
 
     def write(self, m: StepMetrics) -> None:
@@ -36,6 +42,14 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; a line cut short by a crash counts as after any step (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def postfix(m: StepMetrics) -> dict[str, str]:
@@ -155,7 +169,7 @@ def _wandb_credentials() -> bool:
 def open_sinks(cfg: TrainConfig, out_dir: Path, start_step: int) -> list[MetricsSink]:
     """The sinks a recipe asks for, on the logging rank."""
     t = cfg.trainer
-    sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl")]
+    sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl", start_step)]
     # the bar redraws in place on a terminal; into a file or pipe it would write a line per refresh
     bar = t.progress and sys.stderr.isatty()
     sinks.append(ProgressSink(t.steps, start_step) if bar else ConsoleSink(t.log_every, t.steps))

@@ -28,6 +28,7 @@ from modelpar.parallel import collectives
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.pipeline import PipelineRuntime, StepResult
+from modelpar.training import security
 from modelpar.training.build import RankModel, resolve_eos_id
 from modelpar.training.config import TrainConfig
 from modelpar.training.health import HealthError, LossGuard
@@ -161,6 +162,8 @@ class TrainStep:
     def _act_on(self, message: str, setting: str) -> str | None:
         """A check's finding under ``trainer.<setting>``: halt, skip the update (the reason returned), or warn."""
         action = getattr(self.cfg.trainer, setting)
+        if setting == "grad_outlier_action" and self.groups.rank == 0:
+            security.record(self.cfg.trainer.out_dir, "poisoned-replica", None, f"{message} ({setting}={action})")
         if action == "halt":
             raise HealthError(f"{message}; halting (trainer.{setting}=halt)")
         if action == "skip":

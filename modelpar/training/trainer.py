@@ -29,7 +29,7 @@ from modelpar.checkpoint.save import CheckpointSaveError, prepare_save, save_che
 from modelpar.checkpoint.signing import load_key, read_signed_index, sign_checkpoint
 from modelpar.checkpoint.store import CheckpointError, load_rank_state, read_index
 from modelpar.data import DataError, tokenizer_spec
-from modelpar.data.fingerprint import check_same_data, fingerprint
+from modelpar.data.fingerprint import check_same_data, data_source, fingerprint
 from modelpar.model.flops import training_flops_per_token
 from modelpar.optim.fsdp import local
 from modelpar.parallel import collectives
@@ -48,6 +48,7 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.flight import FlightRecorder
 from modelpar.training.health import HealthError, LossGuard, find_drift, find_stragglers
 from modelpar.training.init_from import init_source, load_initial_weights
+from modelpar.training.interrupt import StopRequest
 from modelpar.training.moe_stats import MoEStatistics
 from modelpar.training.plugins import (
     GradientFlags,
@@ -58,6 +59,7 @@ from modelpar.training.plugins import (
     StepPlugin,
 )
 from modelpar.training.profile import StepProfiler
+from modelpar.training.qk_clip import QKClip
 from modelpar.training.sdc import SilentCorruptionCheck
 from modelpar.training.sinks import open_sinks
 from modelpar.training.step import StepMetrics, TrainStep
@@ -155,6 +157,8 @@ class Trainer:
             check = SilentCorruptionCheck(self.model.chunks, params, g, self.runtime, rerun)
             plugins.append(SilentCorruption(check, t.sdc_check_every, moe))
         plugins += [self.faults] if self.faults is not None else []
+        if cfg.optim.qk_clip:  # after the faults: rescales the weights the update left
+            plugins.append(QKClip(self.model.chunks, g, cfg.optim.qk_clip))
         return plugins
 
     def train_step(self) -> StepMetrics:
@@ -241,6 +245,7 @@ class Trainer:
             "parallel": asdict(self.cfg.parallel),
             "world_size": self.layout.world_size,
             "data_fingerprint": fingerprint(self.data_path) if self.rank == 0 else None,  # rank 0 writes the index
+            "data": data_source(self.data_path),  # what modelpar-eval scores unless told otherwise
             "tokenizer": tokenizer_spec(self.data_path)
             if self.rank == 0
             else None,  # what modelpar-generate decodes with
@@ -330,7 +335,12 @@ class Trainer:
             torch.set_rng_state(state["rng/torch"])
         if "optimizer_tensors" in index and "optimizer_step" in index:
             state = resharded_optimizer_state(
-                self.model.chunks, self.model.params, ckpt, index, index["optimizer_step"]
+                self.model.chunks,
+                self.model.params,
+                ckpt,
+                index,
+                index["optimizer_step"],
+                muon=self.optimizer.muon_param_ids(),
             )
             self.optimizer.load_state_tensors(state)
             if self.rank == 0 and not same_layout:
@@ -369,6 +379,7 @@ class Trainer:
         t = self.cfg.trainer
         sinks = open_sinks(self.cfg, self.out_dir, self.step) if self.rank == 0 else []
         profiler = StepProfiler.of(self.cfg, self.out_dir, self.rank, self.device)
+        stop = StopRequest.install()  # Ctrl-C: every rank stops after the same step and saves it
         try:
             while self.step < t.steps:
                 profiler.starting(self.step + 1)
@@ -380,10 +391,16 @@ class Trainer:
                     m, self._ckpt_report = replace(m, checkpoint=self._ckpt_report), None
                 for sink in sinks:
                     sink.write(m)
-                if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
+                saving = t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps)
+                if saving:
                     self.save_or_report()
+                if stop.after(self.step):
+                    if not saving:
+                        self.save_or_report()
+                    break
             self.save_or_report(finish=True)
         finally:
+            stop.uninstall()
             profiler.close()
             for sink in sinks:
                 sink.close()

@@ -1,7 +1,8 @@
 """Scaled RoPE end to end: random Hugging Face models with the RoPE blocks released models ship (Llama 3.1's
 llama3, DeepSeek-V3's YaRN with mscale, Qwen2.5's long-context YaRN), with an original length short enough that
 the scaling changes the loss, imported with no overrides give transformers' loss on one device, tp2, pp2 and cp2
-and the single-device gradients; export writes the scaling back and reloads in transformers with the same loss."""
+and the single-device gradients, and the same through the Triton kernels; export writes the scaling back and
+reloads in transformers with the same loss."""
 
 from __future__ import annotations
 
@@ -119,3 +120,24 @@ def test_imported_scaled_model_gives_transformers_loss_and_single_device_gradien
     assert ref_loss == pytest.approx(want, rel=TOL)
     for i, (layout, options) in enumerate(LAYOUTS):
         check_against_reference([rank[i] for rank in per_rank], ref_loss, ref_grads, TOL, f"{name} {layout} {options}")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_triton_kernels_rotate_with_the_scaled_tables(scaled, name):
+    """The Triton rotation (and attention) under the interpreter on CPU give the torch path's loss and gradients."""
+    from dataclasses import replace
+
+    from tests.model.reference import rel_err
+
+    path = scaled[name][0]
+    runs = []
+    for kernels in ("torch", "triton"):
+        model = build_model(replace(config_from_hf(path), kernels=kernels), seed=0)
+        import_hf(path, model)
+        loss = model.loss(model(IDS[:2, :-1]), IDS[:2, 1:])
+        loss.backward()
+        runs.append((loss.item(), {n: s.grad.clone() for n, s in model.logical_shards().items() if s.grad is not None}))
+    (torch_loss, torch_grads), (triton_loss, triton_grads) = runs
+    assert triton_loss == pytest.approx(torch_loss, rel=1e-5)
+    for param, grad in torch_grads.items():
+        assert rel_err(triton_grads[param], grad) <= 1e-4, param

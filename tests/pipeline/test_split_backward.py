@@ -67,3 +67,26 @@ def test_input_then_weight_gradients_equal_one_backward(case):
     assert set(fired.values()) == {1}, "each weight's gradient accumulates exactly once per micro-batch"
     for h in hooks:
         h.remove()
+
+
+@pytest.mark.parametrize("modules", [("elementwise",), ("attention", "elementwise")])
+def test_selective_recompute_survives_the_split_backward(modules):
+    """The elementwise policy caches matmul outputs for the rerun; B and W each rerun the region and both read
+    that cache (zbv / zb-h1 with parallel.recompute=selective)."""
+    targets = torch.randint(0, CONFIG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    x0 = torch.randn(2, 8, CONFIG.hidden)
+    plain = _chunk(True)
+    module = build_chunk(
+        CONFIG, None, range(1, 3), first=False, last=True, seed=5, recompute="selective", recompute_modules=modules
+    )
+    x = x0.clone().requires_grad_(True)
+    plain.loss(plain(x), targets).backward()
+    want_dx, want = x.grad.clone(), [p.grad.clone() for p in plain.parameters()]
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    x = x0.clone().requires_grad_(True)
+    dx, pending = backward_input(module.loss(module(x), targets), None, x, params)
+    backward_weight(pending)
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    for p, g in zip(module.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)

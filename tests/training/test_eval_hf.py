@@ -159,3 +159,45 @@ def test_an_imported_deepseek_v3_evaluates_with_no_model_overrides(tmp_path):
     with torch.no_grad():
         model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.4]))
     assert_imported_eval_gives_transformers_loss(model, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-yarn", "deepseek-v3-yarn"])
+def test_an_imported_scaled_or_biased_model_evaluates_with_no_model_overrides(tmp_path, family):
+    """RoPE scaling (YaRN: trained length 32, evaluated at 128; DeepSeek-V3's with its softmax mscale) and q/k/v
+    biases come from the checkpoint's index: the recipe's unscaled, unbiased model is not what runs."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.2,
+    )  # fmt: skip
+    yarn = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    if family == "qwen2.5-yarn":
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**common, num_key_value_heads=2, rope_parameters=yarn)
+        )
+    else:
+        v3_yarn = yarn | {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+        model = transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(
+                **common,
+                num_key_value_heads=4,
+                n_shared_experts=1,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                n_group=2,
+                topk_group=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=12,
+                q_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=4,
+                v_head_dim=6,
+                rope_parameters=v3_yarn,
+            )
+        )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0.0, 0.5)
+    assert_imported_eval_gives_transformers_loss(model.eval(), tmp_path)

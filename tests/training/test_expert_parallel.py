@@ -12,6 +12,7 @@ from modelpar.parallel.layout import LayoutError
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError, validate
 from tests.helpers import TINY, assemble, make_config
+from tests.training.recorded_runs import fit_and_read_metrics, train_and_collect
 
 ROUTERS = {
     # Mixtral: softmax top-2, with the load-balancing and z losses (their gradients cross the all-to-alls)
@@ -47,36 +48,6 @@ def moe_config(tmp_path, router: str, zero_: int = 0, scope_: str | None = None,
     # replicas are compared every step: experts must agree with the ranks holding the same experts only
     trainer = replace(cfg.trainer, check_every=1, drift_action="halt")
     return replace(cfg, model=model, optim=replace(cfg.optim, zero=zero_), trainer=trainer)
-
-
-def train_and_collect(cfg, data_path: str):
-    """On every rank: train ``cfg.trainer.steps`` steps; return (loss, grad norm) per step, this rank's pieces of
-    every logical tensor's gradient at the first step (as the optimizer applies it: reduced over every group,
-    clipped; not under ZeRO, whose reduced gradients live in its shards) and of every parameter at the end, and
-    the turns DualPipeV's pairs handed over."""
-    from modelpar.checkpoint.reshard import model_pieces
-    from modelpar.training.trainer import Trainer
-
-    trainer = Trainer(cfg, data_path, None)
-    first_grads, zero_grad = {}, trainer.optimizer.zero_grad
-
-    def record_then_zero():
-        for chunk in trainer.model.chunks:
-            for name, shard in chunk.logical_shards().items():
-                if shard.grad is not None and trainer.step == 0 and not cfg.optim.zero:
-                    region = tuple(
-                        (s.start or 0, s.stop or n) for s, n in zip(shard.index, shard.global_shape, strict=True)
-                    )
-                    first_grads[(name, region)] = shard.grad.detach().clone()
-        zero_grad()
-
-    trainer.optimizer.zero_grad = record_then_zero
-    losses = []
-    while trainer.step < cfg.trainer.steps:
-        metrics = trainer.train_step()
-        losses.append((metrics.loss, metrics.grad_norm))
-    pieces = {(p.name, p.region): t.detach().clone() for p, t in model_pieces(trainer.model.chunks).items()}
-    return losses, first_grads, pieces, trainer.runtime.pair_handovers
 
 
 _references: dict = {}
@@ -256,18 +227,6 @@ def test_ep2_checkpoint_loads_into_other_layouts_with_identical_logits(token_pat
     world = new_cfg.parallel.tp * new_cfg.parallel.dp
     for logits, _ in run_on_ranks(world, logits_after_loading, new_cfg, token_path, ckpt):
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
-
-
-def fit_and_read_metrics(cfg, data_path: str) -> list[dict]:
-    import json
-    from pathlib import Path
-
-    from modelpar.training.trainer import Trainer
-
-    trainer = Trainer(cfg, data_path, None)
-    trainer.fit()
-    path = Path(cfg.trainer.out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if trainer.rank == 0 else []
 
 
 def test_routing_metrics_reach_metrics_jsonl_and_do_not_depend_on_the_layout(token_path, tmp_path):

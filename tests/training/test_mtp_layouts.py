@@ -12,7 +12,7 @@ import torch
 
 from modelpar.testing import run_on_ranks
 from tests.helpers import TINY, assemble, make_config
-from tests.training.test_expert_parallel import train_and_collect
+from tests.training.recorded_runs import fit_and_read_metrics, train_and_collect
 
 LAYOUTS = [
     dict(tp=2, dp=2),
@@ -71,7 +71,6 @@ def test_unsupported_mtp_recipes_are_one_line_errors(change, message, tmp_path):
 
 
 def test_mtp_losses_and_tokens_reach_metrics_jsonl_alike_on_every_layout(token_path, tmp_path):
-    from tests.training.test_expert_parallel import fit_and_read_metrics
 
     (want,) = run_on_ranks(1, fit_and_read_metrics, mtp_config(tmp_path / "one"), token_path)
     got = run_on_ranks(4, fit_and_read_metrics, mtp_config(tmp_path / "pp", pp=2, cp=2), token_path)[0]

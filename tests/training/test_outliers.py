@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +68,6 @@ def test_halt_stops_every_rank_with_the_same_line(token_path, tmp_path):
     cfg = replace(cfg, trainer=replace(cfg.trainer, steps=3, grad_outlier_action="halt"))
     per_rank = run_on_ranks(4, _train_with_fault, cfg, token_path, "grad_flip@3:1", timeout_s=120)
     assert all(r[-1].startswith("halted: gradient outlier at step 2: rank 3") for r in per_rank), per_rank
+    events = [json.loads(e) for e in (Path(cfg.trainer.out_dir) / "security.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["rank"]) for e in events] == [("poisoned-replica", 3)]  # recorded once, by rank 0
+    assert events[0]["line"].startswith("gradient outlier at step 2: rank 3")

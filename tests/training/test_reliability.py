@@ -65,6 +65,8 @@ def test_kill_during_save_and_flipped_byte_resume_from_the_last_good_checkpoint(
     assert "ignoring" in resumed.stderr and "step-00000004.tmp" in resumed.stderr
     assert "skipping step-00000002" in resumed.stderr and "model-00001.safetensors fails its SHA-256" in resumed.stderr
     assert (root / "step-00000002.corrupt").is_dir()  # moved aside, not deleted
+    events = [json.loads(e) for e in (tmp_path / "security.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["tampered-checkpoint"] and "step-00000002" in events[0]["line"]
     assert (root / "latest").read_text() == "step-00000006"
     assert "resuming from" not in resumed.stdout  # nothing good was left: it started over, without losing files
 

@@ -22,8 +22,10 @@ LAYOUTS = [
     (TINY, dict(tp=2, sp=True, pp=2, schedule="zbv", microbatches=4)),
     (TINY, dict(tp=2, pp=2, schedule="dualpipev", microbatches=4, recompute="full")),
     (TINY, dict(pp=2, schedule="zbv", microbatches=4, recompute="selective", recompute_modules=["attention"])),
+    (TINY, dict(pp=2, schedule="zbv", microbatches=4, recompute="selective", recompute_modules=["elementwise"])),
     (TINY, dict(dp=2, pp=2, schedule="zbv", microbatches=2, zero_=1)),
     (UNTIED, dict(dp=2, pp=2, schedule="zbv", microbatches=2, zero_=3)),
+    (TINY, dict(dp=2, pp=2, vpp=1, schedule="zb-h1", microbatches=2, zero_=3)),  # what a tied V's refusal names
     (UNTIED, dict(dp=2, pp=2, schedule="dualpipev", microbatches=2, zero_=2, recompute="full")),
     (TINY, dict(cp=2, pp=2, schedule="zbv", microbatches=2)),
     (TINY, dict(pp=2, schedule="dualpipev", microbatches=4, offload_activations=True)),
@@ -43,7 +45,7 @@ def references(token_path, tmp_path_factory):
 def _config(tmp_path, model, layout):
     layout = dict(layout)
     zero = layout.pop("zero_", 0)
-    cfg = make_config(tmp_path, vpp=2, **layout)
+    cfg = make_config(tmp_path, **{"vpp": 2, **layout})
     return replace(cfg, model=model, optim=replace(cfg.optim, zero=zero))
 
 
@@ -86,6 +88,11 @@ def test_a_zbv_checkpoint_resumes_bit_for_bit_and_loads_under_1f1b(token_path, t
     [
         (dict(pp=2, schedule="zbv"), 0, "set parallel.vpp=2"),
         (dict(pp=2, vpp=2, schedule="dualpipev"), 3, "tied embeddings"),
+        (
+            dict(pp=2, vpp=2, schedule="zbv"),
+            3,
+            "with parallel.schedule=zb-h1 or interleaved, or under zbv at optim.zero=1",
+        ),
     ],
 )
 def test_what_a_v_cannot_do_is_refused_in_one_line(tmp_path, layout, zero, message):

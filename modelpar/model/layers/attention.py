@@ -12,6 +12,7 @@ from modelpar_kernels import apply_rope, attention, rope_tables
 from torch import nn
 
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from modelpar.model.layers.logit_max import max_attention_logits
 from modelpar.model.layers.norm import ProjectionRMSNorm, RMSNorm
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
 from modelpar.model.rope import RopeScaling, table_options
@@ -161,6 +162,11 @@ class ParallelAttention(nn.Module):
             for name in ("k_proj.weight", "v_proj.weight")
         ]
         parts = [ColumnPart.even("q_proj.weight", heads * d, tp.rank, tp.size), *kv]
+        # QK-clip (modelpar.training.qk_clip): the global heads held here, and the running maximum of each local
+        # query head's logits over the step's forwards (None: not tracked)
+        self.total_heads, self.total_kv_heads = heads, kv_heads
+        self.first_head, self.first_kv_head = tp.rank * self.heads, first_kv
+        self.max_logits: torch.Tensor | None = None
         kw = dict(sequence_parallel=sequence_parallel, fp8=fp8, cp=self.cp, device=device, dtype=dtype)
         self.qkv_proj = ColumnParallelLinear(hidden, parts, tp, bias=bias, **kw)
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", bias=out_bias, **kw)
@@ -197,6 +203,9 @@ class ParallelAttention(nn.Module):
             q = q * self.query_factor
         documents = self.documents.current() if self.documents is not None else None
         window = self.window if self.window < seq else 0  # a window spanning the sequence masks nothing
+        if self.max_logits is not None and torch.is_grad_enabled():  # training forwards only, not evaluation
+            seen = max_attention_logits(q, k, cp, window=window, documents=documents)
+            self.max_logits = torch.maximum(self.max_logits, seen)
         if cp.size == 1 and documents is None:
             out = attention(
                 q, k, v, causal=True, backend=self.backend, window=window, softcap=self.softcap, sinks=self.sinks

@@ -1,0 +1,101 @@
+"""Muon's arithmetic: momentum, Newton-Schulz orthogonalisation, the learning-rate adjustment by shape.
+
+The same operations, in the same order and dtype, as ``torch.optim.Muon`` (torch 2.13), which the tests hold
+it to. Per step of one 2-D matrix ``W`` with gradient ``G`` and momentum buffer ``B``::
+
+    B <- lerp(B, G, 1 - momentum)                      # B = momentum * B + (1 - momentum) * G
+    U <- lerp(G, B, momentum) if nesterov else B
+    O <- NS_k(U)                                        # k quintic Newton-Schulz steps, in ``ns_dtype``
+    W <- W * (1 - lr * weight_decay) - lr * ratio(A, B) * O
+
+``ratio``: ``original`` is sqrt(max(1, rows/cols)); ``match_rms_adamw`` (the default here, Moonlight) is
+0.2 * sqrt(max(rows, cols)), which gives the update AdamW's RMS, so AdamW's learning rate and weight decay
+carry over. Where the matrix lives (tp shards, ZeRO segments, experts) is ``modelpar.optim.muon_layout``'s.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c), as torch.optim.Muon's defaults
+ADJUST_LR = ("original", "match_rms_adamw")
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# logical tensors AdamW keeps even though they are 2-D: the embedding, the output head, a MoE router
+DEFAULT_ADAMW_FOR = ("embed_tokens.*", "*embed_tokens.weight", "lm_head.*", "*.mlp.gate.weight")
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """Muon's hyper-parameters (``optim.muon_*``); ``lr_scale``: Muon's learning rate over AdamW's."""
+
+    lr_scale: float = 1.0
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    eps: float = 1e-7
+    adjust_lr: str = "match_rms_adamw"
+    ns_dtype: str = "bf16"
+    adamw_for: tuple[str, ...] = DEFAULT_ADAMW_FOR
+
+    def uses_muon(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the logical tensor ``name`` is updated by Muon: a 2-D matrix no ``adamw_for`` pattern names."""
+        return len(shape) == 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.adamw_for)
+
+
+def adjust_ratio(adjust_lr: str, shape: tuple[int, ...]) -> float:
+    """The factor Muon's learning rate is multiplied by for a matrix of ``shape`` (rows, cols)."""
+    rows, cols = shape[:2]
+    if adjust_lr == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"optim.muon_adjust_lr={adjust_lr!r} is not one of {ADJUST_LR}")
+
+
+def newton_schulz(update: torch.Tensor, settings: MuonSettings) -> torch.Tensor:
+    """The orthogonalised ``update`` (2-D): ``ns_steps`` quintic iterations on the wide orientation, in
+    ``ns_dtype``, after scaling to Frobenius norm 1 (so the spectral norm is at most 1)."""
+    a, b, c = settings.ns_coefficients
+    x = update.to(NS_DTYPES[settings.ns_dtype], copy=True)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=settings.eps))
+    for _ in range(settings.ns_steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int) -> int:
+    """Multiply-add FLOPs (2 per multiply-add) of ``newton_schulz`` on a matrix of ``shape``: per step the Gram
+    matrix (m x n x m), its square (m^3) and the update (m x m x n), m the short side."""
+    m, n = sorted(shape[:2])
+    return ns_steps * 2 * (2 * m * m * n + m**3)
+
+
+def momentum_update(param_grad: torch.Tensor, buf: torch.Tensor, settings: MuonSettings) -> torch.Tensor:
+    """Advance the momentum buffer ``buf`` in place; the update to orthogonalise (elementwise: any shard of a
+    matrix gives the same values as the whole)."""
+    buf.lerp_(param_grad, 1 - settings.momentum)
+    return param_grad.lerp(buf, settings.momentum) if settings.nesterov else buf
+
+
+__all__ = [
+    "ADJUST_LR",
+    "DEFAULT_ADAMW_FOR",
+    "MuonSettings",
+    "NS_COEFFICIENTS",
+    "NS_DTYPES",
+    "adjust_ratio",
+    "momentum_update",
+    "newton_schulz",
+    "newton_schulz_flops",
+]

@@ -1,0 +1,101 @@
+"""``MuonAdamW``: torch's AdamW for some tensors and Muon for the others, as one torch optimizer.
+
+Every data-parallel optimizer (replicated, ZeRO-1, FSDP2) builds its torch optimizer through
+``modelpar.optim.adamw.make_adamw``; given a ``MuonLayout`` that builds this instead, with a third group
+(``"muon": True``) of the pieces the layout covers. The AdamW groups step exactly as ``torch.optim.AdamW``
+(it is that class's own ``step``); the Muon group keeps one ``momentum_buffer`` per piece, shaped like it
+(whole, a ZeRO-1 segment or an FSDP2 dp shard: momentum is elementwise), and orthogonalises whole logical
+matrices through ``MuonLayout.orthogonalise`` (collective over the pipeline stage's ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from modelpar.optim.muon import momentum_update
+from modelpar.optim.muon_layout import MuonLayout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """AdamW over the groups without ``"muon"``, Muon over the group with it (see the module docstring).
+
+    ``muon_pieces[id(tensor)]``: ``muon_piece``'s ``(positions, writes, ratio)`` of each tensor of the Muon
+    group."""
+
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        layout: MuonLayout,
+        muon_pieces: dict[int, tuple],
+        **adamw,
+    ):
+        super().__init__(groups, **adamw)
+        self.layout = layout
+        self.muon_pieces = muon_pieces
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        everything = self.param_groups
+        try:  # AdamW's own step over its groups only
+            self.param_groups = [g for g in everything if not g.get("muon")]
+            loss = super().step(closure)
+        finally:
+            self.param_groups = everything
+        for group in everything:
+            if group.get("muon"):
+                self._muon_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        settings = self.layout.settings
+        params: Sequence[torch.Tensor] = group["params"]
+        pieces = []
+        for p in params:
+            pos, write, _ = self.muon_pieces[id(p)]
+            if p.grad is None:
+                pieces.append((torch.empty(0, device=_local(p).device), pos, write))
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            update = momentum_update(_local(p.grad), _local(state["momentum_buffer"]), settings)
+            pieces.append((update.reshape(-1), pos, write))
+        outs = self.layout.orthogonalise(pieces)
+        lr, decay = group["lr"], group["weight_decay"]
+        for p, out in zip(params, outs, strict=True):
+            if p.grad is None:
+                continue
+            weights = _local(p)
+            ratio = self.muon_pieces[id(p)][2]
+            weights.mul_(1 - lr * decay)
+            if isinstance(ratio, float):  # as torch.optim.Muon: one alpha for the whole tensor
+                weights.add_(out.view_as(weights), alpha=-(lr * ratio))
+            else:  # a piece fusing matrices whose shapes adjust the learning rate differently
+                weights.add_((out * (-lr * ratio).to(torch.float32)).view_as(weights))
+
+
+def muon_piece(layout: MuonLayout, param: torch.Tensor, rows: slice | None = None, flat: slice | None = None):
+    """``(positions, writes, ratio)`` of a piece of ``param``: all of it, its dp-shard ``rows``, or the ``flat``
+    range of its elements (a ZeRO-1 segment), flat; ``ratio``: the learning-rate factor of its matrices, a float
+    when one for all (else one per element, float64)."""
+    pos, write = layout.positions[id(param)], layout.writes[id(param)]
+    if rows is not None:
+        pos, write = pos[rows], write[rows]
+    pos, write = pos.reshape(-1), write.reshape(-1)
+    if flat is not None:
+        pos, write = pos[flat], write[flat]
+    device = _local(param).device
+    ratios = layout.ratios[pos]
+    ratio = float(ratios[0]) if ratios.numel() and bool((ratios == ratios[0]).all()) else ratios.to(device)
+    return pos.to(device), write.to(device), ratio
+
+
+__all__ = ["MuonAdamW", "muon_piece"]

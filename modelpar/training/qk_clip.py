@@ -1,0 +1,87 @@
+"""QK-clip (Kimi K2's MuonClip): after each update, rescale the query and key projections of every attention
+head whose largest logit of the step exceeded ``optim.qk_clip`` (tau), so that it would be tau.
+
+Every attention layer tracks each local query head's largest logit over the step's training forwards
+(``modelpar.model.layers.logit_max``: over the micro-batches, and the keys of every cp rank). After the
+optimizer step the maxima are reduced (max over dp x cp), gathered over tp into one vector per layer of every
+head (so each rank sees each head's value whatever tp holds), and for head h with ``S_h > tau``,
+``gamma_h = tau / S_h``. With grouped-query attention a key head serves several query heads, so one factor
+cannot serve each of them as the report's sqrt(gamma_h) on both sides does; instead, for key head g with query
+heads H_g, ``gamma_g = min over H_g of gamma_h``: its ``k_proj`` rows are scaled by ``sqrt(gamma_g)`` and
+each query head's ``q_proj`` rows by ``gamma_h / sqrt(gamma_g)``. Every logit of head h then scales by exactly
+``gamma_h`` (multi-head attention: ``sqrt(gamma_h)`` on both sides, the report's rule). Heads under tau are
+untouched.
+
+Not combined (refused by the recipe check): ZeRO-1/2/3 (the update lands in sharded master weights),
+``model.qk_norm`` (the norms undo a scale of the projections), multi-head latent attention (its q/k split is
+not handled here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from modelpar.model.layers.attention import ParallelAttention
+from modelpar.parallel import collectives
+from modelpar.parallel.groups import ParallelGroups
+from modelpar.training.plugins import StepPlugin
+
+
+class QKClip(StepPlugin):
+    """The step plug-in (``optim.qk_clip`` > 0): arms the trackers at ``begin``, clips at ``after_update``.
+    ``last_max``: per layer of this rank, every head's largest logit of the last step (before clipping)."""
+
+    name = "qk_clip"
+
+    def __init__(self, chunks, groups: ParallelGroups, threshold: float):
+        self.layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, ParallelAttention)]
+        self.groups, self.threshold = groups, threshold
+        self.last_max: list[torch.Tensor] = []
+
+    def begin(self, step: int) -> None:
+        for m in self.layers:
+            m.max_logits = torch.full((m.heads,), float("-inf"), device=m.qkv_proj.weight.device)
+
+    def after_update(self, step: int, applied: bool) -> None:
+        if not self.layers:
+            return
+        self.last_max = self._global_maxima()
+        if applied:
+            for m, maxima in zip(self.layers, self.last_max, strict=True):
+                _clip(m, maxima, self.threshold)
+
+    def _global_maxima(self) -> list[torch.Tensor]:
+        """Each layer's [heads] largest logits over the whole step: max over dp x cp, gathered over tp."""
+        local = torch.cat([m.max_logits for m in self.layers])
+        g = self.groups
+        with collectives.comm_tag("qk_clip"):
+            if len(g.dp_cp_ranks) > 1:
+                collectives.all_reduce(local, g.dp_cp_group, op=dist.ReduceOp.MAX)
+            tp = len(g.tp_ranks)
+            every = collectives.all_gather(local, g.tp_group).view(tp, -1) if tp > 1 else local.view(1, -1)
+        out, start = [], 0
+        for m in self.layers:  # rank r holds heads r * heads .. (r + 1) * heads: rank-major is head order
+            out.append(every[:, start : start + m.heads].reshape(-1))
+            start += m.heads
+        return out
+
+
+@torch.no_grad()
+def _clip(m: ParallelAttention, maxima: torch.Tensor, threshold: float) -> None:
+    """Rescale ``m``'s local q and k rows from every head's largest logit (the module docstring's rule)."""
+    if not bool((maxima > threshold).any()):
+        return
+    gamma = torch.clamp(threshold / maxima, max=1.0)  # [heads]; 1 where under the threshold
+    per_kv = m.total_heads // m.total_kv_heads
+    gamma_kv = gamma.view(m.total_kv_heads, per_kv).amin(dim=1)  # [kv heads]
+    q_scale = gamma / gamma_kv.repeat_interleave(per_kv).sqrt()
+    d, w = m.head_dim, m.qkv_proj.weight
+    mine_q = q_scale[m.first_head : m.first_head + m.heads].repeat_interleave(d)
+    mine_k = gamma_kv[m.first_kv_head : m.first_kv_head + m.kv_heads].sqrt().repeat_interleave(d)
+    q_rows, k_rows = m.heads * d, m.kv_heads * d
+    w[:q_rows].mul_(mine_q.to(w.dtype)[:, None])
+    w[q_rows : q_rows + k_rows].mul_(mine_k.to(w.dtype)[:, None])
+
+
+__all__ = ["QKClip"]
