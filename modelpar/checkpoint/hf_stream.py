@@ -37,6 +37,7 @@ from modelpar.model.config import ModelConfig
 from modelpar.model.hf import CONFIG_NAME, config_from_hf, config_to_hf, hf_name, hf_source
 from modelpar.model.hf_deepseek import DEEPSEEK_TYPES, rope_rows_from_hf, rope_rows_to_hf
 from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
+from modelpar.model.hf_gpt_oss import GPT_OSS_TYPES, expert_from_fused, fused_experts_of, fused_value
 from modelpar.model.safetensors_io import TensorReader, TensorWriter
 from modelpar.model.spec import ChunkSpec
 from modelpar.model.transformer import ModelChunk
@@ -139,6 +140,8 @@ def _write_pieces(hf_dir: Path, tmp: Path, config: ModelConfig, hf: dict, shapes
 
 def _read_source(weights: HFWeights, src, name: str, config: ModelConfig) -> torch.Tensor:
     reader = weights.reader(src.key)
+    if src.fused_part is not None:  # GPT-OSS: one expert of the fused tensor, its gate or up columns
+        return expert_from_fused(reader.read(src.key, (src.expert,)), src.fused_part).contiguous()
     if src.expert is not None:
         return reader.read(src.key, (src.expert,), src.rows)
     value = reader.read(src.key)
@@ -167,13 +170,21 @@ def export_hf_dir(
     cast = DTYPE_NAMES[dtype] if dtype else None
     hf_config = config_to_hf(config, cast or stored[names[0]])  # refused here, before anything is written
     kind = hf_config["model_type"]
-    key_of = {name: hf_name(name, kind, config.layers) for name in names}
+    fused = fused_experts_of(names, config.layers) if kind in GPT_OSS_TYPES else {}
+    whole = [n for n in names if not any(n in group for group in fused.values())]
+    key_of = {name: hf_name(name, kind, config.layers) for name in whole}
     name_of = {key: name for name, key in key_of.items()}
-    entries = {key_of[n]: (cast or stored[n], tuple(index["tensors"][n]["global_shape"])) for n in names}
+    entries = {key_of[n]: (cast or stored[n], tuple(index["tensors"][n]["global_shape"])) for n in whole}
+    for key, group in fused.items():  # GPT-OSS: each layer's experts fused, as transformers holds them
+        shapes = [torch.Size(index["tensors"][n]["global_shape"]) for n in group]
+        probe = fused_value(key, [torch.empty(shape, device="meta") for shape in shapes])
+        entries[key] = (cast or stored[group[0]], tuple(probe.shape))
 
     readers: dict[str, TensorReader] = {}
 
     def value_of(key: str) -> torch.Tensor:
+        if key in fused:
+            return fused_value(key, [read_whole(ckpt, index["tensors"][n], n, readers) for n in fused[key]])
         name = name_of[key]
         value = read_whole(ckpt, index["tensors"][name], name, readers)
         return rope_rows_to_hf(name, value, config.mla) if kind in DEEPSEEK_TYPES else value

@@ -55,6 +55,7 @@ from modelpar.model.hf_gpt_oss import (
     expert_from_fused,
     expert_part,
     fuse_experts,
+    fused_key,
     gpt_oss_config_to_hf,
     gpt_oss_fields,
     gpt_oss_name,
@@ -330,12 +331,17 @@ class HFSource:
     expert: int | None = None
     rows: tuple[int, int] | None = None
     interleaved: bool = False
+    fused_part: str | None = None  # GPT-OSS: our ``w1.weight`` ... of expert ``expert`` (``hf_gpt_oss``)
 
 
 def hf_source(name: str, weights: HFWeights, hf: dict, config: ModelConfig) -> HFSource:
     """Where logical tensor ``name`` of ``config`` is among ``weights`` (named as ``hf``, the directory's
     ``config.json``, names them; experts one tensor each or fused)."""
     kind = hf.get("model_type", "llama")
+    part = expert_part(name) if kind in GPT_OSS_TYPES else None
+    if part is not None:  # one expert's slice of GPT-OSS's fused, interleaved, transposed tensors
+        prefix, expert, ours = part
+        return HFSource(prefix + fused_key(ours), expert, fused_part=ours)
     key = hf_name(name, kind, config.layers)
     interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
     if interleaved and key in weights and rope_head_dim(name, config.mla):
@@ -357,6 +363,9 @@ def hf_value(weights: HFWeights, src: HFSource, name: str, config: ModelConfig, 
     allows (a DeepSeek-V3 RoPE tensor is read whole: its heads are reordered first)."""
     if src.interleaved:
         return rope_rows_from_hf(name, weights.get_tensor(src.key), config.mla)[index]
+    if src.fused_part is not None:
+        e = src.expert
+        return expert_from_fused(weights.get_slice(src.key)[e : e + 1][0], src.fused_part)[index]
     if src.expert is None:
         return weights.get_slice(src.key)[index] if index else weights.get_tensor(src.key)
     (start, stop), e = src.rows, src.expert
@@ -369,17 +378,9 @@ def import_hf(path: str | os.PathLike, chunk: ModelChunk) -> None:
     interleaved RoPE rows reordered to rotate-half)."""
     hf = json.loads((Path(path) / CONFIG_NAME).read_text())
     with HFWeights(path) as f:
-
-        def fetch(name, shard):
-            part = expert_part(name) if hf.get("model_type") in GPT_OSS_TYPES else None
-            if part is not None:  # a GPT-OSS expert: its slice of the fused, interleaved, transposed tensors
-                prefix, expert, ours = part
-                key = prefix + {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}[ours[:2]]
-                key += "_bias" if ours.endswith("bias") else ""
-                return expert_from_fused(f.get_slice(key)[expert : expert + 1][0], ours)[shard.index]
-            return hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
-
-        chunk.load_logical(fetch)
+        chunk.load_logical(
+            lambda name, shard: hf_value(f, hf_source(name, f, hf, chunk.config), name, chunk.config, shard.index)
+        )
 
 
 def save_hf(

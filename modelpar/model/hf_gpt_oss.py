@@ -78,6 +78,36 @@ def expert_part(logical: str) -> tuple[str, int, str] | None:
     return f"model.{head}.mlp.experts.", int(expert), ours
 
 
+def fused_key(ours: str) -> str:
+    """The GPT-OSS tensor (after ``mlp.experts.``) holding our expert tensor ``ours`` (``w1.weight`` ...)."""
+    return _EXPERT_PARTS[ours][0]
+
+
+def fused_experts_of(names, layers: int) -> dict[str, list[str]]:
+    """GPT-OSS key -> the logical tensors (``layers.<i>.mlp.experts.<e>.<ours>``) it fuses, experts in order."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        part = expert_part(name)
+        if part is not None:
+            out.setdefault(part[0] + fused_key(part[2]), []).append(name)
+    order = {key: sorted(group, key=lambda n: (expert_part(n)[2].startswith("w3"), expert_part(n)[1]))
+             for key, group in out.items()}  # fmt: skip
+    return order  # gate_up: every gate, then every up
+
+
+def fused_value(key: str, values: list[torch.Tensor]) -> torch.Tensor:
+    """GPT-OSS tensor ``key`` from the per-expert tensors it fuses (both gate and up for ``gate_up_proj*``:
+    ``values`` = gates then ups, ``2E`` of them; else ``E``)."""
+    if key.endswith(("gate_up_proj", "gate_up_proj_bias")):
+        e = len(values) // 2
+        gate, up = torch.stack(values[:e]), torch.stack(values[e:])
+        if key.endswith("gate_up_proj"):
+            gate, up = gate.transpose(1, 2), up.transpose(1, 2)  # [E, h, f]
+        return torch.stack([gate, up], dim=-1).flatten(-2)  # gate even, up odd
+    stacked = torch.stack(values)
+    return stacked.transpose(1, 2) if key.endswith("down_proj") else stacked
+
+
 def expert_from_fused(fused: torch.Tensor, ours: str) -> torch.Tensor:
     """One expert's tensor in our layout from its slice ``fused[e]`` of the GPT-OSS tensor ``_EXPERT_PARTS``
     names."""
@@ -89,24 +119,9 @@ def expert_from_fused(fused: torch.Tensor, ours: str) -> torch.Tensor:
 def fuse_experts(state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
     """GPT-OSS's tensors of every expert of every layer from our per-expert logical tensors (the others left
     out): gate and up interleaved, transposed to x @ W."""
-    fused = {}
-    for i in range(layers):
-        prefix = f"layers.{i}.mlp.experts."
-        ids = sorted({int(k[len(prefix) :].split(".")[0]) for k in state if k.startswith(prefix)})
-        if not ids:
-            continue
-
-        def stacked(ours, ids=ids, prefix=prefix):
-            return torch.stack([state[f"{prefix}{e}.{ours}"] for e in ids])
-
-        for gate, up, key in (("w1.weight", "w3.weight", "gate_up_proj"), ("w1.bias", "w3.bias", "gate_up_proj_bias")):
-            g, u = stacked(gate), stacked(up)
-            if key == "gate_up_proj":
-                g, u = g.transpose(1, 2), u.transpose(1, 2)  # [E, h, f]
-            fused[f"model.{prefix}{key}"] = torch.stack([g, u], dim=-1).flatten(-2)  # gate even, up odd
-        fused[f"model.{prefix}down_proj"] = stacked("w2.weight").transpose(1, 2)
-        fused[f"model.{prefix}down_proj_bias"] = stacked("w2.bias")
-    return fused
+    return {
+        key: fused_value(key, [state[name] for name in names]) for key, names in fused_experts_of(state, layers).items()
+    }
 
 
 def gpt_oss_config_to_hf(config, llama: dict) -> dict:

@@ -453,15 +453,16 @@ def context_parallel_attention(
     flash kernel computes every block. ``softcap`` c > 0: scores capped by ``c * tanh(s / c)`` inside each block
     before it enters the online softmax, on the torch path (the flash kernel has no cap). ``sinks`` [hq]: one
     learned logit per head in every row's softmax (a key of value 0 every query sees), merged into the online
-    softmax as one more block; not under the all-to-all (its heads are exchanged).
+    softmax as one more block (under the all-to-all, the sinks of the heads each rank holds after the exchange).
     """
     if softcap or sinks is not None:
         backend = "torch"
     if cp.a2a_size > 1:  # heads exchanged, then the ring (if any) across the all-to-all groups
-        if sinks is not None:
-            raise ValueError("attention sinks are not exchanged by the all-to-all; use cp_comm=ring or allgather")
         q, k, v = exchange_qkv(q, k, v, cp.a2a_group, cp.a2a_size)
-        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend, window, softcap)
+        if sinks is not None:  # the heads this rank now holds: block (its place in the all-to-all group) of them
+            per = sinks.shape[0] // cp.a2a_size
+            sinks = sinks[(cp.rank % cp.a2a_size) * per :][:per]
+        out = context_parallel_attention(q, k, v, cp.ring(), documents, backend, window, softcap, sinks)
         return sequence_from_heads(out, cp.a2a_group, cp.a2a_size)
     if cp.size == 1 and backend == "triton":
         return attention(q, k, v, True, backend="triton", documents=documents, window=window)

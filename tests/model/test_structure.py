@@ -108,6 +108,7 @@ LAYOUTS = [  # (config, layout, chunk options) on the one 4-rank pool
     ("sinks", ParallelLayout(pp=2, dp=2), {"recompute": "full"}),
     ("sinks", ParallelLayout(cp=2, dp=2), {}),
     ("sinks", ParallelLayout(cp=2, dp=2), {"cp_comm": "allgather", "recompute": "selective"}),
+    ("sinks", ParallelLayout(cp=2, dp=2), {"cp_comm": "alltoall"}),
 ]
 CONFIGS = {
     "everything": ModelConfig(**BASE, block=EVERYTHING),

@@ -172,7 +172,7 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * d, hidden, tp, name="o_proj.weight", bias=out_bias, **kw)
         self.query_factor = (d / query_scale) ** 0.5 if query_scale else 1.0
         self.softcap = softcap
-        self.first_head, self.tp_size = tp.rank * self.heads, tp.size
+        self.tp_size = tp.size
         self.sinks = nn.Parameter(torch.zeros(self.heads, device=device, dtype=dtype)) if sinks else None
         self.q_norm = self.k_norm = None
         self.projection_norm = qk_norm == "projection"
