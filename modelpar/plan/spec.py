@@ -134,6 +134,7 @@ class Strategy:
     stage_layers: tuple[float, ...] = ()
     pipeline: str = ""
     reduce_every_micro_batch: bool = False
+    optimizer: str = "adamw"  # optim.name: muon keeps one momentum buffer (not two moments) for hidden matrices
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", int(self.zero))  # True/False from older callers: stage 1 / 0
