@@ -244,8 +244,6 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             why = f"optim.zero={o.zero} (the update lands in sharded master weights); use optim.zero=0"
         elif m.qk_norm:
             why = "model.qk_norm=true (the norms undo a scale of the projections); set model.qk_norm=false"
-        elif m.mla.enabled:
-            why = "multi-head latent attention (model.mla); its q/k split is not handled"
         if why:
             raise RecipeError(f"optim.qk_clip={o.qk_clip} is not supported with {why}")
     if cfg.optim.name == "muon" and g:

@@ -12,9 +12,13 @@ each query head's ``q_proj`` rows by ``gamma_h / sqrt(gamma_g)``. Every logit of
 ``gamma_h`` (multi-head attention: ``sqrt(gamma_h)`` on both sides, the report's rule). Heads under tau are
 untouched.
 
-Not combined (refused by the recipe check): ZeRO-1/2/3 (the update lands in sharded master weights),
-``model.qk_norm`` (the norms undo a scale of the projections), multi-head latent attention (its q/k split is
-not handled here).
+Multi-head latent attention, as the K2 report does: each head's key is its own part k_C (from ``kv_b_proj``)
+and a rotary part k_R shared by every head; q_C (the no-position part of q) and k_C are scaled by
+``sqrt(gamma_h)``, q_R (q's rotary part) by ``gamma_h``, and the shared k_R is left alone: every logit
+``q_C k_C + q_R k_R`` of head h scales by ``gamma_h``.
+
+Not combined (refused by the recipe check): ZeRO-1/2/3 (the update lands in sharded master weights) and
+``model.qk_norm`` (the norms undo a scale of the projections).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.model.layers.attention import ParallelAttention
+from modelpar.model.layers.latent_attention import LatentAttention
 from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.training.plugins import StepPlugin
@@ -35,13 +40,14 @@ class QKClip(StepPlugin):
     name = "qk_clip"
 
     def __init__(self, chunks, groups: ParallelGroups, threshold: float):
-        self.layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, ParallelAttention)]
+        kinds = (ParallelAttention, LatentAttention)
+        self.layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, kinds)]
         self.groups, self.threshold = groups, threshold
         self.last_max: list[torch.Tensor] = []
 
     def begin(self, step: int) -> None:
         for m in self.layers:
-            m.max_logits = torch.full((m.heads,), float("-inf"), device=m.qkv_proj.weight.device)
+            m.max_logits = torch.full((m.heads,), float("-inf"), device=m.o_proj.weight.device)
 
     def after_update(self, step: int, applied: bool) -> None:
         if not self.layers:
@@ -68,11 +74,14 @@ class QKClip(StepPlugin):
 
 
 @torch.no_grad()
-def _clip(m: ParallelAttention, maxima: torch.Tensor, threshold: float) -> None:
+def _clip(m: ParallelAttention | LatentAttention, maxima: torch.Tensor, threshold: float) -> None:
     """Rescale ``m``'s local q and k rows from every head's largest logit (the module docstring's rule)."""
     if not bool((maxima > threshold).any()):
         return
     gamma = torch.clamp(threshold / maxima, max=1.0)  # [heads]; 1 where under the threshold
+    if isinstance(m, LatentAttention):
+        _clip_latent(m, gamma[m.first_head : m.first_head + m.heads])
+        return
     per_kv = m.total_heads // m.total_kv_heads
     gamma_kv = gamma.view(m.total_kv_heads, per_kv).amin(dim=1)  # [kv heads]
     q_scale = gamma / gamma_kv.repeat_interleave(per_kv).sqrt()
@@ -82,6 +91,19 @@ def _clip(m: ParallelAttention, maxima: torch.Tensor, threshold: float) -> None:
     q_rows, k_rows = m.heads * d, m.kv_heads * d
     w[:q_rows].mul_(mine_q.to(w.dtype)[:, None])
     w[q_rows : q_rows + k_rows].mul_(mine_k.to(w.dtype)[:, None])
+
+
+@torch.no_grad()
+def _clip_latent(m: LatentAttention, gamma: torch.Tensor) -> None:
+    """Latent attention's local heads (``gamma``: theirs): q_C and k_C by sqrt(gamma), q_R by gamma."""
+    n, dk, dn = m.heads, m.qk_dim, m.nope
+    q = (m.q_b_proj if m.q_b_proj is not None else m.down_proj).weight  # q_proj's rows lead the fused down_proj
+    q = q[: n * dk].view(n, dk, -1)
+    root = gamma.sqrt().to(q.dtype)[:, None, None]
+    q[:, :dn].mul_(root)
+    q[:, dn:].mul_(gamma.to(q.dtype)[:, None, None])
+    kv = m.kv_b_proj.weight.view(n, dn + m.value_dim, -1)
+    kv[:, :dn].mul_(root)
 
 
 __all__ = ["QKClip"]

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from modelpar.model.config import MLAConfig
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError, validate
-from tests.helpers import assemble, make_config
+from tests.helpers import TINY, assemble, make_config
 
 TAU = 0.08  # the tiny model's logits start near 0.06 and pass 0.16 within 10 steps at this lr unclipped
 
@@ -72,6 +73,31 @@ def test_a_clip_sets_each_heads_largest_logit_to_the_threshold(heads, kv_heads):
     assert (before > tau).any() and (before < tau).any()
 
 
+@pytest.mark.parametrize("q_lora_rank", [16, 0], ids=["q-latent", "q-proj"])
+def test_a_clip_sets_each_latent_heads_largest_logit_to_the_threshold(q_lora_rank):
+    """Latent attention, the K2 report's split: q_C and k_C by sqrt(gamma), q_R by gamma, the shared k_R kept."""
+    from modelpar.model.layers.latent_attention import LatentAttention
+    from modelpar.parallel.regions import TensorParallelGroup
+    from modelpar.training.qk_clip import _clip
+
+    torch.manual_seed(0)
+    dims = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_theta=10000.0)
+    m = LatentAttention(32, 4, q_lora_rank=q_lora_rank, tp=TensorParallelGroup(), **dims)
+    with torch.no_grad():
+        for w in (m.down_proj.weight, m.kv_b_proj.weight, *([m.q_b_proj.weight] if q_lora_rank else [])):
+            w.normal_(0, 0.5)
+    x = torch.randn(2, 16, 32)
+    m.max_logits = torch.full((4,), float("-inf"))
+    m(x)
+    before = m.max_logits
+    tau = float(before.median())
+    _clip(m, before, tau)
+    m.max_logits = torch.full((4,), float("-inf"))
+    m(x)
+    torch.testing.assert_close(m.max_logits, torch.minimum(before, torch.tensor(tau)), rtol=1e-5, atol=0)
+    assert (before > tau).any() and (before < tau).any()
+
+
 def test_qk_clip_keeps_the_logits_below_the_unclipped_run(single):
     _, free, _ = single[1e9]
     _, clipped, _ = single[TAU]
@@ -95,6 +121,27 @@ def test_qk_clip_is_layout_invariant(single, token_path, tmp_path, layout):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         torch.testing.assert_close(maxima, ref_maxima, rtol=1e-5, atol=2e-6)
     params = assemble([(None, pieces) for _, _, pieces in results])
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_qk_clip_on_latent_attention_at_tp2_matches_one_device(token_path, tmp_path):
+    model = replace(
+        TINY,
+        kv_heads=TINY.heads,
+        mla=MLAConfig(kv_lora_rank=12, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    )
+    runs = {}
+    for tp in (1, 2):
+        cfg = clip_config(tmp_path / f"tp{tp}", 0.03, tp=tp)  # its logits start near 0.02
+        cfg = replace(cfg, model=model, trainer=replace(cfg.trainer, steps=6))
+        runs[tp] = run_on_ranks(tp, train_with_maxima, cfg, token_path)
+    ((ref_losses, ref_maxima, ref_pieces),) = runs[1]
+    assert (ref_maxima > 0.03).any()  # it clipped
+    for losses, maxima, _ in runs[2]:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        torch.testing.assert_close(maxima, ref_maxima, rtol=1e-5, atol=2e-6)
+    params, ref_params = assemble([(None, p) for _, _, p in runs[2]]), assemble([(None, ref_pieces)])
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
 
