@@ -239,13 +239,11 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             "0 shards over all of dp x cp"
         )
     if cfg.optim.qk_clip:  # modelpar/training/qk_clip.py: what it is not combined with
-        o, why = cfg.optim, ""
-        if o.zero:
-            why = f"optim.zero={o.zero} (the update lands in sharded master weights); use optim.zero=0"
-        elif m.qk_norm:
-            why = "model.qk_norm=true (the norms undo a scale of the projections); set model.qk_norm=false"
-        if why:
-            raise RecipeError(f"optim.qk_clip={o.qk_clip} is not supported with {why}")
+        if m.qk_norm:
+            raise RecipeError(
+                f"optim.qk_clip={cfg.optim.qk_clip} is not supported with model.qk_norm=true (the norms undo a scale "
+                "of the projections); set model.qk_norm=false"
+            )
     if cfg.optim.name == "muon" and g:
         raise RecipeError(f"optim.name=muon with optim.zero_group={g} is not supported; use optim.zero_group=0")
     if p.recompute == "selective":
