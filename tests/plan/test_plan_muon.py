@@ -40,3 +40,35 @@ def test_planned_optimizer_state_matches_the_trainers_under_muon(token_path, tmp
         tolerance = 0.05 if zero == 1 else 0.01
         assert muon_planned == pytest.approx(muon_measured, rel=tolerance)
         assert adam_planned == pytest.approx(adam_measured, rel=tolerance)
+
+
+def _engine_ns(cfg, data_path: str) -> tuple[list[int], int]:
+    """The engine's Newton-Schulz FLOPs of every rank of this stage, and the stage's Muon elements."""
+    from modelpar.training.trainer import Trainer
+
+    trainer = Trainer(cfg, data_path, None)
+    layout = trainer.optimizer.optimizer.layout
+    return layout.ns_flops_by_rank, layout.total
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2)], ids=["tp2", "pp2", "dp2"])
+def test_planned_newton_schulz_work_is_the_engines(token_path, tmp_path, layout):
+    """The planner's NS FLOPs and exchanged elements per stage equal what the engine's layout runs and sends,
+    and the step prices them (AdamW: nothing)."""
+    from modelpar.bench.recipe_memory import recipe_strategy
+    from modelpar.plan import HARDWARE, predict
+    from modelpar.plan.optimizer_step import stage_muon
+    from modelpar.plan.spec import ModelSpec
+
+    cfg = make_config(tmp_path, **layout)
+    cfg = replace(cfg, optim=replace(cfg.optim, name="muon"))
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    results = run_on_ranks(world, _engine_ns, cfg, token_path)
+    strategy, model = recipe_strategy(cfg), ModelSpec(cfg.model)
+    flops, elements = stage_muon(model, strategy)
+    for by_rank, total in results:
+        assert sum(by_rank) == flops and total == elements
+        assert max(by_rank) <= 1.2 * flops / len(by_rank)  # the owners share the work
+    muon = predict(strategy, model, HARDWARE["cpu"], seq_len=cfg.data.seq_len)
+    adamw = predict(replace(strategy, optimizer="adamw"), model, HARDWARE["cpu"], seq_len=cfg.data.seq_len)
+    assert adamw.optimizer_s == 0 < muon.optimizer_s and muon.total_s > adamw.total_s
