@@ -175,17 +175,19 @@ def build_muon_layout(
     positions, writes = {}, {}
     for p in muon:
         local_shape = tuple(p.shape)  # a DTensor reports the tp-local (unsharded over dp) shape
-        pos = torch.full(local_shape, -1, dtype=torch.long)
-        write = torch.zeros(local_shape, dtype=torch.bool)
+        # on the host whatever the default device (the dry run's is meta): pieces copy theirs to their device
+        pos = torch.full(local_shape, -1, dtype=torch.long, device="cpu")
+        write = torch.zeros(local_shape, dtype=torch.bool, device="cpu")
         for name, shard in by_param[id(p)]:
             start, shape = where[name], names[name]
-            block = torch.arange(start, start + shape[0] * shape[1], dtype=torch.long).view(shape)[shard.index]
+            block = torch.arange(start, start + shape[0] * shape[1], dtype=torch.long, device="cpu")
+            block = block.view(shape)[shard.index]
             pos[shard.local_rows] = block
             write[shard.local_rows] = shard.primary and replica_writer.get(id(p), True)
         if bool((pos < 0).any()):
             raise ValueError(f"a Muon parameter {local_shape} has elements no logical matrix covers (padding?)")
         positions[id(p)], writes[id(p)] = pos, write
-    ratios = torch.empty(offset, dtype=torch.float64)
+    ratios = torch.empty(offset, dtype=torch.float64, device="cpu")
     for m in matrices:
         ratios[m.offset : m.offset + m.numel] = adjust_ratio(settings.adjust_lr, m.shape)
     return MuonLayout(settings, matrices, positions, writes, stage_index, tp_group, dp_group, ratios, loads)
