@@ -31,6 +31,7 @@ def recipe_strategy(cfg) -> Strategy:
         stage_layers=build_partition(cfg).layer_counts,
         pipeline=p.schedule if p.pp > 1 else "",
         reduce_every_micro_batch=cfg.optim.reduce_every_micro_batch,
+        optimizer=cfg.optim.name,
     )
 
 

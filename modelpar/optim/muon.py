@@ -42,10 +42,25 @@ class MuonSettings:
     adjust_lr: str = "match_rms_adamw"
     ns_dtype: str = "bf16"
     adamw_for: tuple[str, ...] = DEFAULT_ADAMW_FOR
+    # > 0: q_proj, k_proj and v_proj orthogonalised per head, each block of this many rows its own matrix
+    per_head_rows: int = 0
 
     def uses_muon(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether the logical tensor ``name`` is updated by Muon: a 2-D matrix no ``adamw_for`` pattern names."""
         return len(shape) == 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.adamw_for)
+
+
+PER_HEAD = ("*.q_proj.weight", "*.k_proj.weight", "*.v_proj.weight")  # grouped-query attention's, by name
+
+
+def split_rows(settings: MuonSettings, name: str, shape: tuple[int, int]) -> int:
+    """The rows of each block orthogonalised on its own: a head's (``per_head_rows``) for q/k/v when asked, else
+    the whole matrix's."""
+    if settings.per_head_rows and any(fnmatch.fnmatchcase(name, p) for p in PER_HEAD):
+        if shape[0] % settings.per_head_rows:
+            raise ValueError(f"{name} {shape} does not split into heads of {settings.per_head_rows} rows")
+        return settings.per_head_rows
+    return shape[0]
 
 
 def adjust_ratio(adjust_lr: str, shape: tuple[int, ...]) -> float:
@@ -98,4 +113,5 @@ __all__ = [
     "momentum_update",
     "newton_schulz",
     "newton_schulz_flops",
+    "split_rows",
 ]

@@ -24,6 +24,7 @@ runs; the owner assignment is what spreads the Newton-Schulz work, ``1/(tp x dp 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,13 +32,14 @@ import torch
 import torch.distributed as dist
 
 from modelpar.model.layers.shard import ShardInfo
-from modelpar.optim.muon import MuonSettings, adjust_ratio, newton_schulz, newton_schulz_flops
+from modelpar.optim.muon import MuonSettings, adjust_ratio, newton_schulz, newton_schulz_flops, split_rows
 from modelpar.parallel import collectives
 
 
 @dataclass(frozen=True)
 class Matrix:
-    """One logical Muon matrix of the stage: its name, global shape, place in the flat buffer, owner rank."""
+    """One matrix Newton-Schulz runs on: a logical Muon matrix of the stage (or, per head, a block of its rows,
+    named ``name[a:b]``), its shape, place in the flat buffer, owner rank."""
 
     name: str
     shape: tuple[int, int]
@@ -152,33 +154,40 @@ def build_muon_layout(
     stage_index = (0 if dp_group is None else dist.get_rank(dp_group)) * tp + (
         0 if tp_group is None else dist.get_rank(tp_group)
     )
+    # each logical matrix whole, or (q/k/v per head) as blocks of rows, contiguous in the flat buffer
+    blocks, offset, where = [], 0, {}
+    for name in sorted(names):
+        rows, cols = names[name]
+        step = split_rows(settings, name, (rows, cols))
+        where[name] = offset
+        for first in range(0, rows, step):
+            blocks.append((name if step == rows else f"{name}[{first}:{first + step}]", (step, cols), offset))
+            offset += step * cols
     # owners: the largest matrices first, each to the least loaded rank (ties: the lowest index)
     loads = [0] * (tp * dp)
     owner = {}
-    for name in sorted(names, key=lambda n: (-newton_schulz_flops(names[n], settings.ns_steps), n)):
+    for label, shape, _ in sorted(blocks, key=lambda b: (-newton_schulz_flops(b[1], settings.ns_steps), b[0])):
         rank = min(range(len(loads)), key=lambda r: (loads[r], r))
-        owner[name] = rank
-        loads[rank] += newton_schulz_flops(names[name], settings.ns_steps)
-    matrices, offset = [], 0
-    for name in sorted(names):
-        shape = names[name]
-        matrices.append(Matrix(name, shape, offset, owner[name], newton_schulz_flops(shape, settings.ns_steps)))
-        offset += shape[0] * shape[1]
-    where = {m.name: m for m in matrices}
+        owner[label] = rank
+        loads[rank] += newton_schulz_flops(shape, settings.ns_steps)
+    flops = functools.partial(newton_schulz_flops, ns_steps=settings.ns_steps)
+    matrices = [Matrix(label, shape, off, owner[label], flops(shape)) for label, shape, off in blocks]
     positions, writes = {}, {}
     for p in muon:
         local_shape = tuple(p.shape)  # a DTensor reports the tp-local (unsharded over dp) shape
-        pos = torch.full(local_shape, -1, dtype=torch.long)
-        write = torch.zeros(local_shape, dtype=torch.bool)
+        # on the host whatever the default device (the dry run's is meta): pieces copy theirs to their device
+        pos = torch.full(local_shape, -1, dtype=torch.long, device="cpu")
+        write = torch.zeros(local_shape, dtype=torch.bool, device="cpu")
         for name, shard in by_param[id(p)]:
-            m = where[name]
-            block = torch.arange(m.offset, m.offset + m.numel, dtype=torch.long).view(m.shape)[shard.index]
+            start, shape = where[name], names[name]
+            block = torch.arange(start, start + shape[0] * shape[1], dtype=torch.long, device="cpu")
+            block = block.view(shape)[shard.index]
             pos[shard.local_rows] = block
             write[shard.local_rows] = shard.primary and replica_writer.get(id(p), True)
         if bool((pos < 0).any()):
             raise ValueError(f"a Muon parameter {local_shape} has elements no logical matrix covers (padding?)")
         positions[id(p)], writes[id(p)] = pos, write
-    ratios = torch.empty(offset, dtype=torch.float64)
+    ratios = torch.empty(offset, dtype=torch.float64, device="cpu")
     for m in matrices:
         ratios[m.offset : m.offset + m.numel] = adjust_ratio(settings.adjust_lr, m.shape)
     return MuonLayout(settings, matrices, positions, writes, stage_index, tp_group, dp_group, ratios, loads)

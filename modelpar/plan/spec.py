@@ -134,6 +134,7 @@ class Strategy:
     stage_layers: tuple[float, ...] = ()
     pipeline: str = ""
     reduce_every_micro_batch: bool = False
+    optimizer: str = "adamw"  # optim.name: muon keeps one momentum buffer (not two moments) for hidden matrices
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", int(self.zero))  # True/False from older callers: stage 1 / 0
@@ -238,11 +239,12 @@ class Prediction:
     cp_comm_s: float = 0.0  # exposed part only
     ep_comm_s: float = 0.0  # MoE all-to-alls, exposed
     offload_s: float = 0.0  # activation offload's copies to host memory and back
+    optimizer_s: float = 0.0  # Muon's Newton-Schulz and exchange (modelpar.plan.optimizer_step); AdamW: 0
 
     @property
     def total_s(self) -> float:
         comm = self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s + self.ep_comm_s
-        return self.compute_s + comm + self.bubble_s + self.offload_s
+        return self.compute_s + comm + self.bubble_s + self.offload_s + self.optimizer_s
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)

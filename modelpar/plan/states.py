@@ -111,7 +111,7 @@ def state_bytes(
     differing only in SP, the cp exchange, the micro-batch size or selective recompute's modules share them)."""
     s = strategy
     key = (s.layout, s.zero, s.zero_group, s.stage_layers, s.schedule_name, s.micro_batches)
-    key += (s.reduce_every_micro_batch, s.recompute == "full", seq_len, stage, gather_bytes)
+    key += (s.reduce_every_micro_batch, s.recompute == "full", seq_len, stage, gather_bytes, s.optimizer)
     held = _STATES.get(id(model))
     if held is None or held[0] is not model:  # the model is held, so its id is not reused while cached
         if len(_STATES) >= 16:
@@ -130,25 +130,54 @@ def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
     params = sum(count * r * c for _, tensors, count in units for r, c in tensors)
     d = strategy.layout.dp * strategy.layout.cp
     zero = strategy.zero if d > 1 else 0
+    muon = muon_tensors(model, units) if strategy.optimizer == "muon" else set()
     if zero >= 2:
         g = shard_group_size(strategy)
-        shard = sum(count * math.ceil(r / g) * c for _, tensors, count in units for r, c in tensors)
+        rows = [
+            (count * math.ceil(r / g) * c, (i, j) in muon)
+            for i, (_, ts, count) in enumerate(units)
+            for j, (r, c) in enumerate(ts)
+        ]
+        shard = sum(n for n, _ in rows)
         return {
             "weights": 4.0 * shard,
             "gradients": 4.0 * shard,
-            "optimizer": 8.0 * shard,
+            "optimizer": 8.0 * shard - 4.0 * sum(n for n, m in rows if m),  # Muon: one buffer, not two moments
             "buffers": 0.0,
             "gathered": gathered_bytes(units, strategy, gather_bytes, stage),
         }
-    out = {"weights": 4.0 * params, "gradients": 4.0 * params, "optimizer": 8.0 * params, "buffers": 0.0}
+    in_muon = sum(
+        count * r * c for i, (_, ts, count) in enumerate(units) for j, (r, c) in enumerate(ts) if (i, j) in muon
+    )
+    out = {
+        "weights": 4.0 * params,
+        "gradients": 4.0 * params,
+        "optimizer": 8.0 * params - 4.0 * in_muon,
+        "buffers": 0.0,
+    }
     if zero == 1:
         shard = zero1_shards(model, strategy, seq_len, stage, params)
         out["gradients"] += 4.0 * sum(shard)  # the reduced shard
-        out["optimizer"] = 12.0 * sum(shard)  # two moments and the fp32 master
+        # two moments and the fp32 master; Muon's matrices one buffer (segments cut anywhere: pro rata)
+        out["optimizer"] = 12.0 * sum(shard) - 4.0 * sum(shard) * in_muon / max(params, 1)
     elif d > 1:  # the gradients live in the all-reduce buckets, beside a has-gradient flag each
         out["buffers"] = 4.0 * zero0_buckets(model, strategy, seq_len, stage)[1]
     out["gathered"] = 0.0
     return out
+
+
+def muon_tensors(model: ModelSpec, units: list[tuple[str, list, int]]) -> set[tuple[int, int]]:
+    """(unit, tensor) positions of ``stage_units`` that ``optim.name=muon`` updates: the blocks' 2-D matrices
+    but a MoE router's (the embedding, head and norms are AdamW's; experts stacked, each a matrix)."""
+    moe = model.shape.moe
+    router = (moe.experts, model.shape.hidden) if moe.enabled else None
+    return {
+        (i, j)
+        for i, (kind, tensors, _) in enumerate(units)
+        if kind == "block"
+        for j, (r, c) in enumerate(tensors)
+        if c > 1 and (r, c) != router
+    }
 
 
 def zero0_buckets(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:

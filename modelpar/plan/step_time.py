@@ -79,6 +79,7 @@ from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.dp_time import dp_exposed_s, routed_expert_params
 from modelpar.plan.links import group_bandwidth, ring_all_gather_s, ring_all_reduce_s
 from modelpar.plan.memory import layers_per_chunk, peak_memory
+from modelpar.plan.optimizer_step import muon_step_s
 from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Prediction, Strategy
 
 
@@ -339,7 +340,9 @@ def predict(
         ep_comm_s *= share
     memory = peak_memory(model, strategy, seq_len, hardware, exact=False)
     offload_s = m * offload_per_micro_batch_s(model, strategy, seq_len, hardware)
+    optimizer_s = muon_step_s(model, strategy, hardware, rate)
     total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s + offload_s
+    total_s += optimizer_s
     tokens = strategy.global_batch * seq_len
     model_flops = training_flops_per_token(shape, seq_len) * tokens
     hw_flops = hardware_flops_per_step(model, strategy, seq_len)
@@ -360,6 +363,7 @@ def predict(
         cp_comm_s=cp_comm_s,
         ep_comm_s=ep_comm_s,
         offload_s=offload_s,
+        optimizer_s=optimizer_s,
     )
 
 

@@ -244,6 +244,7 @@ def muon_settings(cfg: TrainConfig) -> MuonSettings:
         adjust_lr=o.muon_adjust_lr,
         ns_dtype=o.muon_ns_dtype,
         adamw_for=tuple(o.muon_adamw_for),
+        per_head_rows=cfg.model.head_size if o.muon_per_head else 0,
     )
 
 

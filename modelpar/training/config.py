@@ -102,6 +102,7 @@ class OptimConfig:
     muon_ns_steps: int = 5
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original (torch.optim.Muon's adjust_lr_fn)
     muon_ns_dtype: str = "bf16"  # Newton-Schulz's dtype: bf16 (torch.optim.Muon's) | fp32
+    muon_per_head: bool = False  # q_proj, k_proj, v_proj orthogonalised per head (each head's rows alone)
     # logical tensors (fnmatch patterns) kept on AdamW although 2-D: the embedding, the head, MoE routers
     muon_adamw_for: list[str] = field(default_factory=lambda: list(DEFAULT_ADAMW_FOR))
     # QK-clip (MuonClip): > 0 rescales q/k of a head whose largest logit passed it (modelpar/training/qk_clip.py)
@@ -245,15 +246,15 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
             "0 shards over all of dp x cp"
         )
     if cfg.optim.qk_clip:  # modelpar/training/qk_clip.py: what it is not combined with
-        o, why = cfg.optim, ""
-        if o.zero:
-            why = f"optim.zero={o.zero} (the update lands in sharded master weights); use optim.zero=0"
-        elif m.qk_norm:
-            why = "model.qk_norm=true (the norms undo a scale of the projections); set model.qk_norm=false"
-        elif m.mla.enabled:
-            why = "multi-head latent attention (model.mla); its q/k split is not handled"
-        if why:
-            raise RecipeError(f"optim.qk_clip={o.qk_clip} is not supported with {why}")
+        if m.qk_norm:
+            raise RecipeError(
+                f"optim.qk_clip={cfg.optim.qk_clip} is not supported with model.qk_norm=true (the norms undo a scale "
+                "of the projections); set model.qk_norm=false"
+            )
+    if cfg.optim.name == "muon" and cfg.trainer.dry_run:  # its exchange holds a stage's matrices whole
+        raise RecipeError("trainer.dry_run=true with optim.name=muon is not supported; dry-run with optim.name=adamw")
+    if cfg.optim.muon_per_head and m.mla.enabled:
+        raise RecipeError("optim.muon_per_head=true is for q/k/v heads, not latent attention; set it false")
     if cfg.optim.name == "muon" and g:
         raise RecipeError(f"optim.name=muon with optim.zero_group={g} is not supported; use optim.zero_group=0")
     if p.recompute == "selective":

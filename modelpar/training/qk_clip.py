@@ -12,9 +12,14 @@ each query head's ``q_proj`` rows by ``gamma_h / sqrt(gamma_g)``. Every logit of
 ``gamma_h`` (multi-head attention: ``sqrt(gamma_h)`` on both sides, the report's rule). Heads under tau are
 untouched.
 
-Not combined (refused by the recipe check): ZeRO-1/2/3 (the update lands in sharded master weights),
-``model.qk_norm`` (the norms undo a scale of the projections), multi-head latent attention (its q/k split is
-not handled here).
+Multi-head latent attention, as the K2 report does: each head's key is its own part k_C (from ``kv_b_proj``)
+and a rotary part k_R shared by every head; q_C (the no-position part of q) and k_C are scaled by
+``sqrt(gamma_h)``, q_R (q's rotary part) by ``gamma_h``, and the shared k_R is left alone: every logit
+``q_C k_C + q_R k_R`` of head h scales by ``gamma_h``.
+
+Under ZeRO-1 the rows are rescaled in the fp32 master segments too (the next step gathers the weights from
+them); under ZeRO-2/3 each rank rescales the rows of its dp shard. Not combined (refused by the recipe
+check): ``model.qk_norm`` (the norms undo a scale of the projections).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from modelpar.model.layers.attention import ParallelAttention
+from modelpar.model.layers.latent_attention import LatentAttention
+from modelpar.optim import DataParallelOptimizer, ZeroOneAdamW
+from modelpar.optim.fsdp import dp_rows, local
 from modelpar.parallel import collectives
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.training.plugins import StepPlugin
@@ -34,14 +42,20 @@ class QKClip(StepPlugin):
 
     name = "qk_clip"
 
-    def __init__(self, chunks, groups: ParallelGroups, threshold: float):
-        self.layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, ParallelAttention)]
+    def __init__(self, chunks, groups: ParallelGroups, threshold: float, optimizer: DataParallelOptimizer):
+        kinds = (ParallelAttention, LatentAttention)
+        self.layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, kinds)]
         self.groups, self.threshold = groups, threshold
         self.last_max: list[torch.Tensor] = []
+        self.masters: dict[int, list] = {}  # ZeRO-1: each parameter's master segments, rescaled with it
+        zero = optimizer.optimizer
+        if isinstance(zero, ZeroOneAdamW):
+            for seg, view in zip(zero.segments, zero._views, strict=True):
+                self.masters.setdefault(id(zero.params[seg.index]), []).append((view, *seg.within_param))
 
     def begin(self, step: int) -> None:
         for m in self.layers:
-            m.max_logits = torch.full((m.heads,), float("-inf"), device=m.qkv_proj.weight.device)
+            m.max_logits = torch.full((m.heads,), float("-inf"), device=m.o_proj.weight.device)
 
     def after_update(self, step: int, applied: bool) -> None:
         if not self.layers:
@@ -49,7 +63,7 @@ class QKClip(StepPlugin):
         self.last_max = self._global_maxima()
         if applied:
             for m, maxima in zip(self.layers, self.last_max, strict=True):
-                _clip(m, maxima, self.threshold)
+                _clip(m, maxima, self.threshold, self.masters)
 
     def _global_maxima(self) -> list[torch.Tensor]:
         """Each layer's [heads] largest logits over the whole step: max over dp x cp, gathered over tp."""
@@ -68,20 +82,42 @@ class QKClip(StepPlugin):
 
 
 @torch.no_grad()
-def _clip(m: ParallelAttention, maxima: torch.Tensor, threshold: float) -> None:
-    """Rescale ``m``'s local q and k rows from every head's largest logit (the module docstring's rule)."""
+def _clip(m: ParallelAttention | LatentAttention, maxima: torch.Tensor, threshold: float, masters=None) -> None:
+    """Rescale ``m``'s local q and k rows from every head's largest logit (the module docstring's rule): in the
+    model's parameters (their dp shard under ZeRO-2/3) and in ZeRO-1's master segments (``masters``:
+    ``id(param) -> [(segment, start, end)]``, flat positions in the parameter)."""
     if not bool((maxima > threshold).any()):
         return
-    gamma = torch.clamp(threshold / maxima, max=1.0)  # [heads]; 1 where under the threshold
+    for param, scale in row_scales(m, torch.clamp(threshold / maxima, max=1.0)):
+        scale = scale.to(param.device, param.dtype)
+        local(param).mul_(scale[dp_rows(param)][:, None])
+        for segment, start, end in (masters or {}).get(id(param), ()):
+            segment.mul_(scale.repeat_interleave(param[0].numel())[start:end].to(segment.dtype))
+
+
+def row_scales(m: ParallelAttention | LatentAttention, gamma: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter, factor per row of its tp-local tensor)`` from every head's ``gamma`` (1: untouched)."""
+    if isinstance(m, LatentAttention):  # q_C, k_C by sqrt(gamma), q_R by gamma, the shared k_R kept
+        g = gamma[m.first_head : m.first_head + m.heads][:, None]
+        n, dk, dn = m.heads, m.qk_dim, m.nope
+        q = (m.q_b_proj if m.q_b_proj is not None else m.down_proj).weight  # q_proj's rows lead the down_proj
+        q_scale = torch.ones(q.shape[0])
+        q_scale[: n * dk].view(n, dk)[:, :dn] = g.sqrt()
+        q_scale[: n * dk].view(n, dk)[:, dn:] = g
+        kv_scale = torch.ones(n, dn + m.value_dim)
+        kv_scale[:, :dn] = g.sqrt()
+        return [(q, q_scale), (m.kv_b_proj.weight, kv_scale.reshape(-1))]
     per_kv = m.total_heads // m.total_kv_heads
     gamma_kv = gamma.view(m.total_kv_heads, per_kv).amin(dim=1)  # [kv heads]
     q_scale = gamma / gamma_kv.repeat_interleave(per_kv).sqrt()
     d, w = m.head_dim, m.qkv_proj.weight
-    mine_q = q_scale[m.first_head : m.first_head + m.heads].repeat_interleave(d)
-    mine_k = gamma_kv[m.first_kv_head : m.first_kv_head + m.kv_heads].sqrt().repeat_interleave(d)
+    scale = torch.ones(w.shape[0])
     q_rows, k_rows = m.heads * d, m.kv_heads * d
-    w[:q_rows].mul_(mine_q.to(w.dtype)[:, None])
-    w[q_rows : q_rows + k_rows].mul_(mine_k.to(w.dtype)[:, None])
+    scale[:q_rows] = q_scale[m.first_head : m.first_head + m.heads].repeat_interleave(d)
+    scale[q_rows : q_rows + k_rows] = (
+        gamma_kv[m.first_kv_head : m.first_kv_head + m.kv_heads].sqrt().repeat_interleave(d)
+    )
+    return [(w, scale)]
 
 
 __all__ = ["QKClip"]

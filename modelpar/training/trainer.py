@@ -158,7 +158,7 @@ class Trainer:
             plugins.append(SilentCorruption(check, t.sdc_check_every, moe))
         plugins += [self.faults] if self.faults is not None else []
         if cfg.optim.qk_clip:  # after the faults: rescales the weights the update left
-            plugins.append(QKClip(self.model.chunks, g, cfg.optim.qk_clip))
+            plugins.append(QKClip(self.model.chunks, g, cfg.optim.qk_clip, self.optimizer))
         return plugins
 
     def train_step(self) -> StepMetrics:

@@ -37,7 +37,7 @@ def _batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _engine_and_torch(cfg, adjust_lr: str):
+def _engine_and_torch(cfg, adjust_lr: str, per_head: bool = False):
     groups = current_groups()
     model = build_rank_model(cfg, groups, torch.device("cpu"))
     (chunk,) = model.chunks
@@ -47,8 +47,16 @@ def _engine_and_torch(cfg, adjust_lr: str):
     shards = ref.logical_shards()
     matrices = {n: s for n, s in shards.items() if settings.uses_muon(n, s.global_shape)}
     fused = {id(s.param) for s in matrices.values()}
-    # torch's Muon over standalone copies of each logical matrix, its AdamW over every other parameter
-    standalone = {n: torch.nn.Parameter(s.tensor.clone()) for n, s in matrices.items()}
+    # torch's Muon over standalone copies of each logical matrix (per head: each head's rows of q, k and v),
+    # its AdamW over every other parameter
+    d = cfg.model.head_size
+    blocks = {}  # standalone name -> (logical name, rows)
+    for n, sh in matrices.items():
+        split = per_head and n.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+        rows = sh.global_shape[0]
+        for first in range(0, rows, d if split else rows):
+            blocks[f"{n}[{first}]"] = (n, slice(first, first + (d if split else rows)))
+    standalone = {b: torch.nn.Parameter(matrices[n].tensor[r].clone()) for b, (n, r) in blocks.items()}
     muon = torch.optim.Muon(list(standalone.values()), lr=LR, weight_decay=WD, adjust_lr_fn=adjust_lr)
     others = [(n, p) for n, p in ref.named_parameters() if id(p) not in fused]
     adamw = torch.optim.AdamW(
@@ -60,7 +68,8 @@ def _engine_and_torch(cfg, adjust_lr: str):
         betas=(0.9, 0.95),
         eps=1e-8,
     )
-    assert len(muon.param_groups[0]["params"]) == 4 * 7  # q k v o gate up down per layer
+    # q k v o gate up down per layer; per head: q's 4 heads, k's and v's 2 each
+    assert len(muon.param_groups[0]["params"]) == 4 * (4 + 2 + 2 + 4 if per_head else 7)
     ours, theirs = [], []
     for step in range(STEPS):
         x, y = _batch(step % 2, cfg.model.vocab_size)  # two batches in turn: the loss falls
@@ -74,13 +83,15 @@ def _engine_and_torch(cfg, adjust_lr: str):
 
         loss = ref.loss(ref(x), y)
         loss.backward()
-        for n, w in standalone.items():
-            w.grad = matrices[n].grad.clone()
+        for b, w in standalone.items():
+            n, r = blocks[b]
+            w.grad = matrices[n].grad[r].clone()
         muon.step()
         adamw.step()
         with torch.no_grad():
-            for n, w in standalone.items():
-                matrices[n].tensor.copy_(w)
+            for b, w in standalone.items():
+                n, r = blocks[b]
+                matrices[n].tensor[r].copy_(w)
         muon.zero_grad()
         adamw.zero_grad()
         ref.zero_grad(set_to_none=True)
@@ -89,14 +100,16 @@ def _engine_and_torch(cfg, adjust_lr: str):
     return ours, theirs, mine, {n: s.tensor.clone() for n, s in shards.items()}
 
 
-@pytest.mark.parametrize("adjust_lr", ["match_rms_adamw", "original"])
-def test_one_device_equals_torch_muon_and_adamw(tmp_path, adjust_lr):
+@pytest.mark.parametrize(
+    "adjust_lr, per_head",
+    [("match_rms_adamw", False), ("original", False), ("match_rms_adamw", True)],
+    ids=["match_rms_adamw", "original", "per-head"],
+)
+def test_one_device_equals_torch_muon_and_adamw(tmp_path, adjust_lr, per_head):
     cfg = make_config(tmp_path)
-    optim = replace(
-        cfg.optim, name="muon", lr=LR, weight_decay=WD, grad_clip=0.0, muon_adjust_lr=adjust_lr, warmup_steps=0
-    )
-    cfg = replace(cfg, optim=optim)
-    ((ours, theirs, mine, ref),) = run_on_ranks(1, _engine_and_torch, cfg, adjust_lr, layout=ParallelLayout())
+    optim = dict(lr=LR, weight_decay=WD, grad_clip=0.0, muon_adjust_lr=adjust_lr, warmup_steps=0)
+    cfg = replace(cfg, optim=replace(cfg.optim, name="muon", muon_per_head=per_head, **optim))
+    ((ours, theirs, mine, ref),) = run_on_ranks(1, _engine_and_torch, cfg, adjust_lr, per_head, layout=ParallelLayout())
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-6, atol=0)
     assert ours[-2] < ours[0] and ours[-1] < ours[1], ours
     for name, want in ref.items():

@@ -19,20 +19,23 @@ MOE = replace(
 )
 
 
-def muon_config(tmp_path, model=TINY, zero_: int = 0, **parallel):
+def muon_config(tmp_path, model=TINY, zero_: int = 0, per_head: bool = False, **parallel):
     cfg = make_config(tmp_path, **parallel)
     # Newton-Schulz in fp32: in bf16 (torch's default) a gradient differing from one device's in its last fp32
     # bit (another summation order) can round to another bf16 value, which moves an update by ~1e-5
-    optim = replace(cfg.optim, name="muon", zero=zero_, muon_ns_dtype="fp32")
+    optim = replace(cfg.optim, name="muon", zero=zero_, muon_ns_dtype="fp32", muon_per_head=per_head)
     return replace(cfg, model=model, optim=optim)
 
 
 @pytest.fixture(scope="module")
 def references(token_path, tmp_path_factory):
     out = {}
-    for name, model in (("dense", TINY), ("moe", MOE)):
+    for name, model in (("dense", TINY), ("moe", MOE), ("per-head", TINY)):
         # the MoE's balancing loss is over the whole batch: one micro-batch (its layouts too)
-        cfg = muon_config(tmp_path_factory.mktemp(f"ref-{name}"), model, microbatches=1 if model.moe else 2)
+        micro = 1 if model.moe else 2
+        cfg = muon_config(
+            tmp_path_factory.mktemp(f"ref-{name}"), model, microbatches=micro, per_head=name == "per-head"
+        )
         (result,) = run_on_ranks(1, train_and_collect, cfg, token_path)
         out[name] = (result[0], assemble([result]))
     return out
@@ -48,6 +51,8 @@ LAYOUTS = [
     ("dense", dict(dp=2, zero_=3)),
     ("dense", dict(tp=2, dp=2, zero_=3)),
     ("dense", dict(pp=2, vpp=2, schedule="zbv", microbatches=2)),
+    ("per-head", dict(tp=2)),  # q/k/v per head: each tp rank's heads
+    ("per-head", dict(dp=2, zero_=1)),  # a ZeRO-1 segment may cut a head
     ("moe", dict(dp=2, ep=2, microbatches=1)),  # each rank orthogonalises the experts it owns, one at a time
     ("moe", dict(dp=2, ep=2, microbatches=1, zero_=1)),
 ]
@@ -57,7 +62,7 @@ LAYOUTS = [
     "model, layout", LAYOUTS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.items()))
 )
 def test_muon_layout_matches_single_device(model, layout, token_path, references, tmp_path):
-    cfg = muon_config(tmp_path, TINY if model == "dense" else MOE, **layout)
+    cfg = muon_config(tmp_path, MOE if model == "moe" else TINY, per_head=model == "per-head", **layout)
     p = cfg.parallel
     results = run_on_ranks(p.tp * p.pp * p.dp, train_and_collect, cfg, token_path)
     assert_matches_reference(results, references[model], layout)
@@ -124,3 +129,11 @@ def test_switching_from_adamw_to_muon_at_resume_is_refused_in_one_line(token_pat
         run_on_ranks(1, train_and_collect, muon_config(tmp_path / "dst"), token_path, ckpt)
     line = next(x for x in str(info.value).splitlines() if "holds AdamW state" in x)
     assert "optim.name" in line
+
+
+def test_muon_dry_run_is_refused_in_one_line(tmp_path):
+    cfg = muon_config(tmp_path)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, dry_run=True))
+    with pytest.raises(RecipeError, match="trainer.dry_run=true with optim.name=muon is not supported") as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)

@@ -30,6 +30,7 @@ from torch import nn
 
 from modelpar.model.layers.attention import DocumentIds, local_rope_tables
 from modelpar.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from modelpar.model.layers.logit_max import max_attention_logits
 from modelpar.model.layers.shard import ColumnPart, ShardInfo
 from modelpar.model.rope import RopeScaling, softmax_factor
 from modelpar.parallel.context import ContextParallelGroup, context_parallel_attention
@@ -134,6 +135,10 @@ class LatentAttention(nn.Module):
             kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), tp, name="kv_b_proj.weight", **kw
         )
         self.o_proj = RowParallelLinear(heads * v_head_dim, hidden, tp, name="o_proj.weight", **kw)
+        # QK-clip (modelpar.training.qk_clip): this rank's first head, and the running maximum of each local
+        # head's logits over the step's forwards (None: not tracked)
+        self.first_head = tp.rank * self.heads
+        self.max_logits: torch.Tensor | None = None
 
     def _expand(self):
         return functools.partial(
@@ -159,6 +164,10 @@ class LatentAttention(nn.Module):
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [b, s, kv_lora_rank + dr]: all a token's keys and values
         expand = self._expand()
         documents = self.documents.current() if self.documents is not None else None
+        if self.max_logits is not None and torch.is_grad_enabled():  # training forwards only, not evaluation
+            with torch.no_grad():
+                k = rearrange(expand(latent, self.kv_b_proj.weight)[0], "b n s d -> b s n d")
+            self.max_logits = torch.maximum(self.max_logits, max_attention_logits(q, k, cp, documents=documents))
         if cp.size > 1:
             q = rearrange(q, "b s n d -> b n s d")
             out = latent_context_attention(
