@@ -94,6 +94,7 @@ def _prepare(args: argparse.Namespace) -> None:
             glob=args.glob,
             val_fraction=args.val_fraction,
             overwrite=args.overwrite,
+            text_key=args.text_key,
         )
     )
 
