@@ -419,17 +419,33 @@ def _sort_key(row: dict):
     return (order.index(row["op"]), row["kernel"], row["variant"], row["arch"], row["dtype"], not row["default"])
 
 
+def _say(line: str) -> None:
+    print(f"modelpar_kernels.aot: {line}", file=sys.stderr, flush=True)
+
+
 def run(arch_names, dtype_names, defaults_only: bool, jobs: int, command: str, presets, tp_sizes) -> dict:
     import triton
     from modelpar_kernels.roofline import roofline_rows
 
     started = time.perf_counter()
     _JOBS[:] = plan_jobs(arch_names, dtype_names, defaults_only, presets, tp_sizes)
-    if jobs > 1:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            rows = pool.map(compile_job, range(len(_JOBS)), chunksize=1)
-    else:
-        rows = [compile_job(i) for i in range(len(_JOBS))]
+    total = len(_JOBS)
+    _say(
+        f"compiling {total} kernel configs for {','.join(arch_names)} x {','.join(dtype_names)} in {jobs} "
+        "process(es); a compile takes seconds to a minute, so every config of every arch takes hours on two cores "
+        "(--defaults-only: the launchers' configs, minutes); aot.json and aot.md are written at the end"
+    )
+    rows = []
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
+            done = pool.imap_unordered(compile_job, range(total), chunksize=1)
+        else:
+            done = map(compile_job, range(total))
+        for row in done:
+            rows.append(row)
+            if len(rows) == total or len(rows) % max(1, total // 20) == 0:  # about every 5%
+                _say(f"{len(rows)}/{total} compiled ({time.perf_counter() - started:.0f} s)")
     rows.sort(key=_sort_key)
     ptxas = os.path.join(os.path.dirname(_cuobjdump()), "ptxas")
     version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout

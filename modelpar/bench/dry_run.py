@@ -299,9 +299,21 @@ def format_report(r: RankReport) -> list[str]:
         f"  {'activations (saved, peak)':<34} {r.activations / GIB:10.3f} {p / GIB:10.3f} GiB  "
         f"{_rel(r.activations, p):7.2%}"
     )
+    lines.append(
+        f"  {'total of the bf16 step on a GPU':<34} {r.total_bf16 / GIB:10.3f} {'':>10} GiB  (fits judges this; the "
+        "rows above are this fp32 CPU run's)"
+    )
+    judged, unjudged = set(r.judged), []
     for k in sorted(set(r.traffic) | set(r.planned_traffic)):
         v, p = r.traffic.get(k, 0), r.planned_traffic.get(k, 0.0)
-        lines.append(f"  {k:<34} {v / 2**20:10.1f} {p / 2**20:10.1f} MiB  {_rel(v, p):7.2%}")
+        err = f"{_rel(v, p):7.2%}" if k in judged else f"{'-':>7}"
+        unjudged += [] if k in judged else [k]
+        lines.append(f"  {k:<34} {v / 2**20:10.1f} {p / 2**20:10.1f} MiB  {err}")
+    if unjudged:
+        lines.append(
+            f"  -: under {JUDGED_SHARE:.1%} of this rank's collective bytes (a loss's or a flag's few bytes, which "
+            "the planner does not price): listed, not judged"
+        )
     return lines
 
 

@@ -12,6 +12,7 @@ A problem with the data is one line on stderr and exit status 2, never a traceba
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,6 +95,7 @@ def _prepare(args: argparse.Namespace) -> None:
             glob=args.glob,
             val_fraction=args.val_fraction,
             overwrite=args.overwrite,
+            text_key=args.text_key,
         )
     )
 
@@ -102,18 +104,25 @@ def _prepare_shards(args: argparse.Namespace) -> None:
     for flag, given in (("--max-bytes", args.max_bytes), ("--vocab-size", args.vocab_size), ("--glob", args.glob)):
         if given is not None and given != "*.txt":
             raise DataError(f"{flag} applies to a .npy output only; a shard directory takes every document")
-    result = prepare_shards(
-        args.inputs,
-        args.output,
-        tokenizer=args.tokenizer,
-        text_key=args.text_key,
-        workers=args.workers,
-        shard_tokens=args.shard_tokens,
-        val_fraction=args.val_fraction,
-        strict=args.strict,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-    )
+    fresh = not Path(args.output).exists()
+    try:
+        result = prepare_shards(
+            args.inputs,
+            args.output,
+            tokenizer=args.tokenizer,
+            text_key=args.text_key,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            val_fraction=args.val_fraction,
+            strict=args.strict,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    except DataError:
+        # refused data leaves nothing behind (an interrupted prepare keeps its partial shards: a rerun resumes them)
+        if fresh and not (Path(args.output) / "manifest.json").exists():
+            shutil.rmtree(args.output, ignore_errors=True)
+        raise
     m = result.manifest
     if result.already:
         print(f"{args.output} is already prepared with these settings ({m['tokens']:,} tokens); nothing to do")

@@ -56,9 +56,32 @@ def unknown_override(overrides: Sequence[str], schema: type, groups: Sequence[st
             head = None
         if head == key or (head is not None and not _is_nested(schema, head)):
             continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "see the recipe's keys with --cfg job"
+        # suggest a key at the typo's own depth (trainer.foo -> a trainer.* key, never the section trainer itself)
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        peers = sorted(k for k in known if k.count(".") == key.count(".") and (not section or k.startswith(section)))
+        leaves = {k.rsplit(".", 1)[-1]: k for k in peers}  # compared by the last part: the section always matches
+        close = [leaves[c] for c in difflib.get_close_matches(key.rsplit(".", 1)[-1], sorted(leaves), n=1, cutoff=0.6)]
+        listing = f"the keys of {section} with --cfg job" if section in known else "the recipe's keys with --cfg job"
+        hint = f"did you mean {close[0]}?" if close else f"see {listing}"
         return f"{key} is not a recipe key; {hint}"
+    return None
+
+
+def unknown_choice(overrides: Sequence[str], recipes: str, groups: Sequence[str]) -> str | None:
+    """One line for the first ``group=choice`` naming no recipe of that group (``model=llama8b``), or None."""
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in groups or not value:
+            continue
+        choices = sorted(p.stem for p in (Path(recipes) / key).glob("*.yaml"))
+        for choice in value.split(","):  # a multirun sweep: model=tiny,llama-1b
+            if choice.strip() and choice.strip() not in choices:
+                close = difflib.get_close_matches(choice.strip(), choices, n=1, cutoff=0.5)
+                hint = f"did you mean {key}={close[0]}? " if close else ""
+                return f"{key}={choice.strip()} is not a {key} recipe; {hint}(one of {', '.join(choices)})"
     return None
 
 
@@ -77,7 +100,9 @@ def recipe_groups(recipes: str) -> tuple[str, ...]:
 
 def refuse_unknown_overrides(prog: str, schema: type, recipes: str, argv: Sequence[str] | None = None) -> None:
     """Exit with one line (status 2) if the command line sets a key ``schema`` does not have."""
-    problem = unknown_override(sys.argv[1:] if argv is None else argv, schema, recipe_groups(recipes))
+    argv = sys.argv[1:] if argv is None else argv
+    groups = recipe_groups(recipes)
+    problem = unknown_override(argv, schema, groups) or unknown_choice(argv, recipes, groups)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)

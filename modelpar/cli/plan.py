@@ -57,8 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--flash-attention", action="store_true", help="attention stores no s x s scores (drops the 5as/h term)"
     )
     ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        required=True,
+        help="sequences per optimizer step (Llama 3 pretrained with about 4M tokens a step: 512 at --seq-len 8192)",
+    )
+    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (data.seq_len), e.g. 4096 or 8192")
     ap.add_argument("--hardware", default="h100-80gb", help=f"preset ({', '.join(sorted(HARDWARE))})")
     ap.add_argument("--memory-gib", type=float, help="memory per device")
     ap.add_argument("--peak-tflops", type=float, help="dense peak per device in the training dtype")
@@ -186,6 +191,17 @@ def trainer_overrides(strategy: Strategy, seq_len: int, model: ModelSpec | None 
     return [*out, f"data.global_batch={strategy.global_batch}", f"data.seq_len={seq_len}"]
 
 
+def launch_line(gpus: int, per_node: int, overrides: list[str]) -> str:
+    """The run on its GPUs: torchrun on each node (``$HEAD``: the first node's address), the GPU trainer recipe
+    and a token file to name (``modelpar-data prepare``)."""
+    nodes = max(1, -(-gpus // per_node))
+    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={min(gpus, per_node)}"]
+    if nodes > 1:
+        torchrun.append("--rdzv-endpoint=$HEAD:29500")
+    run = ["-m", "modelpar.cli.train", "trainer=gpu", "data=npy", "data.path=YOUR_TOKENS.npy", *overrides]
+    return " ".join(torchrun) + " " + shlex.join(run) + "  # on every node; YOUR_TOKENS.npy: modelpar-data prepare"
+
+
 def model_overrides(args: argparse.Namespace) -> list[str]:
     """``model=<preset>`` and the shape flags given, as ``modelpar-train`` overrides."""
     out = [f"model={args.model}"]
@@ -290,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     best = trainer_overrides(planned[0].strategy, args.seq_len, model)
     print("run #1: " + shlex.join(["modelpar-train", *model_overrides(args), *best]))  # pasted into a shell as is
+    if args.hardware != "cpu":
+        print("launch #1: " + launch_line(args.gpus, hardware.gpus_per_node, [*model_overrides(args), *best]))
     for line in explain(planned[0], model, hardware, seq_len=args.seq_len, costs=costs, space=space):
         print(line)
     if args.json:

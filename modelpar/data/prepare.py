@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from modelpar.data.records import FORMATS, SourceReader, suffix_of
 from modelpar.data.shards import tokenizer_file_of
 from modelpar.data.token_file import DataError
 from modelpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
@@ -143,13 +144,27 @@ def collect_sources(inputs: Sequence[str | Path], glob: str) -> list[Path]:
     return list(sources)
 
 
-def read_text_blocks(sources: Sequence[Path], max_bytes: int | None) -> Iterator[tuple[Path, str]]:
+def read_text_blocks(
+    sources: Sequence[Path], max_bytes: int | None, text_key: str = "text"
+) -> Iterator[tuple[Path, str]]:
     """``(source, text)`` blocks of whole lines, stopping before the line that would exceed ``max_bytes``.
 
-    Invalid UTF-8 is replaced (U+FFFD) so every tokenizer sees the same text.
+    Invalid UTF-8 is replaced (U+FFFD) so every tokenizer sees the same text. A record file (``.jsonl``,
+    ``.jsonl.gz``, ``.jsonl.zst``, ``.parquet``) gives each record's ``text_key`` field, not its raw lines; records
+    without one are passed over (a shard directory output counts them).
     """
     budget = math.inf if max_bytes is None else max_bytes
     for path in sources:
+        if FORMATS.get(suffix_of(path), "text") != "text":
+            for unit in SourceReader(path, text_key).units():
+                if unit.text is None:
+                    continue
+                size = len(unit.text.encode("utf-8", errors="replace"))
+                if size > budget:
+                    return
+                budget -= size
+                yield path, unit.text
+            continue
         with path.open("rb") as f:
             pending = b""
             while True:
@@ -252,12 +267,16 @@ def _write_json_atomically(path: Path, record: dict) -> None:
 
 
 def _choose_tokenizer(
-    tokenizer: str | Path | Tokenizer, vocab_size: int | None, sources: list[Path], max_bytes: int | None
+    tokenizer: str | Path | Tokenizer,
+    vocab_size: int | None,
+    sources: list[Path],
+    max_bytes: int | None,
+    text_key: str = "text",
 ) -> Tokenizer:
     if isinstance(tokenizer, Tokenizer):
         chosen = tokenizer
     elif str(tokenizer) == BPETokenizer.kind:
-        texts = (text for _, text in read_text_blocks(sources, max_bytes))
+        texts = (text for _, text in read_text_blocks(sources, max_bytes, text_key))
         return train_bpe(texts, vocab_size or DEFAULT_BPE_VOCAB_SIZE)
     else:
         chosen = load_tokenizer(tokenizer)
@@ -278,12 +297,14 @@ def prepare(
     glob: str = "*.txt",
     val_fraction: float = 0.0,
     overwrite: bool = False,
+    text_key: str = "text",
 ) -> PreparedInfo:
     """Tokenise ``inputs`` (files, or directories searched for ``glob``) into the token file ``output``.
 
     ``tokenizer`` is ``"byte"``, ``"bpe"`` (trained here on the same text, ``vocab_size`` ids, default
     8192), the path of a ``tokenizer.json``, or a :class:`Tokenizer`. At most ``max_bytes`` of text are read
-    (whole lines). With ``val_fraction > 0`` the last tokens go to ``<output stem>-val.npy``. Documents are
+    (whole lines; of a jsonl or parquet file, each record's ``text_key`` field). With ``val_fraction > 0`` the
+    last tokens go to ``<output stem>-val.npy``. Documents are
     concatenated in order without separators. Returns the sidecar of ``output``.
     """
     output = Path(output)
@@ -296,14 +317,14 @@ def prepare(
         if path is not None and path.exists() and not overwrite:
             raise DataError(f"refusing to overwrite {path}; pass --overwrite")
     sources = collect_sources(inputs, glob)
-    chosen = _choose_tokenizer(tokenizer, vocab_size, sources, max_bytes)
+    chosen = _choose_tokenizer(tokenizer, vocab_size, sources, max_bytes, text_key)
     output.parent.mkdir(parents=True, exist_ok=True)
 
     dtype = _token_dtype(chosen.vocab_size)
     used: dict[Path, None] = {}
     streams = [_NpyStream(output, dtype)]
     try:
-        for source, text in read_text_blocks(sources, max_bytes):
+        for source, text in read_text_blocks(sources, max_bytes, text_key):
             used[source] = None
             streams[0].append(chosen.encode(text))
         if val_output is not None:

@@ -230,7 +230,9 @@ def _pieces(text: str, size: int) -> Iterable[str]:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     """Train a byte-level BPE with at most ``vocab_size`` ids on ``texts`` (fewer if the text runs out of merges).
 
-    The 256 byte symbols are always in the vocabulary, so any text encodes without unknown tokens.
+    The 256 byte symbols are always in the vocabulary, so any text encodes without unknown tokens; the
+    end-of-text token ``<|endoftext|>`` is its first id (a special token, as GPT-2's: only that literal string
+    in a text encodes to it).
     """
     if vocab_size <= BYTE_VOCAB_SIZE:
         raise DataError(f"bpe vocab_size={vocab_size} must exceed the {BYTE_VOCAB_SIZE} byte symbols it starts from")
@@ -241,10 +243,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS_NAMES[0]],  # the end-of-text id that separates documents in a shard directory
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    return BPETokenizer(backend=backend)
+    return BPETokenizer(backend=backend, eos_token=EOS_NAMES[0])
 
 
 def _eos_of_config(path: Path) -> str | None:

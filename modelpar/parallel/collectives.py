@@ -203,7 +203,8 @@ def blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
     start = time.perf_counter() if _wait_logs else 0.0
     with _profiled(kind):
         try:
-            if observer is None:
+            # inside a compiled block the observer's clock would break the graph (Dynamo warns on every rank)
+            if observer is None or torch.compiler.is_compiling():
                 yield
                 return
             observer.wait(f"{kind} over {group_size(group)} ranks")

@@ -333,7 +333,12 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
     if d.eos_id >= m.vocab_size:
         raise RecipeError(f"data.eos_id={d.eos_id} is not a token id of model.vocab_size={m.vocab_size}")
     if d.global_batch % p.dp:
-        raise RecipeError(f"data.global_batch={d.global_batch} is not divisible by parallel.dp={p.dp}")
+        step = p.dp * p.microbatches  # each replica's share must split into the micro-batches too
+        up = -(-d.global_batch // step) * step
+        raise RecipeError(
+            f"data.global_batch={d.global_batch} is not divisible by parallel.dp={p.dp}; try data.global_batch={up} "
+            f"(a multiple of parallel.dp x parallel.microbatches = {step})"
+        )
     per_replica = d.global_batch // p.dp
     if per_replica % p.microbatches:
         raise RecipeError(

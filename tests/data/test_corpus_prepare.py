@@ -11,6 +11,7 @@ from modelpar.cli.data import main
 from modelpar.data import DataError, open_dataset, prepare_shards, tokenizer_for, train_bpe
 from modelpar.data.prepare_shards import is_held_out
 from modelpar.data.shards import read_manifest
+from modelpar.data.tokenizer import BPETokenizer
 
 WORDS = ["alpha", "beta", "gamma", "δέλτα", "日本", "x = 1\n", "def f():", "    return"]
 
@@ -53,12 +54,26 @@ def bpe_dir(tmp_path, eos="<|endoftext|>", config=True):
     """A Hugging Face-style tokenizer directory: tokenizer.json (+ tokenizer_config.json naming the EOS)."""
     folder = tmp_path / "tok"
     folder.mkdir()
-    tok = train_bpe(documents(200, seed=9), 400)
+    tok = train_bpe(documents(200, seed=9), 400) if eos == "<|endoftext|>" else _bpe_without_end_of_text()
     tok.backend.add_special_tokens([eos])
     tok.save(folder / "tokenizer.json")
     if config:
         (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos}}))
     return folder
+
+
+def _bpe_without_end_of_text() -> BPETokenizer:
+    """A byte-level BPE as ``train_bpe`` makes one, less its end-of-text token (as some model directories ship)."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(documents(200, seed=9), trainer=trainer)
+    return BPETokenizer(backend=backend)
 
 
 def one_line(match, fn, *args, **kwargs) -> str:

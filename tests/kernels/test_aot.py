@@ -57,6 +57,15 @@ def test_every_kernel_compiles_for_sm90a_without_spills_or_shared_memory_overflo
     assert {r["config"]["BLOCK_D"] for r in latent} == {256} and {r["config"]["BLOCK_DV"] for r in latent} == {128}
 
 
+def test_the_compile_says_how_much_there_is_and_how_far_it_is(sm90_defaults):
+    done, report = sm90_defaults
+    total = len(report["rows"])
+    lines = [line for line in done.stderr.splitlines() if line.startswith("modelpar_kernels.aot: ")]
+    assert lines[0].startswith(f"modelpar_kernels.aot: compiling {total} kernel configs for sm_90a x bf16"), lines
+    assert "takes hours" in lines[0]
+    assert any(line.startswith(f"modelpar_kernels.aot: {total}/{total} compiled") for line in lines), lines
+
+
 def test_a_default_config_that_spills_fails_the_check():
     row = {"kernel": "k", "arch": "sm_90a", "dtype": "bf16", "variant": "", "config": {}, "status": "compiled"}
     spilling = {**row, "default": True, "regs": 255, "spill_bytes": 80, "shared": 1024}

@@ -353,11 +353,14 @@ def test_cli_prints_a_ranked_table_and_writes_json(tmp_path, capsys):
     assert "layouts fit" in lines[0] and "tokens/s" in lines[1]
     assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
     assert lines[6].startswith("run #1: modelpar-train model=llama-8b parallel.tp=")
-    assert lines[7].startswith("why zero-") and lines[8].startswith("why recompute ")
-    assert lines[9].startswith("why offload ")
+    launch = "launch #1: torchrun --nnodes=2 --nproc-per-node=8 --rdzv-endpoint=$HEAD:29500 -m modelpar.cli.train "
+    assert lines[7].startswith(launch + "trainer=gpu data=npy data.path=YOUR_TOKENS.npy model=llama-8b parallel.tp=")
+    assert lines[7].split(" model=llama-8b ")[1].split("  # ")[0] == lines[6].split(" model=llama-8b ")[1]
+    assert lines[8].startswith("why zero-") and lines[9].startswith("why recompute ")
+    assert lines[10].startswith("why offload ")
     first = json.loads(out.read_text())["layouts"][0]
     extra = ["why schedule "] * (first["pp"] > 1) + ["why cp comm "] * (first["cp"] > 1)  # one line each
-    assert len(lines) == 10 + len(extra) and all(line.startswith(w) for line, w in zip(lines[10:], extra, strict=True))
+    assert len(lines) == 11 + len(extra) and all(line.startswith(w) for line, w in zip(lines[11:], extra, strict=True))
     record = json.loads(out.read_text())
     first = record["layouts"][0]
     assert first["tp"] * first["cp"] * first["pp"] * first["dp"] == 16
