@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from modelpar.cli.ckpt import main as ckpt_main
+from modelpar.model.hf_files import HFWeights
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -115,6 +116,8 @@ def test_continued_from_the_hf_directory_at_tp2_pp2_exports_in_shards_with_model
     hf_dir = tmp_path / "hf"
     assert ckpt_main(["export-hf", str(run / "checkpoints"), str(hf_dir), "--max-shard-size", "24KB"]) == 0
     assert _shards(hf_dir) >= 2
+    with HFWeights(root / name) as read, HFWeights(hf_dir) as written:
+        assert sorted(written.keys()) == sorted(read.keys())  # every tensor transformers saved, no other
     exported = getattr(transformers, FAMILIES[name][0]).from_pretrained(hf_dir).eval()
     source = FAMILIES[name][2]["rope_parameters"]
     assert {k: exported.config.rope_parameters[k] for k in source} == source  # the scaling travelled
