@@ -2,7 +2,7 @@
 llama3, DeepSeek-V3's YaRN with mscale, Qwen2.5's long-context YaRN), with an original length short enough that
 the scaling changes the loss, imported with no overrides give transformers' loss on one device, tp2, pp2 and cp2
 and the single-device gradients, and the same through the Triton kernels; export writes the scaling back and
-reloads in transformers with the same loss."""
+reloads in transformers with the same loss. transformers saves each model in at least three shards."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from modelpar.model.hf import config_from_hf, export_hf, import_hf
+from modelpar.model.hf_files import HFWeights
 from modelpar.model.rope import RopeScaling
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
@@ -25,6 +26,7 @@ from tests.model.reference import rel_err
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
+SHARD = "16KB"  # each model in at least three shards, as released checkpoints come
 COMMON = dict(
     vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
     max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2,
@@ -69,7 +71,8 @@ def scaled(tmp_path_factory):
                     param.normal_(1.0, 0.2)
                 elif param_name.endswith("proj.bias"):
                     param.normal_(0.0, 0.5)
-        model.save_pretrained(root / name)
+        model.save_pretrained(root / name, max_shard_size=SHARD)
+        assert len(list((root / name).glob("model-*-of-*.safetensors"))) >= 3, name
         plain_fields = dict(fields, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
         plain = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **plain_fields)).eval()
         plain.load_state_dict(model.state_dict())
@@ -96,7 +99,9 @@ def test_imported_scaled_model_gives_transformers_loss_and_exports_its_scaling(s
     with torch.no_grad():
         assert model.loss(model(IDS[:, :-1]), IDS[:, 1:]).item() == pytest.approx(want, rel=TOL)
     export_hf(model, tmp_path)
-    original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    with HFWeights(path) as weights:
+        original = {key: weights.get_tensor(key) for key in weights.keys()}
+    exported = load_file(tmp_path / "model.safetensors")
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
     written = json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
     source = FAMILIES[name][2]["rope_parameters"]
