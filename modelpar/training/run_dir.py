@@ -78,6 +78,9 @@ class RunLock:
         os.fsync(fd)
         return cls(path, fd)
 
+    def __del__(self) -> None:  # a multirun's jobs each lock their own directory in one process
+        self.release()
+
     def release(self) -> None:
         if self.fd < 0:
             return

@@ -119,7 +119,7 @@ def test_the_run_directory_of_a_command_line():
     assert run_dir_of(["-m", "parallel=single,tp2"]) is None
 
 
-_HOLD = "import sys,time; from modelpar.training.run_dir import RunLock; RunLock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)"  # noqa: E501
+_HOLD = "import sys,time; from modelpar.training.run_dir import RunLock; lock = RunLock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)"  # noqa: E501
 
 
 def test_a_second_job_into_a_locked_run_directory_is_refused_naming_the_holder(tmp_path):
