@@ -36,7 +36,8 @@ from modelpar.checkpoint.signing import load_key, read_signed_index
 from modelpar.checkpoint.store import read_index, resolve_checkpoint
 from modelpar.cli.overrides import refuse_unknown_overrides
 from modelpar.data import DataError, eval_split, open_dataset
-from modelpar.model.config import ATTENTION_VARIANT, IDENTITY, ROUTING_DEFAULTS, MLAConfig, ModelConfig, MoEConfig
+from modelpar.model.config import ATTENTION_VARIANT, IDENTITY, MLAConfig, ModelConfig, MoEConfig
+from modelpar.model.moe_config import ROUTING_DEFAULTS
 from modelpar.parallel.context import document_ids, split_for_context
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
