@@ -20,6 +20,13 @@ IDS = torch.tensor(
 )  # fmt: skip
 
 
+def transformers_loss(model) -> float:
+    """A transformers causal LM's next-token loss on ``IDS`` (what an imported model must reproduce)."""
+    with torch.no_grad():
+        logits = model(IDS[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
+
+
 def reference_loss_and_grads(config, *, seed=0, hf_path=None, **options):
     """The single-device model on the whole batch: (loss, {name: gradient})."""
     from modelpar.model.hf import import_hf

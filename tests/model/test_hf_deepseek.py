@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
@@ -19,7 +18,7 @@ from modelpar.model.layers.latent_attention import halves_from_interleaved, inte
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,12 +37,6 @@ MOE = MoEConfig(
 )  # fmt: skip
 
 
-def _loss(model) -> float:
-    with torch.no_grad():
-        logits = model(IDS[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
-
-
 def _save(root, name, **fields):
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**(SHAPE | fields))).eval()
@@ -56,7 +49,7 @@ def _save(root, name, **fields):
     path = root / name
     model.save_pretrained(path, max_shard_size="16KB")  # as released checkpoints come: in shards
     assert len(list(path.glob("model-*-of-*.safetensors"))) >= 3
-    return path, _loss(model)
+    return path, transformers_loss(model)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +110,8 @@ def test_imported_v3_gives_transformers_loss_and_exports_what_transformers_saved
         assert torch.equal(exported[q], interleaved_from_halves(original[q], 4, 12))
         assert torch.equal(exported[kv], interleaved_from_halves(original[kv], 4, 16))
         assert not torch.equal(exported[q], original[q])
-    assert _loss(transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
+    assert transformers_loss(reloaded) == pytest.approx(want, rel=TOL)
 
 
 def test_the_rope_row_permutation_and_its_inverse():
@@ -153,7 +147,7 @@ def test_experts_fused_as_transformers_holds_them_and_mtp_modules_in_deepseeks_l
     with torch.no_grad():
         main = plain.loss(plain(IDS[:, :-1]), IDS[:, 1:]).item()
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "mtp").eval()
-    assert _loss(reloaded) == pytest.approx(main, rel=TOL)
+    assert transformers_loss(reloaded) == pytest.approx(main, rel=TOL)
 
 
 def test_export_refuses_what_deepseek_v3_cannot_express():

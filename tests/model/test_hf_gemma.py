@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from modelpar.model.config import ModelConfig
@@ -18,7 +17,7 @@ from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,12 +37,6 @@ GEMMA2 = {k: v for k, v in SHAPE.items() if k != "rope_parameters"} | dict(
 )  # fmt: skip
 
 
-def _loss(model) -> float:
-    with torch.no_grad():
-        logits = model(IDS[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """Random Gemma3ForCausalLM directories (tied; untied with a final-logit soft-cap) and a Gemma2ForCausalLM's
@@ -59,7 +52,7 @@ def gemma(tmp_path_factory):
                 if param_name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
         model.save_pretrained(root / name)
-        models[name] = root / name, _loss(model)
+        models[name] = root / name, transformers_loss(model)
     return models
 
 
@@ -98,7 +91,7 @@ def test_imported_gemma_gives_transformers_loss_and_exports_what_transformers_sa
     hf_type = "gemma2" if kind == "gemma2" else "gemma3_text"
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == hf_type
     cls = transformers.Gemma2ForCausalLM if kind == "gemma2" else transformers.Gemma3ForCausalLM
-    assert _loss(cls.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    assert transformers_loss(cls.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from modelpar.model.config import ModelConfig
@@ -16,7 +15,7 @@ from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,12 +24,6 @@ SHAPE = dict(
     vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=500.0, initializer_range=0.2,
 )  # fmt: skip
-
-
-def _loss(model) -> float:
-    with torch.no_grad():
-        logits = model(IDS[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +37,7 @@ def olmo(tmp_path_factory):
                 param.normal_(1.0, 0.3)
     path = tmp_path_factory.mktemp("hf") / "olmo2"
     model.save_pretrained(path)
-    return path, _loss(model)
+    return path, transformers_loss(model)
 
 
 def test_olmo2_config_maps_every_field(olmo):
@@ -65,7 +58,8 @@ def test_imported_olmo2_gives_transformers_loss_and_exports_what_transformers_sa
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "olmo2"
-    assert _loss(transformers.Olmo2ForCausalLM.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    reloaded = transformers.Olmo2ForCausalLM.from_pretrained(tmp_path).eval()
+    assert transformers_loss(reloaded) == pytest.approx(want, rel=TOL)
 
 
 @pytest.mark.parametrize("field, value", [("attention_bias", True), ("attention_dropout", 0.1)])

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from modelpar.model.config import ModelConfig
@@ -16,7 +15,7 @@ from modelpar.model.hf_files import HFWeights
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,12 +27,6 @@ SHAPE = dict(
 )  # fmt: skip
 
 
-def _loss(model) -> float:
-    with torch.no_grad():
-        logits = model(IDS[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
-
-
 def _save(model, path):
     with torch.no_grad():  # transformers starts biases at zero and norms at one, which would hide a lost one
         for name, param in model.named_parameters():
@@ -43,7 +36,7 @@ def _save(model, path):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(path, max_shard_size="16KB")  # as released checkpoints come: in shards
     assert len(list(path.glob("model-*-of-*.safetensors"))) >= 3
-    return path, _loss(model)
+    return path, transformers_loss(model)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +120,8 @@ def test_imported_biased_model_gives_transformers_loss_and_exports_what_transfor
     assert exported.keys() == original.keys() and "model.layers.1.self_attn.k_proj.bias" in exported
     assert all(torch.equal(exported[k], original[k]) for k in original)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [cls]
-    assert _loss(getattr(transformers, cls).from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    reloaded = getattr(transformers, cls).from_pretrained(tmp_path).eval()
+    assert transformers_loss(reloaded) == pytest.approx(want, rel=TOL)
 
 
 LAYOUTS = [  # (layout, chunk options) on the one 4-rank pool

@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from modelpar.model.hf import config_from_hf, export_hf, import_hf
@@ -20,7 +19,7 @@ from modelpar.model.rope import RopeScaling
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
 from tests.model.reference import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -51,12 +50,6 @@ FAMILIES = {  # name: (model class, config class, fields)
 }
 
 
-def _loss(model) -> float:
-    with torch.no_grad():
-        logits = model(IDS[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
-
-
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory):
     """name -> (directory, transformers' loss, transformers' loss of the same weights without the scaling)."""
@@ -76,7 +69,7 @@ def scaled(tmp_path_factory):
         plain_fields = dict(fields, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
         plain = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **plain_fields)).eval()
         plain.load_state_dict(model.state_dict())
-        out[name] = (root / name, _loss(model), _loss(plain))
+        out[name] = (root / name, transformers_loss(model), transformers_loss(plain))
     return out
 
 
@@ -107,7 +100,7 @@ def test_imported_scaled_model_gives_transformers_loss_and_exports_its_scaling(s
     source = FAMILIES[name][2]["rope_parameters"]
     assert {k: written[k] for k in source} == source
     cls = getattr(transformers, FAMILIES[name][0])
-    assert _loss(cls.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    assert transformers_loss(cls.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
 
 
 LAYOUTS = [  # (layout, chunk options) on the one 4-rank pool
