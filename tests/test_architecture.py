@@ -145,6 +145,29 @@ _IMPORT_EACH = textwrap.dedent(
     if torch.version.cuda is None:  # as modelpar_kernels.grid sets it before triton loads on a CPU build
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton, triton.language
+    # and every third-party module our modules pull in (torch._dynamo, pipelining, einops, safetensors, ...):
+    # one fork imports all of ours and names the others it loaded, which this process then imports itself
+    reader, writer = os.pipe()
+    if os.fork() == 0:
+        os.close(reader)
+        for name in sys.argv[1:]:
+            try:
+                __import__(name)
+            except BaseException:
+                pass  # reported below, by the fork of its own
+        others = [m for m in list(sys.modules) if not m.startswith(("modelpar", "__main__"))]
+        os.write(writer, " ".join(others).encode())
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as pipe:
+        third_party = pipe.read().split()
+    os.wait()
+    for name in third_party:
+        if name not in sys.modules:
+            try:
+                __import__(name)
+            except BaseException:
+                pass  # a private or platform module that only loads as a side effect: the forks will load it
     failed, running = [], {}
     for name in sys.argv[1:] + [None] * 2:
         if len(running) == 2 or (name is None and running):  # two at a time, one per core

@@ -41,7 +41,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -374,10 +374,21 @@ def _exchange_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.
 @dataclass(frozen=True)
 class RankSetup:
     """What a CPU rank process does first, before torch starts its threads (``launch(..., rank_setup=...)``):
-    bind to its cores when ``pin`` and watch its gloo groups' socket threads. Picklable, for spawned ranks."""
+    bind to its cores when ``pin`` and watch its gloo groups' socket threads. Picklable, for spawned ranks.
+
+    ``start_method``: CPU ranks are forked from a server process that has imported torch and the engine once
+    (``forkserver``), not each started as a fresh interpreter that imports them again: on a laptop the imports
+    are most of a small job's CPU time (eight ranks, eight imports of several seconds each). The server runs no
+    torch op, so each rank still starts its own thread pools after its core binding. ``MODELPAR_RANK_START=spawn``
+    starts each rank as a fresh interpreter instead."""
 
     threads: int = 1
     pin: bool = False
+    start_method: str = field(default_factory=lambda: os.environ.get("MODELPAR_RANK_START", "forkserver"))
+
+    def __post_init__(self) -> None:
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"MODELPAR_RANK_START={self.start_method!r} must be forkserver or spawn")
 
     def __call__(self, local_rank: int) -> None:
         if self.pin:

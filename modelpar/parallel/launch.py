@@ -12,10 +12,12 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,39 @@ class LaunchError(RuntimeError):
         self.rank = rank
 
 
-def _rank_main(rank, world_size, store, timeout_s, threads, rank_setup, admission, fn, args, errors) -> None:
+class _ParentFd:
+    """One of the launcher's file descriptors (its stdout, its stderr), handed to a rank started by a fork server:
+    a forked rank inherits the server's, which are the launcher's as they were when the server started."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _ParentFd._received, (reduction.DupFd(self.fd),)  # sent with the process, as a connection is
+
+    @staticmethod
+    def _received(dup) -> int:
+        return dup.detach()
+
+
+def _adopt(environ: dict[str, str], stdio: tuple | None) -> None:
+    """Take the launcher's environment and (from a fork server) its stdout and stderr, as a spawned rank has them."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    if stdio is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for target, fd in zip((1, 2), stdio, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _rank_main(
+    rank, world_size, store, timeout_s, threads, rank_setup, admission, fn, args, errors, environ, stdio
+) -> None:
+    _adopt(environ, stdio)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOCAL_ADDR)
     if rank_setup is not None:
         rank_setup(rank)
@@ -95,7 +129,9 @@ def launch(
             destroy_distributed()
         return
 
-    ctx = mp.get_context("spawn")
+    ctx = _start_context(fn, rank_setup)
+    forked = ctx.get_start_method() == "forkserver"
+    stdio = (_ParentFd(1), _ParentFd(2)) if forked else None
     errors = ctx.Queue()
     # rendezvous through a file in a directory only this user can read: a TCP store would listen on every
     # network interface, where anyone could join or disrupt the job (gloo's own pairs bind 127.0.0.1)
@@ -115,6 +151,8 @@ def launch(
                 fn,
                 args,
                 errors,
+                dict(os.environ),
+                stdio,
             ),
         )
         for r in range(world_size)
@@ -133,6 +171,18 @@ def launch(
                 p.kill()
                 p.join()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _start_context(fn: Callable[..., Any], rank_setup: Callable[[int], None] | None):
+    """How local ranks start: ``spawn`` (a fresh interpreter each, what CUDA needs) unless the backend's rank set-up
+    names another way (``gloo_cpu.RankSetup.start_method``). A fork server preloads torch and the engine's modules
+    that ``fn`` and the set-up live in (once per launcher process: later launches reuse it)."""
+    method = getattr(rank_setup, "start_method", "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ours = [m for m in (fn.__module__, type(rank_setup).__module__, __name__) if m.startswith("modelpar")]
+        ctx.set_forkserver_preload(["torch", "torch.distributed", *ours])
+    return ctx
 
 
 def _stopped(pid: int) -> bool:

@@ -1,0 +1,44 @@
+"""Local CPU ranks forked from a server that imported the engine once: each rank still gets the launcher's
+environment and output as they are at this launch, as a spawned rank would."""
+
+import os
+import sys
+
+import pytest
+
+from modelpar.backends.gloo_cpu import RankSetup
+from modelpar.parallel.launch import launch
+
+
+def _report(tag: str) -> None:
+    rank = os.environ["RANK"]  # one write per line: the two ranks share the descriptors
+    os.write(sys.stdout.fileno(), f"rank {rank} {tag} {os.environ.get('MODELPAR_TEST_MARK', '-')}\n".encode())
+    os.write(sys.stderr.fileno(), f"rank {rank} err {tag}\n".encode())
+
+
+def test_forked_ranks_get_this_launchs_environment_and_output(capfd, monkeypatch):
+    monkeypatch.delenv("MODELPAR_RANK_START", raising=False)
+    setup = RankSetup()
+    assert setup.start_method == "forkserver"
+    launch(2, _report, "first", rank_setup=setup, timeout_s=120)  # the server starts here, or already has
+    monkeypatch.setenv("MODELPAR_TEST_MARK", "set-after-the-server-started")
+    launch(2, _report, "second", rank_setup=setup, timeout_s=120)
+    out, err = capfd.readouterr()
+    assert sorted(line for line in out.splitlines() if "second" in line) == [
+        "rank 0 second set-after-the-server-started",
+        "rank 1 second set-after-the-server-started",
+    ]
+    assert sorted(line for line in err.splitlines() if line.startswith("rank")) == [
+        "rank 0 err first",
+        "rank 0 err second",
+        "rank 1 err first",
+        "rank 1 err second",
+    ]
+
+
+def test_spawn_can_be_asked_for_and_anything_else_is_one_line(monkeypatch):
+    monkeypatch.setenv("MODELPAR_RANK_START", "spawn")
+    assert RankSetup().start_method == "spawn"
+    monkeypatch.setenv("MODELPAR_RANK_START", "fork")
+    with pytest.raises(ValueError, match="MODELPAR_RANK_START='fork' must be forkserver or spawn"):
+        RankSetup()
