@@ -211,4 +211,41 @@ def route(
     )
 
 
-__all__ = ["MatrixTable", "Requests", "Route", "Transport", "placements", "requests", "route"]
+def symmetric_route(
+    table: MatrixTable,
+    rank: int,
+    shapes: Sequence[tuple[int, int]],
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> Route:
+    """``rank``'s ``Route`` where no peer can be asked (the dry run's fake process group, whose collectives carry
+    no data): its own side exact (what it sends, what it fetches, its matrices), the peers' as a symmetric world
+    has them, every rank holding as many elements as this one: each owned element received once, and served
+    to ``pieces' elements x ranks / stage elements`` ranks (ZeRO-0's replicas: dp x cp; ZeRO-1/2/3: one)."""
+    host = torch.device("cpu")
+    positions = torch.cat([p for p, _ in pieces]) if pieces else torch.zeros(0, dtype=torch.long, device=host)
+    writes = torch.cat([w for _, w in pieces]) if pieces else torch.zeros(0, dtype=torch.bool, device=host)
+    mine = requests(table, positions, writes)
+    none = torch.zeros(0, dtype=torch.long, device=host)
+    _, owned, owned_numel, _ = placements(table, rank, shapes, none, none)
+    total = int(table.numels.sum())
+    holders = max(1, round(len(positions) * table.ranks / total)) if total else 1
+    return Route(
+        sizes=[len(p) for p, _ in pieces],
+        gather=mine.gather,
+        send_splits=mine.send_splits,
+        recv_splits=_even(owned_numel, table.ranks),
+        place=torch.arange(owned_numel, device=host),
+        owned=owned,
+        owned_numel=owned_numel,
+        serve=torch.arange(owned_numel * holders, device=host) % max(owned_numel, 1),
+        serve_splits=_even(owned_numel * holders, table.ranks),
+        fetch_splits=mine.fetch_splits,
+        spread=mine.spread,
+    )
+
+
+def _even(n: int, ranks: int) -> list[int]:
+    return [n // ranks + (r < n % ranks) for r in range(ranks)]
+
+
+__all__ = ["MatrixTable", "Requests", "Route", "Transport", "placements", "requests", "route", "symmetric_route"]

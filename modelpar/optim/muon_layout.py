@@ -37,7 +37,7 @@ from modelpar.optim.muon import (
     newton_schulz_flops,
     split_rows,
 )
-from modelpar.optim.muon_exchange import MatrixTable, Route, route
+from modelpar.optim.muon_exchange import MatrixTable, Route, route, symmetric_route
 from modelpar.parallel import collectives
 
 EXPERTS = "*.experts.*"  # a routed expert's matrices (MoE), orthogonalised in batches of one shape
@@ -110,8 +110,10 @@ class MuonLayout:
     def route(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Route:
         """This rank's side of every step's exchange for its ``pieces`` (``(positions, writes)``, flat host
         tensors, in the order each step passes their updates), its index tensors on ``device``. Collective over
-        the stage, once."""
+        the stage, once; on the meta device (the dry run: no peer data) the route of a symmetric world."""
         shapes = [m.shape for m in self.matrices]
+        if device.type == "meta":
+            return symmetric_route(self.table, self.stage_index, shapes, pieces).to(device)
         return route(self.table, self.stage_index, shapes, pieces, self._transport).to(device)
 
     @torch.no_grad()
