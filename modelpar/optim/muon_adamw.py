@@ -44,6 +44,8 @@ class MuonAdamW(torch.optim.AdamW):
         muon = [p for g in self.param_groups if g.get("muon") for p in g["params"]]
         device = _local(muon[0]).device if muon else torch.device("cpu")
         self.route = layout.route([muon_pieces[id(p)][:2] for p in muon], device)  # collective over the stage
+        # the route holds what the steps need: drop the pieces' position maps, keep their learning-rate ratios
+        self.muon_pieces = {key: (None, None, ratio) for key, (_, _, ratio) in muon_pieces.items()}
 
     @torch.no_grad()
     def step(self, closure=None):
