@@ -186,9 +186,7 @@ def route(
     """``rank``'s ``Route`` for its ``pieces`` (``(positions, writes)`` flat, host tensors): two exchanges of
     counts and positions with the stage (``transport``, collective), once."""
     host = torch.device("cpu")
-    positions = torch.cat([p for p, _ in pieces]) if pieces else torch.zeros(0, dtype=torch.long, device=host)
-    writes = torch.cat([w for _, w in pieces]) if pieces else torch.zeros(0, dtype=torch.bool, device=host)
-    mine = requests(table, positions, writes)
+    mine = requests(table, *_concatenated(pieces))
     ones = [1] * table.ranks
     counts = torch.tensor([mine.send_splits, mine.fetch_splits], dtype=torch.long, device=host).T.contiguous()
     theirs = transport(counts, ones, ones)  # [rank, (sent to me, asked of me)]
@@ -222,8 +220,7 @@ def symmetric_route(
     has them, every rank holding as many elements as this one: each owned element received once, and served
     to ``pieces' elements x ranks / stage elements`` ranks (ZeRO-0's replicas: dp x cp; ZeRO-1/2/3: one)."""
     host = torch.device("cpu")
-    positions = torch.cat([p for p, _ in pieces]) if pieces else torch.zeros(0, dtype=torch.long, device=host)
-    writes = torch.cat([w for _, w in pieces]) if pieces else torch.zeros(0, dtype=torch.bool, device=host)
+    positions, writes = _concatenated(pieces)
     mine = requests(table, positions, writes)
     none = torch.zeros(0, dtype=torch.long, device=host)
     _, owned, owned_numel, _ = placements(table, rank, shapes, none, none)
@@ -242,6 +239,14 @@ def symmetric_route(
         fetch_splits=mine.fetch_splits,
         spread=mine.spread,
     )
+
+
+def _concatenated(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pieces' positions and writer flags, one after another (host tensors)."""
+    if not pieces:
+        host = torch.device("cpu")
+        return torch.zeros(0, dtype=torch.long, device=host), torch.zeros(0, dtype=torch.bool, device=host)
+    return torch.cat([p for p, _ in pieces]), torch.cat([w for _, w in pieces])
 
 
 def _even(n: int, ranks: int) -> list[int]:
