@@ -6,10 +6,12 @@
 The model and batch are ``modelpar-bench``'s (``recipes/bench.yaml``: bench-tiny, 8 layers, hidden 256, vocab
 4096; batch 16 x 128 in 8 micro-batches; fp32, one thread per rank). Each round runs every optimizer once, in
 turn (so drift in the machine's load hits all alike): a fresh 2-rank job, one warm-up step, then ``--steps``
-timed steps; the optimizer's own ``step()`` (for Muon: momentum, the two all-reduces, Newton-Schulz, the
-update) is timed inside them. Reported per layout and optimizer: the median over rounds of the mean step time
-and of the optimizer-step time, Muon's ratio to AdamW, and each rank's Newton-Schulz FLOPs per step with the
-owner assignment's balance (busiest rank over the mean). Results: ``benchmarks/results/muon_step.json`` and
+timed steps; the optimizer's own ``step()`` (for Muon: momentum, the two all-to-alls, Newton-Schulz, the
+update) is timed inside them, and inside that Muon's Newton-Schulz and its exchange (an all-to-all's time
+includes waiting for the other rank). Reported per layout and optimizer: the median over rounds of the mean
+step time and of the optimizer-step time, Muon's ratio to AdamW, the Newton-Schulz and exchange seconds per
+step, and each rank's Newton-Schulz FLOPs per step with the owner assignment's balance (busiest rank over the
+mean). Results: ``benchmarks/results/muon_step.json`` and
 ``muon_step.md``.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 LAYOUTS = {"dp2-zero1": dict(dp=2, zero=1), "tp2": dict(tp=2, zero=0)}
+PARTS = ("newton_schulz_s", "exchange_s")  # per step, inside Muon's optimizer step (the max over ranks)
 OPTIMIZERS = {"adamw": dict(name="adamw"), "muon-bf16": dict(name="muon"), "muon-fp32": dict(name="muon")}
 
 
@@ -44,22 +47,39 @@ def timed_rank(cfg, data_path: str, steps: int) -> dict:
         spent.append(time.perf_counter() - start)
 
     opt.step = step
+    torch_opt = getattr(opt.optimizer, "shard_optimizer", opt.optimizer)
+    layout = getattr(torch_opt, "layout", None)
+    parts: dict[str, list] = {k: [] for k in PARTS}
+    if layout is not None:  # where Muon's step goes: its Newton-Schulz and its two all-to-alls, timed apart
+        for attr, key in (("_newton_schulz", "newton_schulz_s"), ("_transport", "exchange_s")):
+            setattr(layout, attr, _timed(getattr(layout, attr), parts[key]))
     trainer.train_step()
     spent.clear()
+    for v in parts.values():
+        v.clear()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - start)
-    torch_opt = getattr(opt.optimizer, "shard_optimizer", opt.optimizer)
-    layout = getattr(torch_opt, "layout", None)
     return {
         "step_s": times,
         "optimizer_step_s": spent,
+        **{k: sum(v) / steps for k, v in parts.items()},
         "ns_flops": layout.my_ns_flops() if layout else 0,
         "ns_balance": layout.balance() if layout else None,
         "muon_matrices": len(layout.matrices) if layout else 0,
     }
+
+
+def _timed(fn, into: list):
+    def run(*args):
+        start = time.perf_counter()
+        out = fn(*args)
+        into.append(time.perf_counter() - start)
+        return out
+
+    return run
 
 
 def main(argv=None) -> None:
@@ -107,9 +127,9 @@ def main(argv=None) -> None:
                 mean = statistics.mean(ranks[0]["step_s"])
                 print(f"{layout} {label} round {round_}: {mean:.3f} s/step", flush=True)
     rows = [
-        "| layout | optimizer | step s (median of rounds) | x AdamW | optimizer step s | x AdamW | NS GFLOP per rank "
-        "per step | NS balance (max/mean) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| layout | optimizer | step s (median of rounds) | x AdamW | optimizer step s | x AdamW | of which NS s | "
+        "of which exchange s | NS GFLOP per rank per step | NS balance (max/mean) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     summary: dict = {}
     for layout in LAYOUTS:
@@ -117,14 +137,15 @@ def main(argv=None) -> None:
         for label, rounds in raw[layout].items():
             step = statistics.median(max(statistics.mean(r["step_s"]) for r in ranks) for ranks in rounds)
             opt = statistics.median(max(statistics.mean(r["optimizer_step_s"]) for r in ranks) for ranks in rounds)
-            med[label] = (step, opt, [r["ns_flops"] for r in rounds[0]], rounds[0][0]["ns_balance"])
-        for label, (step, opt, flops, balance) in med.items():
+            ns, ex = (statistics.median(max(r[k] for r in ranks) for ranks in rounds) for k in PARTS)
+            med[label] = (step, opt, [r["ns_flops"] for r in rounds[0]], rounds[0][0]["ns_balance"], ns, ex)
+        for label, (step, opt, flops, balance, ns, ex) in med.items():
             base_step, base_opt = med["adamw"][0], med["adamw"][1]
             gflops = " / ".join(f"{f / 1e9:.2f}" for f in flops)
             bal = "-" if balance is None else f"{balance:.2f}"
             rows.append(
                 f"| {layout} | {label} | {step:.3f} | {step / base_step:.2f} | {opt:.4f} | {opt / base_opt:.1f} | "
-                f"{gflops} | {bal} |"
+                f"{ns:.4f} | {ex:.4f} | {gflops} | {bal} |"
             )
             summary[f"{layout}/{label}"] = {
                 "step_s": step,
@@ -133,6 +154,8 @@ def main(argv=None) -> None:
                 "optimizer_step_ratio": opt / base_opt,
                 "ns_flops_per_rank": flops,
                 "ns_balance": balance,
+                "newton_schulz_s": ns,
+                "exchange_s": ex,
             }
     md = "\n".join(rows) + "\n"
     args.results_dir.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
           K/V again cp-1 times and dK/dV (fp32) cp times (``cp_exposed_per_layer_s``)
     ep    per MoE layer and micro-batch 4 all-to-alls (6 rerunning the MLP) of k*b*(s/cp)/t rows of h
           (``ep_comm_per_layer_s``)
+    muon  (``optim.name=muon``) two all-to-alls over the stage's tp x dp x cp ranks (``exchange_bytes``): the
+          world's when pp=1, else the stage group's
 
 Left out, as the time model leaves them out: the embedding's and head's own tp exchanges, the loss's and
 routing statistics' small all-reduces, the has-gradient flags of ZeRO-1, FSDP2's gathers at zero-3 of each
@@ -38,6 +40,7 @@ from collections import defaultdict
 
 from modelpar.model.layers.embedding import padded_vocab_size
 from modelpar.plan.chunks import chunk_piece_counts, strategy_partition
+from modelpar.plan.optimizer_step import exchange_bytes
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
 from modelpar.plan.states import expert_elements, shard_group_size, stage_units, zero0_buckets, zero1_shards
@@ -106,8 +109,15 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
     if shared and layout.pp > 1 and stage in (0, layout.pp - 1):  # ``dp_exposed_s``'s tied sync
         vt = padded_vocab_size(shape.vocab_size, t) // t
         out["embedding all_reduce"] += GRAD_BYTES * vt * shape.hidden
+    if strategy.optimizer == "muon" and t * layout.dp * cp > 1:
+        out[f"{stage_group_name(strategy)} all_to_all"] += exchange_bytes(model, strategy)
     _data_parallel(model, strategy, seq_len, stage, e, out)
     return dict(out)
+
+
+def stage_group_name(strategy: Strategy) -> str:
+    """The dry run's name for a stage's tp x dp x cp group (``meta_world.group_names``): the world when pp=1."""
+    return "world" if strategy.layout.pp == 1 else "stage"
 
 
 def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, e: int, out: dict) -> None:

@@ -137,6 +137,7 @@ def group_names(groups: ParallelGroups) -> dict[str, str]:
         ("expert_dp", groups.expert_dp_group),
         ("embedding", groups.embedding_group),
         ("world", dist.group.WORLD),
+        ("stage", groups.stage_group()),  # tp x dp x cp (Muon's exchange); the world when pp=1
     ]
     for role, group in roles:
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:

@@ -5,7 +5,8 @@ Every data-parallel optimizer (replicated, ZeRO-1, FSDP2) builds its torch optim
 (``"muon": True``) of the pieces the layout covers. The AdamW groups step exactly as ``torch.optim.AdamW``
 (it is that class's own ``step``); the Muon group keeps one ``momentum_buffer`` per piece, shaped like it
 (whole, a ZeRO-1 segment or an FSDP2 dp shard: momentum is elementwise), and orthogonalises whole logical
-matrices through ``MuonLayout.orthogonalise`` (collective over the pipeline stage's ranks).
+matrices through ``MuonLayout.orthogonalise`` (collective over the pipeline stage's ranks), by the route
+``MuonLayout.route`` planned once for this optimizer's pieces.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class MuonAdamW(torch.optim.AdamW):
         super().__init__(groups, **adamw)
         self.layout = layout
         self.muon_pieces = muon_pieces
+        muon = [p for g in self.param_groups if g.get("muon") for p in g["params"]]
+        device = _local(muon[0]).device if muon else torch.device("cpu")
+        self.route = layout.route([muon_pieces[id(p)][:2] for p in muon], device)  # collective over the stage
+        # the route holds what the steps need: drop the pieces' position maps, keep their learning-rate ratios
+        self.muon_pieces = {key: (None, None, ratio) for key, (_, _, ratio) in muon_pieces.items()}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -57,18 +63,17 @@ class MuonAdamW(torch.optim.AdamW):
     def _muon_step(self, group: dict) -> None:
         settings = self.layout.settings
         params: Sequence[torch.Tensor] = group["params"]
-        pieces = []
+        updates = []
         for p in params:
-            pos, write, _ = self.muon_pieces[id(p)]
             if p.grad is None:
-                pieces.append((torch.empty(0, device=_local(p).device), pos, write))
+                updates.append(torch.empty(0, device=_local(p).device))
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             update = momentum_update(_local(p.grad), _local(state["momentum_buffer"]), settings)
-            pieces.append((update.reshape(-1), pos, write))
-        outs = self.layout.orthogonalise(pieces)
+            updates.append(update.reshape(-1))
+        outs = self.layout.orthogonalise(self.route, updates)
         lr, decay = group["lr"], group["weight_decay"]
         for p, out in zip(params, outs, strict=True):
             if p.grad is None:
@@ -84,8 +89,8 @@ class MuonAdamW(torch.optim.AdamW):
 
 def muon_piece(layout: MuonLayout, param: torch.Tensor, rows: slice | None = None, flat: slice | None = None):
     """``(positions, writes, ratio)`` of a piece of ``param``: all of it, its dp-shard ``rows``, or the ``flat``
-    range of its elements (a ZeRO-1 segment), flat; ``ratio``: the learning-rate factor of its matrices, a float
-    when one for all (else one per element, float64)."""
+    range of its elements (a ZeRO-1 segment), flat, on the host; ``ratio``: the learning-rate factor of its
+    matrices, a float when one for all (else one per element, float64, on the piece's device)."""
     pos, write = layout.positions[id(param)], layout.writes[id(param)]
     if rows is not None:
         pos, write = pos[rows], write[rows]
@@ -93,9 +98,9 @@ def muon_piece(layout: MuonLayout, param: torch.Tensor, rows: slice | None = Non
     if flat is not None:
         pos, write = pos[flat], write[flat]
     device = _local(param).device
-    ratios = layout.ratios[pos]
+    ratios = layout.ratios_at(pos)
     ratio = float(ratios[0]) if ratios.numel() and bool((ratios == ratios[0]).all()) else ratios.to(device)
-    return pos.to(device), write.to(device), ratio
+    return pos, write, ratio
 
 
 __all__ = ["MuonAdamW", "muon_piece"]

@@ -1,4 +1,4 @@
-"""Where Muon's matrices live, and how a step orthogonalises each one whole, whatever the layout.
+"""Where Muon's matrices live, and which rank orthogonalises each one whole, whatever the layout.
 
 Muon's momentum is elementwise, so every optimizer keeps it on the pieces it updates (whole tp-local
 parameters, ZeRO-1's flat segments, FSDP2's dp shards). Newton-Schulz is not: it needs each *logical* matrix
@@ -7,23 +7,20 @@ matrices: orthogonalising the block would make q, k and v share one spectrum, an
 heads a tp rank fuses), one expert's ``w1``, a ``down_proj`` split over tp by columns.
 
 ``MuonLayout`` numbers every Muon matrix of this pipeline stage (the union over its tp x dp x cp ranks, so
-experts held elsewhere under ep too) into one flat index space, and gives each local parameter the position
-of every element in it. One step of ``orthogonalise``::
+experts held elsewhere under ep too) into one flat index space, gives each local parameter the position of
+every element in it, and each matrix an owner: the largest matrices first, each to the least loaded rank of
+the stage by Newton-Schulz FLOPs, so each rank does about ``1/(tp x dp x cp)`` of the work. The one writer of
+an element (whose update its owner takes): a tp-replicated piece's primary rank, and under ZeRO-0 dp x cp
+rank 0 (experts: the first rank holding them); ZeRO-1/2/3 segments and dp shards are held once already.
 
-    U:  each rank writes the updates of the elements it is the one writer of   -> all-reduce over tp, dp x cp
-    O:  each matrix's owner runs Newton-Schulz on it whole (owners balanced by NS FLOPs), zeros elsewhere
-                                                                               -> all-reduce over tp, dp x cp
-    every rank reads its pieces' O back by position
-
-A sum of one value and zeros is that value, so the result is bit-identical to one device's. The one writer
-of an element: a tp-replicated piece's primary rank, and under ZeRO-0 dp x cp rank 0 (experts: the first
-rank holding them); ZeRO-1/2/3 segments and dp shards are held once already. The flat buffers hold the
-stage's Muon matrices whole (two all-reduces of them per step): simple and exact, sized for the models this
-runs; the owner assignment is what spreads the Newton-Schulz work, ``1/(tp x dp x cp)`` of it per rank.
+A step moves each matrix's pieces to its owner and the results back with two all-to-alls over the stage
+(``modelpar.optim.muon_exchange``; ``route`` plans one rank's side once): no rank holds more than its own
+pieces and the matrices it owns, and the owner's input is the single device's, bit for bit.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,8 +29,18 @@ import torch
 import torch.distributed as dist
 
 from modelpar.model.layers.shard import ShardInfo
-from modelpar.optim.muon import MuonSettings, adjust_ratio, newton_schulz, newton_schulz_flops, split_rows
+from modelpar.optim.muon import (
+    MuonSettings,
+    adjust_ratio,
+    newton_schulz,
+    newton_schulz_batched,
+    newton_schulz_flops,
+    split_rows,
+)
+from modelpar.optim.muon_exchange import MatrixTable, Route, route, symmetric_route
 from modelpar.parallel import collectives
+
+EXPERTS = "*.experts.*"  # a routed expert's matrices (MoE), orthogonalised in batches of one shape
 
 
 @dataclass(frozen=True)
@@ -60,11 +67,25 @@ class MuonLayout:
     matrices: list[Matrix]
     positions: dict[int, torch.Tensor]  # id(param) -> long [param's tp-local shape], -1: no Muon matrix there
     writes: dict[int, torch.Tensor]  # id(param) -> bool, like positions: this rank writes the element's update
-    stage_index: int
-    tp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
-    ratios: torch.Tensor = field(default=None)  # [total] float64: each element's matrix's lr ratio
+    stage_index: int  # this rank's rank in stage_group
+    stage_group: dist.ProcessGroup | None  # the stage's tp x dp x cp ranks; None: this rank alone
+    tp_group: dist.ProcessGroup | None = None
     ns_flops_by_rank: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ms = self.matrices
+        # experts of one shape are orthogonalised as one batch (on whichever rank owns them)
+        first: dict[tuple[int, int], int] = {}
+        batches = [first.setdefault(m.shape, i) if _is_expert(m.name) else i for i, m in enumerate(ms)]
+        self.table = MatrixTable(
+            starts=torch.tensor([m.offset for m in ms], dtype=torch.long, device="cpu"),
+            owners=torch.tensor([m.owner for m in ms], dtype=torch.long, device="cpu"),
+            numels=torch.tensor([m.numel for m in ms], dtype=torch.long, device="cpu"),
+            ranks=max(len(self.ns_flops_by_rank), 1),
+            batches=torch.tensor(batches, dtype=torch.long, device="cpu"),
+        )
+        ratios = [adjust_ratio(self.settings.adjust_lr, m.shape) for m in ms]
+        self.matrix_ratios = torch.tensor(ratios, dtype=torch.float64, device="cpu")
 
     @property
     def total(self) -> int:
@@ -82,46 +103,55 @@ class MuonLayout:
         total = sum(self.ns_flops_by_rank)
         return max(self.ns_flops_by_rank) * len(self.ns_flops_by_rank) / total if total else 1.0
 
-    @torch.no_grad()
-    def orthogonalise(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """``pieces``: ``(update, positions, writes)`` flat, of each piece this rank updates (an empty update
-        for one without a gradient). Returns each piece's orthogonalised update (fp32, flat). Collective over
-        the stage: every rank calls it every step, with its pieces in a fixed order."""
-        device = pieces[0][0].device if pieces else torch.device("cpu")
-        flat = torch.zeros(self.total, dtype=torch.float32, device=device)
-        for update, pos, write in pieces:
-            if update.numel():
-                flat[pos[write]] = update.float()[write]
-        self._sum_over_stage(flat)
-        out = torch.zeros_like(flat)
-        for m in self.matrices:
-            if m.owner == self.stage_index:
-                whole = flat[m.offset : m.offset + m.numel].view(m.shape)
-                out[m.offset : m.offset + m.numel] = newton_schulz(whole, self.settings).float().reshape(-1)
-        self._sum_over_stage(out)
-        return [out[pos] for _, pos, _ in pieces]
+    def ratios_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The learning-rate ratio (float64) of the matrix each flat position lies in."""
+        return self.matrix_ratios[self.table.matrix_of(positions)]
 
-    def _sum_over_stage(self, flat: torch.Tensor) -> None:
+    def route(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Route:
+        """This rank's side of every step's exchange for its ``pieces`` (``(positions, writes)``, flat host
+        tensors, in the order each step passes their updates), its index tensors on ``device``. Collective over
+        the stage, once; on the meta device (the dry run: no peer data) the route of a symmetric world."""
+        shapes = [m.shape for m in self.matrices]
+        if device.type == "meta":
+            return symmetric_route(self.table, self.stage_index, shapes, pieces).to(device)
+        return route(self.table, self.stage_index, shapes, pieces, self._transport).to(device)
+
+    @torch.no_grad()
+    def orthogonalise(self, route: Route, updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each piece's orthogonalised update (fp32, flat) from its momentum ``updates`` (flat; empty for a piece
+        without a gradient). Collective over the stage: every rank calls it every step."""
+        return route.exchange(updates, self._newton_schulz, self._transport)
+
+    def _newton_schulz(self, batch: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        if len(indices) == 1:
+            return newton_schulz(batch[0], self.settings).float()
+        return newton_schulz_batched(batch, self.settings).float()
+
+    def _transport(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if self.stage_group is None:
+            return tensor
         with collectives.comm_tag("muon"):
-            for group in (self.tp_group, self.dp_group):
-                if group is not None:
-                    collectives.all_reduce(flat, group)
+            return collectives.all_to_all(tensor, send, recv, self.stage_group)
+
+
+def _is_expert(name: str) -> bool:
+    """Whether the logical matrix ``name`` is one routed expert's (``...mlp.experts.<id>.w1.weight``)."""
+    return fnmatch.fnmatchcase(name, EXPERTS)
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``group``, or None when it is this rank alone (nothing to reduce)."""
+    """``group``, or None when it is this rank alone (nothing to exchange)."""
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def _union(names: dict[str, tuple[int, int]], groups: Sequence[dist.ProcessGroup | None]) -> dict[str, tuple]:
-    """Every rank's ``{name: shape}`` of ``groups`` merged (collective over each, in order)."""
-    for group in groups:
-        if group is None:
-            continue
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, names, group=group)
-        for theirs in everyone:
-            names = names | theirs
+def _union(names: dict[str, tuple[int, int]], group: dist.ProcessGroup | None) -> dict[str, tuple]:
+    """Every rank's ``{name: shape}`` of ``group`` merged (collective over it)."""
+    if group is None:
+        return names
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, names, group=group)
+    for theirs in everyone:
+        names = names | theirs
     return names
 
 
@@ -130,15 +160,15 @@ def build_muon_layout(
     params: Sequence[torch.Tensor],
     shards: dict[str, ShardInfo],
     *,
-    tp_group: dist.ProcessGroup | None,
-    dp_group: dist.ProcessGroup | None,
+    stage_group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None = None,
     replica_writer: dict[int, bool],
 ) -> MuonLayout:
     """The layout of ``params`` (this rank's trainable parameters) whose logical tensors (``shards``, of all
-    this rank's chunks) are all Muon matrices. ``dp_group``: the stage's ranks besides tp (dp x cp);
-    ``replica_writer[id(param)]``: False where another dp rank writes the same values (ZeRO-0 replicas).
-    Collective over tp and ``dp_group`` (the union of names)."""
-    tp_group, dp_group = _group(tp_group), _group(dp_group)
+    this rank's chunks) are all Muon matrices. ``stage_group``: every rank of this pipeline stage (tp x dp x
+    cp); ``replica_writer[id(param)]``: False where another dp rank writes the same values (ZeRO-0 replicas).
+    Collective over ``stage_group`` (the union of names)."""
+    stage_group, tp_group = _group(stage_group), _group(tp_group)
     by_param: dict[int, list[tuple[str, ShardInfo]]] = {}
     for name, shard in shards.items():
         by_param.setdefault(id(shard.param), []).append((name, shard))
@@ -148,12 +178,9 @@ def build_muon_layout(
         if by_param.get(id(p)) and all(settings.uses_muon(n, s.global_shape) for n, s in by_param[id(p)])
     ]
     local = {n: tuple(s.global_shape) for p in muon for n, s in by_param[id(p)]}
-    names = _union(local, [tp_group, dp_group])
-    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-    stage_index = (0 if dp_group is None else dist.get_rank(dp_group)) * tp + (
-        0 if tp_group is None else dist.get_rank(tp_group)
-    )
+    names = _union(local, stage_group)
+    ranks = 1 if stage_group is None else dist.get_world_size(stage_group)
+    stage_index = 0 if stage_group is None else dist.get_rank(stage_group)
     # each logical matrix whole, or (q/k/v per head) as blocks of rows, contiguous in the flat buffer
     blocks, offset, where = [], 0, {}
     for name in sorted(names):
@@ -164,7 +191,7 @@ def build_muon_layout(
             blocks.append((name if step == rows else f"{name}[{first}:{first + step}]", (step, cols), offset))
             offset += step * cols
     # owners: the largest matrices first, each to the least loaded rank (ties: the lowest index)
-    loads = [0] * (tp * dp)
+    loads = [0] * ranks
     owner = {}
     for label, shape, _ in sorted(blocks, key=lambda b: (-newton_schulz_flops(b[1], settings.ns_steps), b[0])):
         rank = min(range(len(loads)), key=lambda r: (loads[r], r))
@@ -187,10 +214,7 @@ def build_muon_layout(
         if bool((pos < 0).any()):
             raise ValueError(f"a Muon parameter {local_shape} has elements no logical matrix covers (padding?)")
         positions[id(p)], writes[id(p)] = pos, write
-    ratios = torch.empty(offset, dtype=torch.float64, device="cpu")
-    for m in matrices:
-        ratios[m.offset : m.offset + m.numel] = adjust_ratio(settings.adjust_lr, m.shape)
-    return MuonLayout(settings, matrices, positions, writes, stage_index, tp_group, dp_group, ratios, loads)
+    return MuonLayout(settings, matrices, positions, writes, stage_index, stage_group, tp_group, loads)
 
 
 __all__ = ["Matrix", "MuonLayout", "build_muon_layout"]

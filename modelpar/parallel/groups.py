@@ -201,6 +201,23 @@ class ParallelGroups:
         cls._cache[key] = built
         return built
 
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """Every rank of this rank's pipeline stage (tp x dp x cp), or None when that is this rank alone: the
+        world when pp=1, else a group of its own, made the first time (collective over the world: every rank
+        makes every stage's group, in order, as ``build`` does; ``_new_group`` keeps them)."""
+        layout = self.layout
+        if layout.world_size == layout.pp:
+            return None
+        if layout.pp == 1:
+            return dist.group.WORLD
+        mine = None
+        for stage in range(layout.pp):
+            ranks = [r for r in range(layout.world_size) if layout.coords(r).pp == stage]
+            group = _new_group("stage", ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def context_split(self, a2a: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """This rank's two sub-groups of its cp group for hybrid context parallelism: the ``a2a`` consecutive cp
         ranks of its all-to-all group, and the ranks at its place in every such group (its ring).

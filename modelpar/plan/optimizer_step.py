@@ -1,11 +1,15 @@
 """The planner's price of Muon's optimizer step (``Strategy.optimizer == "muon"``; AdamW's is not modelled).
 
 Per step, ``modelpar.optim.muon_layout`` runs Newton-Schulz on every Muon matrix of a pipeline stage once,
-spread over the stage's tp x dp x cp ranks by FLOPs, and four all-reduces of the stage's Muon elements in fp32
-(the updates and the results, each over tp and over dp x cp)::
+spread over the stage's S = tp x dp x cp ranks by FLOPs, and two all-to-alls over the stage in fp32
+(``modelpar.optim.muon_exchange``): each rank sends the updates it writes to their matrices' owners, and each
+owner sends its results to every rank holding a piece of them::
 
-    ns_s       = NS FLOPs of the stage's matrices / (tp x dp x cp) / rate
-    exchange_s = 2 x all_reduce(4 x elements, tp) + 2 x all_reduce(4 x elements, dp x cp)
+    ns_s       = NS FLOPs of the stage's matrices / S / rate
+    sent       = 2 x 4 x elements / tp      ZeRO-0: dp x cp rank 0 writes its whole tp shard, and an owner
+                                            serves each of its elements to the dp x cp replicas
+               = 2 x 4 x elements / S       ZeRO-1/2/3: each element held (and written) once
+    exchange_s = (S - 1) / S x sent / bandwidth(S) + 2 (S - 1) x latency
 
 The matrices are the single-device model's (q, k, v, o, gate, up, down of every layer; each routed expert's
 w1, w3, w2; multi-token prediction's projections and blocks not counted), the stage holding layers/pp of them.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 from modelpar.model.config import ModelConfig
 from modelpar.optim.muon import newton_schulz_flops
-from modelpar.plan.links import group_bandwidth, ring_all_reduce_s
+from modelpar.plan.links import group_bandwidth
 from modelpar.plan.spec import Hardware, ModelSpec, Strategy
 
 
@@ -49,18 +53,28 @@ def stage_muon(model: ModelSpec, strategy: Strategy, ns_steps: int = 5) -> tuple
     return sum(flops[busiest : busiest + stage]), sum(elements[busiest : busiest + stage])
 
 
+def exchange_bytes(model: ModelSpec, strategy: Strategy) -> float:
+    """Bytes a rank sends in one step's two all-to-alls (the module docstring's ``sent``; 0: a stage of one)."""
+    layout = strategy.layout
+    ranks = layout.tp * layout.dp * layout.cp
+    if strategy.optimizer != "muon" or ranks == 1:
+        return 0.0
+    _, elements = stage_muon(model, strategy)
+    return 2 * 4.0 * elements / (layout.tp if strategy.zero == 0 else ranks)
+
+
 def muon_step_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, rate: float) -> float:
     """Seconds of Muon's Newton-Schulz and exchange per step on a rank (the module docstring); 0 under AdamW."""
     if strategy.optimizer != "muon":
         return 0.0
     layout = strategy.layout
-    flops, elements = stage_muon(model, strategy)
+    flops, _ = stage_muon(model, strategy)
     ranks = layout.tp * layout.dp * layout.cp
     seconds = flops / ranks / rate
-    for size in (layout.tp, layout.dp * layout.cp):
-        if size > 1:
-            seconds += 2 * ring_all_reduce_s(4.0 * elements, size, group_bandwidth(hardware, size), hardware.latency_s)
+    if ranks > 1:
+        wire = (ranks - 1) / ranks * exchange_bytes(model, strategy)
+        seconds += wire / group_bandwidth(hardware, ranks * layout.pp) + 2 * (ranks - 1) * hardware.latency_s
     return seconds
 
 
-__all__ = ["layer_matrices", "muon_step_s", "stage_muon"]
+__all__ = ["exchange_bytes", "layer_matrices", "muon_step_s", "stage_muon"]

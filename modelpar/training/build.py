@@ -264,8 +264,8 @@ def build_muon_layout_for(cfg: TrainConfig, model: RankModel, groups: ParallelGr
         muon_settings(cfg),
         [p for p, _ in model.params],
         shards,
+        stage_group=groups.stage_group(),
         tp_group=groups.tp_group,
-        dp_group=groups.dp_cp_group,
         replica_writer=writer,
     )
 

@@ -251,8 +251,6 @@ def validate(cfg: TrainConfig) -> ParallelLayout:
                 f"optim.qk_clip={cfg.optim.qk_clip} is not supported with model.qk_norm=true (the norms undo a scale "
                 "of the projections); set model.qk_norm=false"
             )
-    if cfg.optim.name == "muon" and cfg.trainer.dry_run:  # its exchange holds a stage's matrices whole
-        raise RecipeError("trainer.dry_run=true with optim.name=muon is not supported; dry-run with optim.name=adamw")
     if cfg.optim.muon_per_head and m.mla.enabled:
         raise RecipeError("optim.muon_per_head=true is for q/k/v heads, not latent attention; set it false")
     if cfg.optim.name == "muon" and g:

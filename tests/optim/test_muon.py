@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from modelpar.optim import set_lr
-from modelpar.optim.muon import MuonSettings, adjust_ratio, newton_schulz, newton_schulz_flops
+from modelpar.optim.muon import MuonSettings, adjust_ratio, newton_schulz, newton_schulz_batched, newton_schulz_flops
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import current_groups, run_on_ranks
 from modelpar.training.build import build_rank_model, build_rank_optimizer
@@ -29,6 +29,20 @@ def test_newton_schulz_is_torchs():
     assert adjust_ratio("match_rms_adamw", (8, 32)) == 0.2 * 32**0.5
     assert adjust_ratio("original", (32, 8)) == 2.0
     assert newton_schulz_flops((8, 32), 5) == newton_schulz_flops((32, 8), 5) == 5 * 2 * (2 * 8 * 8 * 32 + 8**3)
+
+
+@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
+def test_batched_newton_schulz_equals_one_matrix_at_a_time(ns_dtype):
+    """Experts of one shape go through Newton-Schulz as one batch: each equals its own loop iteration."""
+    settings = MuonSettings(ns_dtype=ns_dtype)
+    g = torch.Generator().manual_seed(0)
+    for shape in ((16, 16), (24, 16), (12, 40)):
+        batch = torch.randn(5, *shape, generator=g)
+        batch[2] *= 100.0  # each matrix scaled by its own norm, not the batch's
+        loop = torch.stack([newton_schulz(m, settings) for m in batch])
+        together = newton_schulz_batched(batch, settings)
+        tol = dict(rtol=1e-6, atol=1e-7) if ns_dtype == "fp32" else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(together.float(), loop.float(), **tol)
 
 
 def _batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,22 +42,25 @@ def test_planned_optimizer_state_matches_the_trainers_under_muon(token_path, tmp
         assert adam_planned == pytest.approx(adam_measured, rel=tolerance)
 
 
-def _engine_ns(cfg, data_path: str) -> tuple[list[int], int]:
-    """The engine's Newton-Schulz FLOPs of every rank of this stage, and the stage's Muon elements."""
+def _engine_ns(cfg, data_path: str) -> tuple[list[int], int, int]:
+    """The engine's Newton-Schulz FLOPs of every rank of this stage, the stage's Muon elements, and the
+    elements this rank sends in a step's exchange (its updates to the owners, its results to the holders)."""
     from modelpar.training.trainer import Trainer
 
     trainer = Trainer(cfg, data_path, None)
-    layout = trainer.optimizer.optimizer.layout
-    return layout.ns_flops_by_rank, layout.total
+    optimizer = trainer.optimizer.optimizer
+    sizes = optimizer.route.buffer_numel()
+    return optimizer.layout.ns_flops_by_rank, optimizer.layout.total, sizes["sent"] + sizes["served"]
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2)], ids=["tp2", "pp2", "dp2"])
 def test_planned_newton_schulz_work_is_the_engines(token_path, tmp_path, layout):
-    """The planner's NS FLOPs and exchanged elements per stage equal what the engine's layout runs and sends,
-    and the step prices them (AdamW: nothing)."""
+    """The planner's NS FLOPs and Muon elements per stage equal what the engine's layout runs, its exchange
+    bytes are the busiest rank's (within 10%: the owners' shares are balanced by FLOPs, not elements), and the
+    step prices them (AdamW: nothing)."""
     from modelpar.bench.recipe_memory import recipe_strategy
     from modelpar.plan import HARDWARE, predict
-    from modelpar.plan.optimizer_step import stage_muon
+    from modelpar.plan.optimizer_step import exchange_bytes, stage_muon
     from modelpar.plan.spec import ModelSpec
 
     cfg = make_config(tmp_path, **layout)
@@ -66,9 +69,14 @@ def test_planned_newton_schulz_work_is_the_engines(token_path, tmp_path, layout)
     results = run_on_ranks(world, _engine_ns, cfg, token_path)
     strategy, model = recipe_strategy(cfg), ModelSpec(cfg.model)
     flops, elements = stage_muon(model, strategy)
-    for by_rank, total in results:
+    for by_rank, total, _ in results:
         assert sum(by_rank) == flops and total == elements
         assert max(by_rank) <= 1.2 * flops / len(by_rank)  # the owners share the work
+    if "pp" in layout:  # a stage of one rank: nothing crosses ranks
+        assert exchange_bytes(model, strategy) == 0
+    else:
+        sent = max(r[2] for r in results) * 4.0
+        assert sent == pytest.approx(exchange_bytes(model, strategy), rel=0.1)
     muon = predict(strategy, model, HARDWARE["cpu"], seq_len=cfg.data.seq_len)
     adamw = predict(replace(strategy, optimizer="adamw"), model, HARDWARE["cpu"], seq_len=cfg.data.seq_len)
     assert adamw.optimizer_s == 0 < muon.optimizer_s and muon.total_s > adamw.total_s

@@ -129,11 +129,3 @@ def test_switching_from_adamw_to_muon_at_resume_is_refused_in_one_line(token_pat
         run_on_ranks(1, train_and_collect, muon_config(tmp_path / "dst"), token_path, ckpt)
     line = next(x for x in str(info.value).splitlines() if "holds AdamW state" in x)
     assert "optim.name" in line
-
-
-def test_muon_dry_run_is_refused_in_one_line(tmp_path):
-    cfg = muon_config(tmp_path)
-    cfg = replace(cfg, trainer=replace(cfg.trainer, dry_run=True))
-    with pytest.raises(RecipeError, match="trainer.dry_run=true with optim.name=muon is not supported") as info:
-        validate(cfg)
-    assert "\n" not in str(info.value)
