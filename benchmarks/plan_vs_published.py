@@ -252,7 +252,8 @@ def memory_lines(rows: list[dict]) -> list[str]:
         "(2) interleaved 1F1B's warm-up holds 2(p - r - 1) + (v - 1)p + 1 chunk micro-batches on stage r, which the "
         "Llama 3 paper's schedule changes trim (section 3.3.2: a tunable number N of consecutive micro-batches per "
         "chunk, one layer fewer on the first and last stages, each stage's input and output tensors freed once "
-        "sent). Neither alone brings the run under 80 GiB in modelpar's accounting. modelpar should do (1): it "
+        "sent). Neither alone brings the 8K-GPU run under 80 GiB in modelpar's accounting; the 16K-GPU run "
+        "(16 micro-batches a replica) would fit with (1) alone. modelpar should do (1): it "
         "costs one more all-gather per linear in backward (overlappable with the input-gradient matmul) and saves "
         "the column shown; (2) needs the schedule's warm-up depth as a setting.",
     ]
