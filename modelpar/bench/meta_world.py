@@ -64,6 +64,9 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; a dry run needs a fresh process")
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # a per-device backend string leaves the group's default backend undefined: tearing the group
+    # down would print "No backend of type 0 found" (c10d asks the default backend for hooks); the fake one is it
+    dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     try:
         yield
     finally:

@@ -37,6 +37,7 @@ from modelpar.plan import (
     model_presets,
     plan,
 )
+from modelpar.plan.published_memory import published_note
 
 # the recompute modes modelpar-train runs, all modelled for our block (modelpar/plan/activations.py): selective
 # with each of the planner's parallel.recompute_modules choices
@@ -310,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("launch #1: " + launch_line(args.gpus, hardware.gpus_per_node, [*model_overrides(args), *best]))
     for line in explain(planned[0], model, hardware, seq_len=args.seq_len, costs=costs, space=space):
         print(line)
+    note = published_note(model, args.gpus, args.seq_len, planned[0].strategy.layout, hardware)
+    if note:
+        print(note)
     if args.json:
         record = {
             "model": {**dataclasses.asdict(model.shape), "flash_attention": model.flash_attention},

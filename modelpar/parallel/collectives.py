@@ -220,8 +220,10 @@ def blocking(kind: str, group: dist.ProcessGroup | None) -> Iterator[None]:
                     log.count[kind] += 1
 
 
-# torch renamed all_gather_into_tensor; keep working on releases before the rename
+# torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn with a FutureWarning); keep
+# working on releases before the rename
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveAlgorithm(Protocol):
@@ -321,7 +323,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     _record("reduce_scatter", moved, group)
     with blocking("reduce_scatter", group):
         if _algorithm is None or not _algorithm.reduce_scatter_into(out, moved, group):
-            dist.reduce_scatter_tensor(out, moved, group=group)
+            _reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 

@@ -123,3 +123,21 @@ def test_plan_vs_published_script_writes_the_h100_rows():
     assert row["residual"] == pytest.approx(h100_residual(LLAMA3_405B[0])[1])
     assert set(row["residual_by_vpp"]) == {2, 4, 8}
     assert "| Llama 3 405B, 8K GPUs (Table 4) | 8,192 | tp8-pp16-dp64-vpp4" in script.markdown_h100([row])
+
+
+def test_the_published_405b_layout_is_priced_beside_what_meta_ran():
+    from modelpar.plan import GIB, load_model
+    from modelpar.plan.published_memory import published_memory, published_note
+
+    run = LLAMA3_405B[0]  # tp8 pp16 dp64, vpp4, m32, no recompute, 80 GB: 430 TFLOP/s a GPU
+    pm = published_memory(run)
+    p, v, r = run.pp, run.vpp, pm.stage
+    assert pm.chunk_micro_batches == 2 * (p - r - 1) + (v - 1) * p + 1  # interleaved 1F1B's warm-up on stage r
+    t, tokens, h = run.tp, run.seq_len, run.model.shape.hidden
+    # two sequence-parallel inputs a layer (qkv, gate|up), each kept whole where its 1/t shard would do (bf16)
+    assert pm.sp_gathered == pytest.approx(pm.layers_in_flight * 2 * 2 * (tokens - tokens // t) * h)
+    assert pm.total > 80 * GIB and pm.total - pm.sp_gathered > 80 * GIB  # neither side alone explains 80 GB
+    note = published_note(load_model("llama-405b"), run.gpus, run.seq_len, run.strategy.layout, run.hardware)
+    assert note and "430 TFLOP/s/GPU" in note and f"needs {pm.total / GIB:.1f} GiB" in note
+    other = dataclasses.replace(run.strategy.layout, dp=32)
+    assert published_note(load_model("llama-405b"), run.gpus // 2, run.seq_len, other, run.hardware) is None
