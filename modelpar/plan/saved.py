@@ -150,6 +150,8 @@ class Dims:
     score_keys: float = 0.0  # keys per query whose fp32 scores the plain-matmul attention keeps (0: none)
     softcap: bool = False  # model.block.attention_softcap > 0 (on the plain-matmul path: tanh's output)
     sinks: bool = False  # model.block.attention_sinks (on the plain-matmul path: one more column of scores)
+    embedding_scale: bool = False  # model.block.embedding_scale: the product keeps its 0-d factor sqrt(h)
+    projection_norm: bool = False  # model.block.qk_norm_scope=projection: one RMSNorm over all q (k) heads
 
 
 def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> Dims:
@@ -177,6 +179,8 @@ def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware)
         score_keys=float(seq_len) if plain_matmul_attention(model, strategy) else 0.0,
         softcap=bool(b.attention_softcap),
         sinks=b.attention_sinks,
+        embedding_scale=b.embedding_scale,
+        projection_norm=b.qk_norm_scope == "projection",
     )
 
 
@@ -317,9 +321,17 @@ def norm_scales_saved(x: Dims, half: str) -> list[Saved]:
 
 def qk_norm_saved(x: Dims, kernels: str) -> list[Saved]:
     """QK-norm's per-head RMSNorms of q and k (nothing without it): each keeps a row tensor of its heads (torch:
-    x times 1/rms; Triton: x, copied out of the qkv output's strided view) and 1/rms per head."""
+    x times 1/rms; Triton: x, copied out of the qkv output's strided view) and 1/rms per head. Over the whole
+    projection (``qk_norm_scope=projection``, always the torch path): x times 1/rms, one 1/rms per token, and,
+    in bf16, x's fp32 copy (in fp32, x itself: a view of the qkv output, kept whole already)."""
     if not x.qk_norm:
         return []
+    if x.projection_norm:
+        return [
+            Saved(f"attention: {name} * 1/rms, 1/rms, fp32 {name} ({name}_norm over the projection)",
+                  (x.e + (4 if x.e != 4 else 0)) * x.d * x.T * heads + 4 * x.T)
+            for name, heads in (("q", x.hq), ("k", x.hkv))
+        ]  # fmt: skip
     what = "x * 1/rms" if kernels == "torch" else "x rows"
     return [
         Saved(f"attention: {name} {what}, 1/rms ({name}_norm)", (x.e * x.d + 4) * x.T * heads)
@@ -439,7 +451,8 @@ def sac_saved(x: Dims, half: str, moe=None, kernels: str = "torch") -> list[Save
 
 
 def embedding_saved(x: Dims) -> list[Saved]:
-    return [Saved("embedding: token ids", 8 * x.T), Saved("embedding: foreign-id mask", x.T)]
+    out = [Saved("embedding: token ids", 8 * x.T), Saved("embedding: foreign-id mask", x.T)]
+    return out + [Saved("embedding: its scale sqrt(h), a 0-d tensor", x.e)] * x.embedding_scale
 
 
 def head_saved(x: Dims, kernels: str) -> list[Saved]:
