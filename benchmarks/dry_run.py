@@ -25,6 +25,9 @@ PRESETS = [
     "llama-405b-16384gpu",
     "llama-405b-128k-16384gpu",
     "deepseek-v3-671b-2048gpu",
+    "gemma3-27b-64gpu",
+    "olmo2-32b-64gpu",
+    "gpt-oss-120b-64gpu",
 ]
 OUT = Path(__file__).parent / "results"
 

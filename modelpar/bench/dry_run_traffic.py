@@ -79,11 +79,18 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         # experts' and the router's (each tp rank routes its own tokens) and, under SP, the norms'
         experts = expert_elements(model, strategy, seq_len, stage)[0]
         partial = experts + moe_layers * shape.moe.experts * shape.hidden
+        if shape.moe.bias:  # the router's bias, beside its weight
+            partial += moe_layers * shape.moe.experts
+        per_head = shape.qk_norm and shape.block.qk_norm_scope == "head"  # each rank sees its heads: partial
+        partial += halves["attention"] * 2 * shape.head_size * per_head
         if strategy.sp:
-            qk = 2 * shape.head_size if shape.qk_norm else 0
+            norms = 2 if shape.block.norm == "sandwich" else 1  # a sandwich's second norm after each sub-layer
             ends = sum(partition.has_head(c) for c in chunks)  # the final norm
-            partial += halves["attention"] * (shape.hidden + qk) + (halves["mlp"] + ends) * shape.hidden
+            partial += (norms * (halves["attention"] + halves["mlp"]) + ends) * shape.hidden
         out["tp all_reduce"] += GRAD_BYTES * partial
+        if shape.qk_norm and shape.block.qk_norm_scope == "projection":  # q's and k's sum of squares, [T] fp32,
+            forwards = 1 + ("attention" in rerun)  # forward (and rerun) and backward: OLMo 2's whole-projection norm
+            out["tp all_reduce"] += m * halves["attention"] * 2 * (forwards + 1) * 4 * b * seq_len / cp
         if strategy.sp:
             out["tp all_gather"] += m * gathers * act
             out["tp reduce_scatter"] += m * scatters * act

@@ -38,6 +38,8 @@ from modelpar.model.hf import CONFIG_NAME, config_from_hf, config_to_hf, hf_name
 from modelpar.model.hf_deepseek import DEEPSEEK_TYPES, rope_rows_from_hf, rope_rows_to_hf
 from modelpar.model.hf_files import DEFAULT_MAX_SHARD, HFWeights, write_hf_weights
 from modelpar.model.hf_gpt_oss import GPT_OSS_TYPES, expert_from_fused, fused_experts_of, fused_value
+from modelpar.model.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
+from modelpar.model.mxfp4 import mxfp4_expert
 from modelpar.model.safetensors_io import TensorReader, TensorWriter
 from modelpar.model.spec import ChunkSpec
 from modelpar.model.transformer import ModelChunk
@@ -109,15 +111,16 @@ def _write_pieces(hf_dir: Path, tmp: Path, config: ModelConfig, hf: dict, shapes
         sources = {name: hf_source(name, weights, hf, config) for name in shapes}
         by_file: dict[str, list[str]] = {}
         for name, src in sources.items():
-            by_file.setdefault(weights.file_of(src.key), []).append(name)
+            by_file.setdefault(weights.file_of(src.key + MXFP4_SUFFIXES[0] * src.mxfp4), []).append(name)
         for k, (hf_file, names) in enumerate(sorted(by_file.items())):
-            names.sort(key=lambda n: (weights.reader(sources[n].key).offset(sources[n].key), n))  # read in order
+            names.sort(key=lambda n: (_offset(weights, sources[n]), n))  # read in order
             file = f"model-{k:05d}.safetensors"
             keys = {name: f"{name}@{region_key(tuple((0, n) for n in shapes[name]))}" for name in names}
             entries = {}
             for name in names:
                 src = sources[name]
-                entries[keys[name]] = (cast or weights.reader(src.key).dtype(src.key), shapes[name])
+                stored = torch.bfloat16 if src.mxfp4 else weights.reader(src.key).dtype(src.key)  # exact in bf16
+                entries[keys[name]] = (cast or stored, shapes[name])
             writer = TensorWriter(tmp / file, entries)
             for name in names:
                 value = _read_source(weights, sources[name], name, config)
@@ -138,9 +141,17 @@ def _write_pieces(hf_dir: Path, tmp: Path, config: ModelConfig, hf: dict, shapes
     return files, tensors
 
 
+def _offset(weights: HFWeights, src) -> int:
+    key = src.key + MXFP4_SUFFIXES[0] * src.mxfp4
+    return weights.reader(key).offset(key)
+
+
 def _read_source(weights: HFWeights, src, name: str, config: ModelConfig) -> torch.Tensor:
-    reader = weights.reader(src.key)
-    if src.fused_part is not None:  # GPT-OSS: one expert of the fused tensor, its gate or up columns
+    reader = None if src.mxfp4 else weights.reader(src.key)
+    if src.fused_part is not None:  # GPT-OSS: one expert of the fused tensor (MXFP4: dequantised), gate or up
+        if src.mxfp4:
+            blocks, scales = (weights.reader(src.key + s).read(src.key + s, (src.expert,)) for s in MXFP4_SUFFIXES)
+            return expert_from_fused(mxfp4_expert(blocks, scales), src.fused_part).contiguous()
         return expert_from_fused(reader.read(src.key, (src.expert,)), src.fused_part).contiguous()
     if src.expert is not None:
         return reader.read(src.key, (src.expert,), src.rows)

@@ -15,6 +15,7 @@ new layout ahead of time. Only safetensors and JSON are read.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -36,8 +37,9 @@ from modelpar.checkpoint.signing import (
     sign_file,
 )
 from modelpar.checkpoint.store import CheckpointError, read_index, resolve_checkpoint
-from modelpar.model.hf import config_to_hf
+from modelpar.model.hf import CONFIG_NAME, config_to_hf
 from modelpar.model.hf_files import DEFAULT_MAX_SHARD, INDEX_FILE, weight_files
+from modelpar.model.hf_gpt_oss import mxfp4_experts
 from modelpar.model.safetensors_io import TensorReader
 from modelpar.parallel.groups import ParallelGroups
 from modelpar.parallel.launch import LaunchError, launch
@@ -127,9 +129,11 @@ def cmd_import_hf(args) -> int:
     index = read_index(path, verify=False)
     model = model_config_of(index)
     dtypes = ", ".join(sorted({info["dtype"] for info in _headers(path, index)}))
+    hf = json.loads((Path(args.hf_dir) / CONFIG_NAME).read_text())
+    dequantised = "; the MXFP4 experts dequantised (export writes them unquantised)" if mxfp4_experts(hf) else ""
     print(
         f"{path}: imported {args.hf_dir} ({model.layers} layers, hidden {model.hidden}, vocab {model.vocab_size}; "
-        f"{dtypes}, streamed one tensor at a time)"
+        f"{dtypes}, streamed one tensor at a time{dequantised})"
     )
     return 0
 

@@ -65,6 +65,8 @@ from modelpar.model.hf_olmo import OLMO_TYPES, olmo_config_to_hf, olmo_fields, o
 from modelpar.model.hf_qwen import QWEN_TYPES, qwen_config_to_hf, qwen_expert_name, qwen_moe_config, qwen_unsupported
 from modelpar.model.hf_qwen2 import QWEN2_TYPES, qwen2_config_to_hf, qwen2_fields, qwen2_unsupported
 from modelpar.model.hf_rope import rope_parameters_of, rope_scaling_from_hf, rope_scaling_to_hf
+from modelpar.model.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
+from modelpar.model.mxfp4 import mxfp4_expert
 from modelpar.model.structure import BlockStructure
 from modelpar.model.transformer import ModelChunk
 
@@ -332,6 +334,15 @@ class HFSource:
     rows: tuple[int, int] | None = None
     interleaved: bool = False
     fused_part: str | None = None  # GPT-OSS: our ``w1.weight`` ... of expert ``expert`` (``hf_gpt_oss``)
+    mxfp4: bool = False  # GPT-OSS's released experts: ``key``_blocks and ``key``_scales, dequantised on read
+
+    def read_fused(self, weights: HFWeights) -> torch.Tensor:
+        """Expert ``expert``'s slice of GPT-OSS's fused tensor ``key`` (dequantised from MXFP4 if stored so)."""
+        e = self.expert
+        if not self.mxfp4:
+            return weights.get_slice(self.key)[e : e + 1][0]
+        blocks, scales = (weights.get_slice(self.key + suffix)[e : e + 1][0] for suffix in MXFP4_SUFFIXES)
+        return mxfp4_expert(blocks, scales)
 
 
 def hf_source(name: str, weights: HFWeights, hf: dict, config: ModelConfig) -> HFSource:
@@ -341,7 +352,9 @@ def hf_source(name: str, weights: HFWeights, hf: dict, config: ModelConfig) -> H
     part = expert_part(name) if kind in GPT_OSS_TYPES else None
     if part is not None:  # one expert's slice of GPT-OSS's fused, interleaved, transposed tensors
         prefix, expert, ours = part
-        return HFSource(prefix + fused_key(ours), expert, fused_part=ours)
+        key = prefix + fused_key(ours)
+        quantised = key not in weights and all(key + suffix in weights for suffix in MXFP4_SUFFIXES)
+        return HFSource(key, expert, fused_part=ours, mxfp4=quantised)
     key = hf_name(name, kind, config.layers)
     interleaved = kind in DEEPSEEK_TYPES and hf.get("rope_interleave", True)
     if interleaved and key in weights and rope_head_dim(name, config.mla):
@@ -364,8 +377,7 @@ def hf_value(weights: HFWeights, src: HFSource, name: str, config: ModelConfig, 
     if src.interleaved:
         return rope_rows_from_hf(name, weights.get_tensor(src.key), config.mla)[index]
     if src.fused_part is not None:
-        e = src.expert
-        return expert_from_fused(weights.get_slice(src.key)[e : e + 1][0], src.fused_part)[index]
+        return expert_from_fused(src.read_fused(weights), src.fused_part)[index]
     if src.expert is None:
         return weights.get_slice(src.key)[index] if index else weights.get_tensor(src.key)
     (start, stop), e = src.rows, src.expert

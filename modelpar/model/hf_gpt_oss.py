@@ -11,7 +11,9 @@ Tensors: the router is ``mlp.router.weight|bias`` (ours ``mlp.gate.*``); the exp
 ``mlp.experts.gate_up_proj`` [E, h, 2f] with gate and up *interleaved* along the last dim (gate the even
 columns, up the odd), ``gate_up_proj_bias`` [E, 2f] likewise, ``down_proj`` [E, f, h] and ``down_proj_bias``
 [E, h]: stored as x @ W, the transpose of ours (``w1``, ``w3`` [f, h], ``w2`` [h, f]). The released checkpoints
-hold MXFP4-quantised experts (``quantization_config``), which this reader does not dequantise: refused.
+hold MXFP4-quantised experts (``quantization_config.quant_method`` mxfp4: ``gate_up_proj_blocks`` and
+``_scales`` ...), dequantised on import one expert at a time (``modelpar.model.mxfp4``); another quantisation
+method is refused. Export writes the experts unquantised (no ``quantization_config``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ _EXPERT_PARTS = {
 def gpt_oss_unsupported(hf: dict) -> dict[str, bool]:
     """The GPT-OSS features this model does not implement, by config field (true: present in ``hf``)."""
     return {
-        "quantization_config": bool(hf.get("quantization_config")),  # MXFP4 experts: dequantise first
+        # MXFP4 experts are dequantised on import; another method is not read
+        "quantization_config": (hf.get("quantization_config") or {}).get("quant_method", "mxfp4") != "mxfp4",
         "attention_dropout": bool(hf.get("attention_dropout", 0.0)),
     }
+
+
+def mxfp4_experts(hf: dict) -> bool:
+    """Whether a GPT-OSS ``config.json`` says its experts are stored in MXFP4 (dequantised on import)."""
+    return (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def gpt_oss_fields(hf: dict) -> dict:

@@ -144,11 +144,19 @@ class Dims:
     cp: int
     tp: int
     mla: _LatentDims | None = None  # latent attention's (None: GQA)
+    sandwich: bool = False  # model.block.norm=sandwich: a second RMSNorm after each half's sub-layer
+    norm_scale: bool = False  # model.block.norm_offset=1: each norm keeps its computed scale 1 + weight
+    geglu: bool = False  # model.block.activation=geglu: the MLP's torch path whatever the kernels
+    score_keys: float = 0.0  # keys per query whose fp32 scores the plain-matmul attention keeps (0: none)
+    softcap: bool = False  # model.block.attention_softcap > 0 (on the plain-matmul path: tanh's output)
+    sinks: bool = False  # model.block.attention_sinks (on the plain-matmul path: one more column of scores)
+    embedding_scale: bool = False  # model.block.embedding_scale: the product keeps its 0-d factor sqrt(h)
+    projection_norm: bool = False  # model.block.qk_norm_scope=projection: one RMSNorm over all q (k) heads
 
 
 def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> Dims:
     shape, layout = model.shape, strategy.layout
-    t, cp = layout.tp, layout.cp
+    t, cp, b = layout.tp, layout.cp, model.shape.block
     tokens = strategy.micro_batch_size * seq_len / cp
     return Dims(
         T=tokens,
@@ -165,7 +173,26 @@ def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware)
         cp=cp,
         tp=t,
         mla=_LatentDims.of(shape.mla) if shape.mla.enabled else None,
+        sandwich=b.norm == "sandwich",
+        norm_scale=bool(b.norm_offset),
+        geglu=b.activation == "geglu",
+        score_keys=float(seq_len) if plain_matmul_attention(model, strategy) else 0.0,
+        softcap=bool(b.attention_softcap),
+        sinks=b.attention_sinks,
+        embedding_scale=b.embedding_scale,
+        projection_norm=b.qk_norm_scope == "projection",
     )
+
+
+def plain_matmul_attention(model: ModelSpec, strategy: Strategy) -> bool:
+    """Whether the attention core keeps its [b, h, s, s] fp32 scores (``modelpar_kernels.attention_math_
+    reference``): a soft-cap or sinks, which no flash kernel computes, on one cp rank or under the all-to-all
+    (each rank then attends over the whole sequence with its heads); the ring and the all-gather compute them
+    block by block and keep q, k, v, the output and the log-sum-exp only."""
+    b = model.shape.block
+    if not (b.attention_softcap or b.attention_sinks) or model.shape.mla.enabled:
+        return False
+    return strategy.layout.cp == 1 or strategy.cp_comm == "alltoall"
 
 
 # -- saved tensors of each piece (the module docstring's tables) ----------------------------------------------
@@ -224,18 +251,22 @@ def attention_saved(x: Dims, kernels: str) -> list[Saved]:
     out = [Saved("attention: x (RMSNorm)", norm, moved=2 * norm if torch_kernels else None)]  # by x^2 and x*r
     if torch_kernels:
         out.append(Saved("attention: x * 1/rms (RMSNorm)", norm))
-    out += [
-        Saved("attention: 1/rms (RMSNorm)", 4 * Ts),
-        Saved("attention: qkv_proj input", e * T * h),
-        # whole, because SDPA keeps v, a view of it: offload moves v only
-        Saved("attention: qkv output", e * T * (x.hq + 2 * x.hkv) * d, moved=e * T * x.hkv * d),
-        Saved("attention: q after RoPE", e * T * x.hq * d),
-        Saved("attention: k after RoPE", e * T * x.hkv * d),
-        *qk_norm_saved(x, kernels),
-        # SDPA's output and o_proj's input: one storage, two saved views (under cp two storages, below)
-        Saved("attention: output (o_proj input)", e * T * x.hq * d, moved=(1 if x.cp > 1 else 2) * e * T * x.hq * d),
-        Saved("attention: log-sum-exp", 4 * T * x.hq),
-    ]
+    out += [Saved("attention: 1/rms (RMSNorm)", 4 * Ts), Saved("attention: qkv_proj input", e * T * h)]
+    if x.score_keys:  # the plain-matmul core: SDPA's tensors are not kept, fp32 copies and scores are
+        out += [*qk_norm_saved(x, kernels), *plain_attention_saved(x)]
+    else:
+        out += [
+            # whole, because SDPA keeps v, a view of it: offload moves v only
+            Saved("attention: qkv output", e * T * (x.hq + 2 * x.hkv) * d, moved=e * T * x.hkv * d),
+            Saved("attention: q after RoPE", e * T * x.hq * d),
+            Saved("attention: k after RoPE", e * T * x.hkv * d),
+            *qk_norm_saved(x, kernels),
+            # SDPA's output and o_proj's input: one storage, two saved views (under cp two storages, below)
+            Saved(
+                "attention: output (o_proj input)", e * T * x.hq * d, moved=(1 if x.cp > 1 else 2) * e * T * x.hq * d
+            ),
+            Saved("attention: log-sum-exp", 4 * T * x.hq),
+        ]
     if x.cp > 1:  # the exchange returns [b, hq, s, d]: o_proj's flattened input is a copy
         out.append(Saved("attention: o_proj input (cp)", e * T * x.hq * d))
         rows = 4 * x.s * d / 2  # cos (sin) rows of this rank's positions, each kept by two products per RoPE
@@ -243,14 +274,64 @@ def attention_saved(x: Dims, kernels: str) -> list[Saved]:
     else:  # views of the shared tables (counted once per stage, ``shared_tables_bytes``), moved 4 times each
         table = 2.0 * x.s * d
         out.append(Saved("attention: cos, sin (shared tables)", 0.0, moved=8 * table, storage=table))
+    return out + post_norm_saved(x, kernels, "attention") + norm_scales_saved(x, "attention")
+
+
+def plain_attention_saved(x: Dims) -> list[Saved]:
+    """The attention core on its plain-matmul path (``plain_matmul_attention``: a soft-cap or sinks), from what
+    ``attention_math_reference``'s ops keep: q, and k and v repeated to q's heads, in fp32 (the matmuls' copies),
+    the fp32 softmax output over the ``score_keys`` keys (and the sinks' column), tanh's output under a soft-cap,
+    the boolean [s, s] mask, and (one cp rank) o_proj's input, a copy of the transposed output. Under the
+    all-to-all a rank holds ``hq/cp`` heads of all ``s`` tokens: the same bytes as ``hq`` heads of ``T``."""
+    T, hq, d, keys = x.T, x.hq, x.d, x.score_keys
+    copies = (("q", "the score matmul's copy"), ("k", "repeated to the q heads"), ("v", "repeated to the q heads"))
+    out = [Saved(f"attention: {name}, fp32 ({what})", 4 * T * hq * d) for name, what in copies]
+    if x.softcap:
+        out.append(Saved("attention: capped scores tanh(s / cap), fp32", 4 * T * hq * keys))
+    out += [
+        Saved("attention: probabilities, fp32", 4 * T * hq * (keys + x.sinks)),
+        Saved("attention: mask [s, s] (bool)", keys * keys),
+    ]
+    if x.cp == 1:
+        out.append(Saved("attention: o_proj input (a copy)", x.e * T * hq * d))
     return out
+
+
+def post_norm_saved(x: Dims, kernels: str, half: str) -> list[Saved]:
+    """The second RMSNorm of a sandwich (``model.block.norm=sandwich``) on the sub-layer's output (nothing
+    otherwise): as the norm before it, x (twice saved by torch's), x * 1/rms (torch) and 1/rms."""
+    if not x.sandwich:
+        return []
+    norm = x.e * x.Ts * x.h
+    torch_kernels = kernels == "torch"
+    out = [Saved(f"{half}: x (post RMSNorm)", norm, moved=2 * norm if torch_kernels else None)]
+    if torch_kernels:
+        out.append(Saved(f"{half}: x * 1/rms (post RMSNorm)", norm))
+    return out + [Saved(f"{half}: 1/rms (post RMSNorm)", 4 * x.Ts)]
+
+
+def norm_scales_saved(x: Dims, half: str) -> list[Saved]:
+    """``model.block.norm_offset=1``: each norm of the half keeps its computed scale ``1 + weight`` (fp32), the
+    half's one or two and, in the attention half, per-head QK-norm's two of width d."""
+    if not x.norm_scale:
+        return []
+    width = (2 if x.sandwich else 1) * x.h + (2 * x.d if half == "attention" and x.qk_norm else 0)
+    return [Saved(f"{half}: norm scales 1 + weight (fp32)", 4.0 * width)]
 
 
 def qk_norm_saved(x: Dims, kernels: str) -> list[Saved]:
     """QK-norm's per-head RMSNorms of q and k (nothing without it): each keeps a row tensor of its heads (torch:
-    x times 1/rms; Triton: x, copied out of the qkv output's strided view) and 1/rms per head."""
+    x times 1/rms; Triton: x, copied out of the qkv output's strided view) and 1/rms per head. Over the whole
+    projection (``qk_norm_scope=projection``, always the torch path): x times 1/rms, one 1/rms per token, and,
+    in bf16, x's fp32 copy (in fp32, x itself: a view of the qkv output, kept whole already)."""
     if not x.qk_norm:
         return []
+    if x.projection_norm:
+        return [
+            Saved(f"attention: {name} * 1/rms, 1/rms, fp32 {name} ({name}_norm over the projection)",
+                  (x.e + (4 if x.e != 4 else 0)) * x.d * x.T * heads + 4 * x.T)
+            for name, heads in (("q", x.hq), ("k", x.hkv))
+        ]  # fmt: skip
     what = "x * 1/rms" if kernels == "torch" else "x rows"
     return [
         Saved(f"attention: {name} {what}, 1/rms ({name}_norm)", (x.e * x.d + 4) * x.T * heads)
@@ -275,9 +356,11 @@ def mlp_saved(x: Dims, kernels: str, ffn: float | None = None, tokens: float | N
         Saved("mlp: gate_up_proj input", e * T * h),
         Saved("mlp: gate|up output", e * T * 2 * f),  # gate and up, two views
     ]
-    if torch_kernels:
-        out.append(Saved("mlp: silu(gate)", e * T * f))
+    if torch_kernels or x.geglu:  # GeGLU runs on the torch path whatever the kernels
+        out.append(Saved(f"mlp: {'gelu_tanh' if x.geglu else 'silu'}(gate)", e * T * f))
     out.append(Saved("mlp: down_proj input", e * T * f))
+    if tokens is None:
+        out += post_norm_saved(x, kernels, "mlp") + norm_scales_saved(x, "mlp")
     return out
 
 
@@ -309,7 +392,7 @@ def moe_saved(model: ModelSpec, x: Dims, kernels: str, tp: int, ep: int = 1) -> 
     if moe.shared_experts:
         shared = mlp_saved(x, kernels, ffn=moe.shared_experts * fe / tp, tokens=x.T)
         out += shared if x.Ts < x.T else shared[1:]  # its input: all-gathered under SP, else the router's
-    return out
+    return out + post_norm_saved(x, kernels, "mlp") + norm_scales_saved(x, "mlp")
 
 
 def sac_saved(x: Dims, half: str, moe=None, kernels: str = "torch") -> list[Saved]:
@@ -345,7 +428,14 @@ def sac_saved(x: Dims, half: str, moe=None, kernels: str = "torch") -> list[Save
         if x.cp == 1 and kernels == "torch":  # dk != dv attention in plain matmuls: its scores are a bmm's output
             out.append(Saved("attention: scores (cached, plain matmuls)", e * T * x.hq * x.s, hooked=False))
         return out
-    if half == "attention":
+    if half == "attention" and x.score_keys:  # the plain-matmul core: its two batched matmuls' fp32 outputs
+        out += [
+            Saved("attention: qkv output (cached)", e * T * (x.hq + 2 * x.hkv) * x.d, hooked=False),
+            Saved("attention: scores, fp32 (cached)", 4 * T * x.hq * x.score_keys, hooked=False),
+            Saved("attention: probabilities @ v, fp32 (cached)", 4 * T * x.hq * x.d, hooked=False),
+            Saved("attention: o_proj output (cached)", e * T * h, hooked=False),
+        ]
+    elif half == "attention":
         out += [
             Saved("attention: qkv output (cached)", e * T * (x.hq + 2 * x.hkv) * x.d, hooked=False),
             Saved("attention: output (cached)", e * T * x.hq * x.d, hooked=False),
@@ -361,7 +451,8 @@ def sac_saved(x: Dims, half: str, moe=None, kernels: str = "torch") -> list[Save
 
 
 def embedding_saved(x: Dims) -> list[Saved]:
-    return [Saved("embedding: token ids", 8 * x.T), Saved("embedding: foreign-id mask", x.T)]
+    out = [Saved("embedding: token ids", 8 * x.T), Saved("embedding: foreign-id mask", x.T)]
+    return out + [Saved("embedding: its scale sqrt(h), a 0-d tensor", x.e)] * x.embedding_scale
 
 
 def head_saved(x: Dims, kernels: str) -> list[Saved]:

@@ -80,6 +80,8 @@ class Hardware:
     host_bw: float = 0.0  # bytes/s between the device and host memory (activation offload); 0: the device's
     #   memory is host memory (a CPU), where offload frees nothing
     fp8_peak_flops: float = 0.0  # dense FP8 FLOP/s (model.fp8 GEMMs); 0: no FP8 units, they run at peak_flops
+    fp32_peak_flops: float = 0.0  # dense fp32 FLOP/s without tensor cores (TF32 off, torch's default): the
+    #   plain-matmul attention of a soft-cap or sinks (``modelpar.plan.unfused``); 0: peak_flops
 
     @property
     def weight_bytes(self) -> int:

@@ -47,18 +47,25 @@ def piece_params(model: ModelSpec, strategy: Strategy, layer: int, half: str) ->
         q = [(m.q_lora_rank, 1), (hq * m.qk_head_dim, m.q_lora_rank)] if m.q_lora_rank else []  # norm, q_b_proj
         kv = [(m.kv_lora_rank, 1), (hq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)]  # norm, kv_b_proj
         return [(h, 1), down, *q, *kv, (h, hq * m.v_head_dim)]
+    b = shape.block
+    norms = [(h, 1)] * (2 if b.norm == "sandwich" else 1)  # the norm before (or after) the sub-layer; a sandwich's two
     if half == "attention":
         hq, hkv = shape.heads // t, max(1, shape.kv_heads // t)
         qk_norm = [(d, 1), (d, 1)] if shape.qk_norm else []  # q_norm, k_norm
+        if shape.qk_norm and b.qk_norm_scope == "projection":  # over all the rank's heads, sharded with them
+            qk_norm = [(hq * d, 1), (hkv * d, 1)]
         biases = [((hq + 2 * hkv) * d, 1)] if shape.attention_bias else []  # split with qkv_proj's rows
         biases += [(h, 1)] if shape.attention_out_bias else []  # o_proj's, whole on every rank
-        return [(h, 1), ((hq + 2 * hkv) * d, h), (h, hq * d), *qk_norm, *biases]  # norm, qkv_proj, o_proj
+        sinks = [(hq, 1)] if b.attention_sinks else []  # one per head, sharded with them
+        return [*norms, ((hq + 2 * hkv) * d, h), (h, hq * d), *qk_norm, *biases, *sinks]  # qkv_proj, o_proj
     if not shape.moe.is_moe_layer(layer):
         f = shape.ffn_hidden // t
-        return [(h, 1), (2 * f, h), (h, f)]  # norm, gate_up_proj, down_proj
+        return [*norms, (2 * f, h), (h, f)]  # gate_up_proj, down_proj
     moe, fe = shape.moe, shape.expert_ffn_hidden
     local = moe.experts // layout.ep
-    out = [(h, 1), (moe.experts, h), (local, fe * h), (local, fe * h), (local, h * fe)]  # norm, router, w1, w3, w2
+    out = [*norms, (moe.experts, h), (local, fe * h), (local, fe * h), (local, h * fe)]  # router, w1, w3, w2
+    if moe.bias:  # the router's, and each expert's b1, b3, b2 (travelling with their experts)
+        out += [(moe.experts, 1), (local * fe, 1), (local * fe, 1), (local * h, 1)]
     if moe.shared_experts:
         fs = moe.shared_experts * fe // t
         out += [(2 * fs, h), (h, fs)]

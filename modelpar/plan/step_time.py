@@ -3,6 +3,8 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
 (plus recomputed forwards)::
 
     compute_s  = FLOPs on the busiest rank / (peak * efficiency)
+                 + the attention a soft-cap or sinks runs in plain fp32 matmuls, and a sandwich's two more
+                 norms (``modelpar.plan.unfused``)
                  + element-wise work tp repeats on every rank (``REPLICATED_PASSES`` [b, s, h] passes per
                  layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
                  dispatch, which no parallelism shrinks); with model.fp8 the projections' FLOPs at the FP8 peak
@@ -81,6 +83,7 @@ from modelpar.plan.links import group_bandwidth, ring_all_gather_s, ring_all_red
 from modelpar.plan.memory import layers_per_chunk, peak_memory
 from modelpar.plan.optimizer_step import muon_step_s
 from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Prediction, Strategy
+from modelpar.plan.unfused import sandwich_passes, unfused_attention_s
 
 
 def _kv_width(model: ModelSpec, tp: int) -> float:
@@ -209,11 +212,10 @@ def replicated_elementwise_s(model: ModelSpec, strategy: Strategy, seq_len: int,
     if not hardware.memory_bw:
         return overhead
     nbytes = strategy.micro_batch_size * seq_len / layout.cp * model.shape.hidden * hardware.weight_bytes
-    rerun = RECOMPUTED_PASSES if "elementwise" in _selective_modules(model, strategy) else 0
-    return (
-        overhead
-        + layers * nbytes * (REPLICATED_PASSES / (layout.tp if strategy.sp else 1) + rerun) / hardware.memory_bw
-    )
+    replicated, rerun = sandwich_passes(model, strategy)  # a sandwich's two more norms
+    replicated += REPLICATED_PASSES
+    rerun += RECOMPUTED_PASSES if "elementwise" in _selective_modules(model, strategy) else 0
+    return overhead + layers * nbytes * (replicated / (layout.tp if strategy.sp else 1) + rerun) / hardware.memory_bw
 
 
 def _selective_modules(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
@@ -295,9 +297,10 @@ def predict(
         m * stage_step_flops(model, strategy, seq_len) / t / cp / rate * fp8_time_factor(shape, hardware, seq_len)
     )
     compute_s += m * replicated_elementwise_s(model, strategy, seq_len, hardware)
+    layers_on_rank = layers_per_chunk(shape.layers, layout) * v
+    compute_s += m * layers_on_rank * unfused_attention_s(model, strategy, hardware, seq_len, costs)
 
     act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
-    layers_on_rank = layers_per_chunk(shape.layers, layout) * v
     tp_bw = group_bandwidth(hardware, t)
     moe_share = sum(map(shape.moe.is_moe_layer, range(shape.layers))) / shape.layers if shape.moe.enabled else 0.0
     tp_comm_s = m * layers_on_rank * tp_collectives_per_layer(model, strategy, moe_share)

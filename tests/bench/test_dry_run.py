@@ -270,3 +270,39 @@ def test_the_fake_world_comes_and_goes_without_a_warning(capfd):
             collectives.reduce_scatter(torch.zeros(16), None)
             collectives.all_gather(torch.zeros(2), None)
     assert "No backend of type" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("family", "parallel"),
+    [
+        ("gemma3", dict(tp=2, pp=2, dp=16, sp=True)),  # the gemma3-27b-64gpu recipe's split, tiny
+        ("olmo2", dict(tp=2, pp=2, dp=16, sp=True)),
+        ("gpt-oss", dict(cp=2, cp_comm="ring", pp=2, dp=16, ep=4)),  # gpt-oss-120b-64gpu's: the ring, experts
+    ],
+)
+def test_the_families_block_structures_equal_the_planner_on_a_64_rank_job(tmp_path, family, parallel):
+    """Gemma 3's sandwich, (1 + weight) norms, GeGLU and per-head QK-norm; OLMo 2's post-norms and whole-projection
+    QK-norm; GPT-OSS's sinks (their plain-matmul attention), biases and biased experts: the first stage of a
+    64-rank job holds the model states the planner plans, keeps the activations it plans byte for byte (Gemma 3,
+    OLMo 2), and moves its planned traffic."""
+    from modelpar.model.config import MoEConfig
+    from modelpar.model.structure import BlockStructure
+
+    cfg = make_config(tmp_path, partition="uniform", **parallel)
+    structures = {
+        "gemma3": dict(qk_norm=True, block=BlockStructure(norm="sandwich", norm_offset=1.0, activation="geglu",
+                                                          embedding_scale=True, query_scale=24.0)),
+        "olmo2": dict(qk_norm=True, block=BlockStructure(norm="post", qk_norm_scope="projection")),
+        "gpt-oss": dict(attention_bias=True, attention_out_bias=True, block=BlockStructure(attention_sinks=True),
+                        moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16, bias=True, activation="clamped_swiglu")),
+    }  # fmt: skip
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, **structures[family[:7]])
+    data = dataclasses.replace(cfg.data, global_batch=32)
+    report = step_rank(dataclasses.replace(cfg, model=model, data=data), 0, "first stage")
+    assert report.states_exact, (report.states, report.planned_states)
+    if family.startswith("gpt-oss"):  # the clamped SwiGLU experts' own tensors are not in the planner's MoE table
+        assert report.activations > 0 and report.planned_activations > 0
+    else:
+        assert report.activations == report.planned_activations > 0
+    for kind in report.judged:
+        assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=0.05), kind

@@ -133,3 +133,53 @@ def test_experts_fused_as_transformers_holds_them_stream_in_one_read_each(tmp_pa
     ours = load_single_device_model(tmp_path / "ckpt")
     with torch.no_grad():
         assert abs(_loss(ours(IDS)[..., :96]) - want) <= 1e-5 * want
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantised_on_import_to_the_dequantised_models_loss(tmp_path, capsys):
+    """A random GPT-OSS saved by transformers, its experts replaced by MXFP4 blocks and scales (and
+    ``quantization_config`` in config.json), as the released checkpoints hold them: the import dequantises them
+    one expert at a time and gives the loss of transformers' model holding the dequantised experts; the banner
+    says so; export writes the experts unquantised, which transformers loads to the same loss."""
+    from safetensors.torch import load_file, save_file
+
+    from modelpar.model.hf import config_from_hf, import_hf
+    from modelpar.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from modelpar.model.transformer import build_model
+
+    config = transformers.GptOssConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    quantised = {}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(state.pop(key).transpose(1, 2))  # [E, out, in]: blocks along the input
+        quantised |= {key + "_blocks": blocks, key + "_scales": scales}
+        with torch.no_grad():  # the reference: transformers' model holding the dequantised experts
+            model.get_parameter(key).copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(state | quantised, hf / "model.safetensors")
+    model.config.to_json_file(hf / "config.json")
+    written = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(written | {"quantization_config": {"quant_method": "mxfp4"}}))
+    with torch.no_grad():
+        want = _loss(model(IDS).logits)
+    assert ckpt_main(["import-hf", str(hf), str(tmp_path / "ckpt")]) == 0
+    assert "MXFP4 experts dequantised" in capsys.readouterr().out
+    ours = load_single_device_model(tmp_path / "ckpt")
+    direct = build_model(config_from_hf(hf), seed=1)  # the trainer's import (model.init_from), no checkpoint
+    import_hf(hf, direct)
+    with torch.no_grad():
+        assert abs(_loss(ours(IDS)[..., :96].float()) - want) <= 1e-5 * want
+        assert abs(_loss(direct(IDS)[..., :96]) - want) <= 1e-5 * want
+    assert ckpt_main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in exported and not any(k.endswith("_blocks") for k in exported)
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    reloaded = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert abs(_loss(reloaded(IDS).logits) - want) <= 1e-5 * want
