@@ -159,9 +159,9 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return {p.name: t for p, t in load_pieces(ckpt, index, wanted).items()}
 
 
-def save_whole_model_checkpoint(root, config: ModelConfig, **meta):
-    """A one-rank checkpoint of ``build_model(config, seed=0)`` under ``root`` (what import-hf writes), with
-    ``meta`` added to its index; returns its step directory."""
+def save_whole_model_checkpoint(root, config: ModelConfig, model=None, **meta):
+    """A one-rank checkpoint of ``model`` (default ``build_model(config, seed=0)``) under ``root`` (what import-hf
+    writes), with ``meta`` added to its index; returns its step directory."""
     from dataclasses import asdict
 
     from modelpar.checkpoint.reshard import model_pieces
@@ -171,7 +171,7 @@ def save_whole_model_checkpoint(root, config: ModelConfig, **meta):
 
     meta = {"layout": asdict(ParallelLayout()), "model": asdict(config), "parallel": asdict(ParallelConfig()),
             "world_size": 1, "sampler": None, "optimizer": False, **meta}  # fmt: skip
-    pieces = model_pieces([build_model(config, seed=0)])
+    pieces = model_pieces([model if model is not None else build_model(config, seed=0)])
     return save_checkpoint(root, 0, pieces, {"rng/torch": torch.get_rng_state()}, meta)
 
 

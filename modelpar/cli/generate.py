@@ -1,6 +1,6 @@
-"""modelpar-generate: sample text from a checkpoint on one process (greedy or temperature).
+"""modelpar-generate: sample text from a checkpoint on one process (greedy, or temperature and top-k).
 
-    modelpar-generate runs/<run>/checkpoints/step-00000150 --prompt "def main(" --tokens 80 --temperature 0.8
+    modelpar-generate runs/<run>/checkpoints/step-00000150 --prompt "def main(" --tokens 80 --temperature 0.8 --top-k 40
 
 The checkpoint is loaded into the single-device model whatever layout saved it (resharding is just reading
 the whole of each logical tensor).
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from modelpar.checkpoint.store import CheckpointError, Piece, load_pieces, read_index, resolve_checkpoint
-from modelpar.cli.args import non_negative_float, positive_int
+from modelpar.cli.args import non_negative_float, non_negative_int, positive_int
 from modelpar.data import ByteTokenizer, load_tokenizer, open_dataset, tokenizer_for
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import ModelChunk, build_model
@@ -35,14 +36,19 @@ def load_single_device_model(ckpt: str | Path) -> ModelChunk:
 
 
 @torch.no_grad()
-def generate(model: ModelChunk, prompt: torch.Tensor, tokens: int, temperature: float = 0.0, seed: int = 0):
-    """prompt: [s] int64 -> [s + tokens]; greedy when ``temperature`` is 0. Context cut to max_seq_len."""
+def generate(
+    model: ModelChunk, prompt: torch.Tensor, tokens: int, temperature: float = 0.0, seed: int = 0, top_k: int = 0
+):
+    """prompt: [s] int64 -> [s + tokens]; greedy when ``temperature`` is 0, else sampled at ``temperature`` from
+    the ``top_k`` likeliest tokens (0: all) with a generator seeded by ``seed``. Context cut to max_seq_len."""
     gen = torch.Generator().manual_seed(seed)
     ids = prompt.clone()
     for _ in range(tokens):
         context = ids[-model.config.max_seq_len :][None]
         logits = model(context)[0, -1, : model.config.vocab_size].float()
         if temperature > 0:
+            if 0 < top_k < logits.numel():
+                logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
         else:
@@ -51,17 +57,67 @@ def generate(model: ModelChunk, prompt: torch.Tensor, tokens: int, temperature: 
     return ids
 
 
+@dataclass(frozen=True)
+class Sample:
+    """A continuation sampled from a checkpoint, beside the held-out text it continues and how it was drawn."""
+
+    prompt: str
+    continuation: str
+    tokens: int
+    temperature: float
+    top_k: int
+    seed: int
+
+    def lines(self) -> list[str]:
+        """What ``modelpar-train`` prints: how it was sampled, then the prompt and the continuation apart."""
+        shown = self.continuation if self.continuation.strip() else f"(only whitespace: {self.continuation!r})"
+        return [
+            f"modelpar-train: sample from the final weights ({self.tokens} tokens, temperature {self.temperature:g}, "
+            f"top-k {self.top_k}, seed {self.seed}), continuing held-out text",
+            "--- prompt ---",
+            self.prompt,
+            "--- continuation ---",
+            shown,
+        ]
+
+
+def held_out_prompt(ids: torch.Tensor, tok, length: int) -> torch.Tensor:
+    """Up to ``length`` tokens of ``ids: [n]`` (held-out text) from the start of its first whole line, without
+    trailing whitespace: a window starts mid-line, often inside an indentation, and a prompt ending in spaces
+    asks a small model for more spaces."""
+    pieces = [tok.decode([int(i)]) for i in ids]
+    line = next((i + 1 for i, piece in enumerate(pieces[:-1]) if "\n" in piece), 0)
+    for start in (line, 0):  # from the window's start when nothing but whitespace follows its first line break
+        end = min(start + length, len(pieces))
+        while end > start and not pieces[end - 1].strip():
+            end -= 1
+        if end > start:
+            return ids[start:end]
+    return ids[:length]
+
+
 def sample_from_checkpoint(
-    ckpt: str | Path, token_path: str, tokens: int, *, seq_len: int, prompt_len: int = 48, temperature: float = 0.7
-) -> str:
-    """A continuation of the start of ``token_path`` (sampled at ``temperature``), decoded with the file's tokenizer."""
+    ckpt: str | Path,
+    token_path: str,
+    tokens: int,
+    *,
+    seq_len: int,
+    prompt_len: int = 48,
+    temperature: float = 1.0,
+    top_k: int = 40,
+    seed: int = 0,
+) -> Sample:
+    """A continuation of held-out text (the first whole lines of ``token_path``'s first window), sampled at
+    ``temperature`` from the ``top_k`` likeliest tokens with a fixed ``seed``, decoded with the file's tokenizer.
+    Temperature 1 samples the model's own distribution: a small byte-level model cooled below it (or greedy)
+    collapses into runs of the commonest byte of source code, the space."""
     model = load_single_device_model(ckpt)
     data = open_dataset(token_path, model.config.vocab_size, seq_len)
-    prompt, _ = data.window(0)
-    prompt = prompt[:prompt_len]
-    out = generate(model, prompt, tokens, temperature)
     tok = tokenizer_for(token_path)
-    return tok.decode(out[:prompt_len]) + " | " + tok.decode(out[prompt_len:])
+    window, _ = data.window(0)
+    prompt = held_out_prompt(window, tok, prompt_len)
+    out = generate(model, prompt, tokens, temperature, seed, top_k)
+    return Sample(tok.decode(prompt), tok.decode(out[len(prompt) :]), tokens, temperature, top_k, seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tokenizer",
@@ -86,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelpar-generate: error: {exc}", file=sys.stderr)
         return 2
     prompt = torch.as_tensor(tok.encode(args.prompt), dtype=torch.int64)
-    out = generate(model, prompt, args.tokens, args.temperature, args.seed)
+    out = generate(model, prompt, args.tokens, args.temperature, args.seed, args.top_k)
     if isinstance(tok, ByteTokenizer) and int(out.max()) >= 256:
         print(
             f"modelpar-generate: error: the model produced token id {int(out.max())}, which the byte tokenizer cannot "

@@ -233,11 +233,11 @@ def summarize(cfg: TrainConfig, val_path: str) -> None:
     print(f"modelpar-train: checkpoint {ckpt}")
     if cfg.trainer.sample_tokens > 0:
         try:
-            text = sample_from_checkpoint(ckpt, val_path, cfg.trainer.sample_tokens, seq_len=cfg.data.seq_len)
+            sample = sample_from_checkpoint(ckpt, val_path, cfg.trainer.sample_tokens, seq_len=cfg.data.seq_len)
         except DataError as exc:  # a plain token file has no tokenizer to decode with: the run still trained
             print(f"modelpar-train: no sample ({exc}); modelpar-generate can sample token ids", flush=True)
             return
-        print("modelpar-train: sample (prompt | continuation):\n" + text, flush=True)
+        print("\n".join(sample.lines()), flush=True)
 
 
 def dry_run(cfg: TrainConfig, preset: str) -> None:

@@ -266,6 +266,9 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "hidden_act": "silu",
         "attention_bias": config.attention_bias,
         "mlp_bias": False,
+        # no padding_idx: transformers gives that embedding row no gradient (Gemma's default pad is token 0, OLMo
+        # 2's token 1), so training the export there would freeze a row modelpar trains
+        "pad_token_id": None,
         "dtype": str(dtype).removeprefix("torch."),
     }
 

@@ -7,6 +7,7 @@ and the others are stopped, so a job never lingers after one of its ranks has di
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -70,6 +71,9 @@ def _rank_main(
 ) -> None:
     _adopt(environ, stdio)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOCAL_ADDR)
+    # a fatal signal (a crash in native code: SIGSEGV, SIGABRT from glibc's heap checks) prints every thread's
+    # Python stack to the rank's stderr, the launcher's: where it happened, beside the launcher's "died" line
+    faulthandler.enable(all_threads=True)
     if rank_setup is not None:
         rank_setup(rank)
     import torch  # after the core binding: torch's thread pools start on the cores this rank owns

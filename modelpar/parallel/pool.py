@@ -77,10 +77,25 @@ def _exit_cause(code: int | None) -> str:
     """``signal SIGABRT`` for a process a signal ended (a negative exit code), else ``exit code N``."""
     if code is not None and code < 0:
         try:
-            return f"signal {signal.Signals(-code).name}; its stderr holds each thread's stack"
+            return f"signal {signal.Signals(-code).name}"
         except ValueError:
             pass
     return f"exit code {code}"
+
+
+def _fault_path(pool_dir: str, rank: int) -> str:
+    """Where a worker's faulthandler writes every thread's Python stack if a fatal signal ends it."""
+    return os.path.join(pool_dir, f"fault-{rank}")
+
+
+def _fault_stack(pool_dir: str, rank: int, limit: int = 8000) -> str:
+    """The Python stack a dead worker's faulthandler wrote (its last ``limit`` characters), or ``""``."""
+    try:
+        with open(_fault_path(pool_dir, rank), errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return text[-limit:]
 
 
 def _worker_main(
@@ -92,9 +107,11 @@ def _worker_main(
     rank_setup: Callable[[int], None] | None,
 ) -> None:
     global _current_layout
-    # a rank killed by a fatal signal (a crash in native code: SIGSEGV, SIGABRT) prints every thread's Python
-    # stack to its stderr, which the caller's test shows: where it happened, not only its exit code
-    faulthandler.enable(all_threads=True)
+    # a rank killed by a fatal signal (a crash in native code: SIGSEGV, SIGABRT from glibc's heap checks) writes
+    # every thread's Python stack to a file the caller puts into its error: where it happened, not only its exit
+    # code (the worker's stderr is the forkserver's, which a test runner's capture may never show)
+    fault_file = open(_fault_path(os.path.dirname(init_file), rank), "w")  # open until the worker exits
+    faulthandler.enable(file=fault_file, all_threads=True)
     torch.set_num_threads(1)
     if rank_setup is not None:
         rank_setup(rank)
@@ -203,6 +220,9 @@ class _RankPool:
                 dead = [r for r in sorted(pending) if not self.procs[r].is_alive()]
                 for r in dead:
                     failures[r] = f"rank {r} died ({_exit_cause(self.procs[r].exitcode)}) while running {name}"
+                    stack = _fault_stack(self._dir, r)
+                    if stack:
+                        failures[r] += f"; its Python stack (faulthandler):\n{stack}"
                     pending.discard(r)
                 if dead:
                     deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
@@ -246,10 +266,11 @@ class _RankPool:
         for q in [*self.tasks, self.results]:
             q.close()
             q.cancel_join_thread()
-        try:
-            os.remove(os.path.join(self._dir, "store"))
-        except OSError:
-            pass
+        for name in ["store", *(os.path.basename(_fault_path(self._dir, r)) for r in range(self.world_size))]:
+            try:
+                os.remove(os.path.join(self._dir, name))
+            except OSError:
+                pass
         os.rmdir(self._dir) if os.path.isdir(self._dir) and not os.listdir(self._dir) else None
 
 

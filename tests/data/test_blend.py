@@ -222,7 +222,7 @@ def test_train_and_eval_commands_take_a_blend(tmp_path):
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert train.returncode == 0, train.stderr
-    assert "sample (prompt | continuation)" in train.stdout
+    assert "--- continuation ---" in train.stdout
     evaluated = subprocess.run(
         [sys.executable, "-m", "modelpar.cli.eval", *common, f"eval.checkpoint={run / 'checkpoints'}",
          "eval.windows=4", f"hydra.run.dir={tmp_path / 'eval'}"],

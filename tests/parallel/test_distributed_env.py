@@ -1,5 +1,8 @@
 """Where a rank comes from: torchrun's and SLURM's environments, or arguments; and a wrong world size."""
 
+import os
+import re
+
 import pytest
 
 from modelpar.parallel.launch import LaunchError, launch
@@ -34,3 +37,14 @@ def test_world_size_that_does_not_match_the_layout_is_one_line(monkeypatch):
     with pytest.raises(LaunchError, match="the recipe's layout needs 4 ranks but torchrun started 2") as info:
         launch(4, print)
     assert "\n" not in str(info.value)
+
+
+def _abort() -> None:
+    os.abort()  # what glibc does on a corrupted heap
+
+
+def test_a_launched_rank_killed_by_a_signal_prints_its_python_stack(capfd):
+    with pytest.raises(LaunchError, match=r"rank 0 died \(signal SIGABRT\)"):
+        launch(1, _abort, timeout_s=60.0)
+    err = capfd.readouterr().err
+    assert re.search(r'test_distributed_env\.py", line \d+ in _abort', err), err[-2000:]

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from modelpar.model.config import MLAConfig, ModelConfig, MoEConfig
+from modelpar.model.rope import RopeScaling
+from modelpar.model.structure import BlockStructure
 from modelpar.training.config import DataConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
 
 VOCAB = 64
@@ -17,6 +19,9 @@ _BASE = ModelConfig(
     rope_theta=500.0, init_std=0.1,
 )  # fmt: skip
 _MIXTURE = MoEConfig(experts=4, top_k=2, ffn_hidden=24)
+# Gemma's sandwich of (1 + weight) norms, GeGLU, scaled embedding and query_pre_attn_scalar; one local layer
+# (a window shorter than the sequence) and one global
+_GEMMA = BlockStructure(norm="sandwich", norm_offset=1.0, activation="geglu", embedding_scale=True, query_scale=10.0)
 
 # family -> tiny model; each exercises what makes the family what it is
 FAMILIES: dict[str, ModelConfig] = {
@@ -33,6 +38,25 @@ FAMILIES: dict[str, ModelConfig] = {
             routed_scaling_factor=2.5, first_k_dense_replace=1, bias_update_rate=0.05,
         ),
         mtp_depth=1,
+    ),
+    "qwen2": replace(_BASE, attention_bias=True),
+    "olmo2": replace(_BASE, qk_norm=True, block=BlockStructure(norm="post", qk_norm_scope="projection")),
+    "gemma3": replace(
+        _BASE, head_dim=12, qk_norm=True, tie_embeddings=True, sliding_window=5, window_layers=[0],
+        block=replace(_GEMMA, local_rope_theta=20.0),
+    ),
+    # caps low enough that this tiny model's scores and logits reach them
+    "gemma2": replace(
+        _BASE, head_dim=12, tie_embeddings=True, sliding_window=5, window_layers=[0],
+        block=replace(_GEMMA, attention_softcap=1.0, final_softcap=1.5),
+    ),
+    "gpt_oss": replace(
+        _BASE, head_dim=8, attention_bias=True, attention_out_bias=True, sliding_window=5, window_layers=[0],
+        rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=4, truncate=False),
+        moe=MoEConfig(
+            experts=4, top_k=2, ffn_hidden=16, bias=True, activation="clamped_swiglu", swiglu_limit=0.5
+        ),  # a clamp low enough that the gates and ups reach it
+        block=BlockStructure(attention_sinks=True),
     ),
 }  # fmt: skip
 
