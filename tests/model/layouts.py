@@ -27,6 +27,30 @@ def transformers_loss(model) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item()
 
 
+def check_import_export(path, want: float, out, model_type: str, hf_class, tol: float) -> None:
+    """The HF directory ``path`` imported with no overrides gives transformers' loss ``want``; exported to ``out``
+    it holds the tensors transformers saved, bit for bit, names ``model_type`` and reloads in ``hf_class`` with
+    that loss."""
+    import json
+
+    import pytest
+    from safetensors.torch import load_file
+
+    from modelpar.model.hf import config_from_hf, export_hf, import_hf
+    from modelpar.model.transformer import build_model
+
+    model = build_model(config_from_hf(path), seed=0)
+    import_hf(path, model)
+    with torch.no_grad():
+        assert abs(model.loss(model(IDS[:, :-1]), IDS[:, 1:]).item() - want) <= tol * want
+    export_hf(model, out)
+    original, exported = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    assert transformers_loss(hf_class.from_pretrained(out).eval()) == pytest.approx(want, rel=tol)
+
+
 def reference_loss_and_grads(config, *, seed=0, hf_path=None, **options):
     """The single-device model on the whole batch: (loss, {name: gradient})."""
     from modelpar.model.hf import import_hf

@@ -9,15 +9,19 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from modelpar.model.config import ModelConfig
-from modelpar.model.hf import config_from_hf, config_to_hf, export_hf, import_hf
+from modelpar.model.hf import config_from_hf, config_to_hf
 from modelpar.model.structure import BlockStructure
-from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
+from tests.model.layouts import (
+    check_against_reference,
+    check_import_export,
+    reference_loss_and_grads,
+    run_layouts,
+    transformers_loss,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,18 +84,8 @@ def test_gemma3_config_maps_every_field(gemma):
 @pytest.mark.parametrize("kind", [*VARIANTS, "gemma2"])
 def test_imported_gemma_gives_transformers_loss_and_exports_what_transformers_saved(gemma, tmp_path, kind):
     path, want = gemma[kind]
-    model = build_model(config_from_hf(path), seed=0)
-    import_hf(path, model)
-    with torch.no_grad():
-        assert abs(model.loss(model(IDS[:, :-1]), IDS[:, 1:]).item() - want) <= TOL * want
-    export_hf(model, tmp_path)
-    original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    hf_type = "gemma2" if kind == "gemma2" else "gemma3_text"
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == hf_type
     cls = transformers.Gemma2ForCausalLM if kind == "gemma2" else transformers.Gemma3ForCausalLM
-    assert transformers_loss(cls.from_pretrained(tmp_path).eval()) == pytest.approx(want, rel=TOL)
+    check_import_export(path, want, tmp_path, "gemma2" if kind == "gemma2" else "gemma3_text", cls, TOL)
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from modelpar.model.config import ModelConfig, MoEConfig
-from modelpar.model.hf import config_from_hf, config_to_hf, export_hf, import_hf
+from modelpar.model.hf import config_from_hf, config_to_hf
 from modelpar.model.rope import RopeScaling
 from modelpar.model.structure import BlockStructure
-from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, check_import_export, reference_loss_and_grads, run_layouts
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,19 +64,7 @@ def test_gpt_oss_config_maps_every_field(gpt_oss):
 
 def test_imported_gpt_oss_gives_transformers_loss_and_exports_what_transformers_saved(gpt_oss, tmp_path):
     path, want = gpt_oss
-    model = build_model(config_from_hf(path), seed=0)
-    import_hf(path, model)
-    with torch.no_grad():
-        assert abs(model.loss(model(IDS[:, :-1]), IDS[:, 1:]).item() - want) <= TOL * want
-    export_hf(model, tmp_path)
-    original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt_oss"
-    reloaded = transformers.GptOssForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        logits = reloaded(IDS[:, :-1]).logits
-    assert F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item() == pytest.approx(want, rel=TOL)
+    check_import_export(path, want, tmp_path, "gpt_oss", transformers.GptOssForCausalLM, TOL)
 
 
 def test_modelpar_ckpt_streams_gpt_oss_in_and_out_with_its_fused_experts(gpt_oss, tmp_path):

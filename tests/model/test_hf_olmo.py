@@ -7,15 +7,19 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from modelpar.model.config import ModelConfig
-from modelpar.model.hf import config_from_hf, config_to_hf, export_hf, import_hf
+from modelpar.model.hf import config_from_hf, config_to_hf
 from modelpar.model.structure import BlockStructure
-from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts, transformers_loss
+from tests.model.layouts import (
+    check_against_reference,
+    check_import_export,
+    reference_loss_and_grads,
+    run_layouts,
+    transformers_loss,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,17 +53,7 @@ def test_olmo2_config_maps_every_field(olmo):
 
 def test_imported_olmo2_gives_transformers_loss_and_exports_what_transformers_saved(olmo, tmp_path):
     path, want = olmo
-    model = build_model(config_from_hf(path), seed=0)
-    import_hf(path, model)
-    with torch.no_grad():
-        assert abs(model.loss(model(IDS[:, :-1]), IDS[:, 1:]).item() - want) <= TOL * want
-    export_hf(model, tmp_path)
-    original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "olmo2"
-    reloaded = transformers.Olmo2ForCausalLM.from_pretrained(tmp_path).eval()
-    assert transformers_loss(reloaded) == pytest.approx(want, rel=TOL)
+    check_import_export(path, want, tmp_path, "olmo2", transformers.Olmo2ForCausalLM, TOL)
 
 
 @pytest.mark.parametrize("field, value", [("attention_bias", True), ("attention_dropout", 0.1)])

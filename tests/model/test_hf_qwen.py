@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from modelpar.model.config import ModelConfig, MoEConfig
-from modelpar.model.hf import config_from_hf, config_to_hf, export_hf, import_hf
+from modelpar.model.hf import config_from_hf, config_to_hf, import_hf
 from modelpar.model.transformer import build_model
 from modelpar.parallel.layout import ParallelLayout
 from modelpar.testing import run_on_ranks
-from tests.model.layouts import IDS, check_against_reference, reference_loss_and_grads, run_layouts
+from tests.model.layouts import IDS, check_against_reference, check_import_export, reference_loss_and_grads, run_layouts
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,20 +93,8 @@ def test_unsupported_qwen3_variant_is_refused_in_one_line_naming_the_field(qwen,
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
 def test_imported_qwen3_gives_transformers_loss_and_exports_what_transformers_saved(qwen, tmp_path, kind):
     path, want = qwen[kind]
-    model = build_model(config_from_hf(path), seed=0)
-    import_hf(path, model)
-    with torch.no_grad():
-        assert abs(model.loss(model(IDS[:, :-1]), IDS[:, 1:]).item() - want) <= TOL * want
-    export_hf(model, tmp_path)
-    original, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == kind
     cls = transformers.Qwen3MoeForCausalLM if kind == "qwen3_moe" else transformers.Qwen3ForCausalLM
-    reloaded = cls.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        logits = reloaded(IDS[:, :-1]).logits
-    assert F.cross_entropy(logits.flatten(0, 1), IDS[:, 1:].flatten()).item() == pytest.approx(want, rel=TOL)
+    check_import_export(path, want, tmp_path, kind, cls, TOL)
 
 
 def test_experts_fused_as_transformers_holds_them_in_memory_are_read_too(qwen, tmp_path):
