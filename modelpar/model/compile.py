@@ -27,11 +27,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
-from torch._dynamo.callback import CallbackArgs, callback_handler
 
 from modelpar.model.transformer import ModelChunk
+
+if TYPE_CHECKING:
+    from torch._dynamo.callback import CallbackArgs
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,10 @@ class BlockCompilation:
         self._backward_seen = False
         self._started: float | None = None
         self._lock = threading.Lock()  # backward compiles run on autograd's threads
+        # Dynamo loads here, not at import: two seconds of start-up that runs without model.compile never use
+        from torch._dynamo.callback import callback_handler
+
+        self._callbacks = callback_handler
         callback_handler.register_start_callback(self._compile_started)
         callback_handler.register_end_callback(self._compile_ended)
         self._hooks = [chunk.register_forward_pre_hook(self._before_forward) for chunk in chunks]
@@ -84,8 +91,8 @@ class BlockCompilation:
     def _before_forward(self, chunk: torch.nn.Module, args: tuple) -> None:
         if self._backward_seen and not self.reported:
             self.reported = True
-            callback_handler.remove_start_callback(self._compile_started)
-            callback_handler.remove_end_callback(self._compile_ended)
+            self._callbacks.remove_start_callback(self._compile_started)
+            self._callbacks.remove_end_callback(self._compile_ended)
             for handle in self._hooks:
                 handle.remove()
             self._report(self.summary())

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from einops import rearrange
 from modelpar_kernels import swiglu
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from modelpar.model.config import ModelConfig
 from modelpar.model.layers import ParallelSwiGLU, ShardInfo
@@ -43,6 +42,7 @@ from modelpar.model.layers.mlp import clamped_swiglu
 from modelpar.model.router import route, sequence_of_tokens, sequence_statistics
 from modelpar.parallel import collectives
 from modelpar.parallel.context import ContextParallelGroup
+from modelpar.parallel.dtensors import is_dtensor
 from modelpar.parallel.experts import ExpertParallelGroup, all_to_all_tokens, gather_tokens, split_tokens
 from modelpar.parallel.regions import TensorParallelGroup
 
@@ -489,7 +489,7 @@ class MoELayer(nn.Module):
         state = {}
         for name, logical_name in self._expert_tensors():
             mine = getattr(self.routed_experts, name).detach()
-            if isinstance(mine, DTensor):  # ZeRO-2/3: sharded over the ranks holding the same experts
+            if is_dtensor(mine):  # ZeRO-2/3: sharded over the ranks holding the same experts
                 mine = mine.full_tensor()
             with collectives.comm_tag("export"):
                 whole = collectives.all_gather(mine, self.ep.group)  # [E, ...]

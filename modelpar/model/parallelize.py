@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from modelpar.model.activations import ActivationOffload
 from modelpar.model.compile import compile_blocks
@@ -143,6 +142,8 @@ def apply_fsdp(
         raise ValueError(f"zero_group={shard_group} with ep={groups.layout.ep}: experts are not hybrid-sharded")
     device = next(p for c in chunks for p in c.parameters()).device.type
     mesh = dp_cp_mesh(groups, shard_group, device)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # ZeRO-2/3 only: a second to import
+
     policy = MixedPrecisionPolicy()
     if compute_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)

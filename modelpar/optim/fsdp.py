@@ -42,17 +42,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from modelpar.optim.adamw import build_adamw
 from modelpar.optim.clip import clip_grad_norm
 from modelpar.optim.data_parallel import DataParallelOptimizer, _nothing
 from modelpar.optim.param_info import ParamInfo, ParamsWithInfo
 from modelpar.optim.state import MOMENTS, moment_kinds, switch_error
+from modelpar.parallel.dtensors import is_dtensor
 from modelpar.parallel.groups import ParallelGroups
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def shard_rank_and_size(t: DTensor) -> tuple[int, int]:
@@ -63,23 +66,23 @@ def shard_rank_and_size(t: DTensor) -> tuple[int, int]:
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
-    return isinstance(t, DTensor)
+    return is_dtensor(t)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (its dp shard if ``t`` is sharded)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def full_local(t: torch.Tensor) -> torch.Tensor:
     """The whole tp-local tensor of a dp-sharded one (collective over its mesh); ``t`` itself otherwise."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def dp_rows(t: torch.Tensor) -> slice:
     """The rows (dim 0) of the whole tp-local tensor that this rank's part of ``t`` holds: all of them, or
     the dp shard's (FSDP2 shards dim 0 as ``torch.chunk`` does)."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return slice(0, t.shape[0])
     rank, size = shard_rank_and_size(t)
     start = min(rank * -(-t.shape[0] // size), t.shape[0])
@@ -88,7 +91,7 @@ def dp_rows(t: torch.Tensor) -> slice:
 
 def load_local(target: torch.Tensor, whole: torch.Tensor) -> None:
     """Write ``whole`` (the tp-local tensor) into ``target``: all of it, or the dp shard ``target`` holds."""
-    if not isinstance(target, DTensor):
+    if not is_dtensor(target):
         target.copy_(whole)
         return
     target.to_local().copy_(whole[dp_rows(target)])
@@ -115,7 +118,7 @@ class FullyShardedAdamW(DataParallelOptimizer):
         self.chunks = list(chunks)  # the FSDP2 roots, in the pipeline runtime's local order
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self._micro_batches = 1
-        first = next((p for p, i in self.params_with_info if isinstance(p, DTensor) and not i.expert_parallel), None)
+        first = next((p for p, i in self.params_with_info if is_dtensor(p) and not i.expert_parallel), None)
         # the group whose ranks hold different shards, where hybrid sharding replicates them: the norm sums over
         # it; None: all of dp x cp, where under ep the experts are sharded over the ranks holding the same ones,
         # so over dp x cp each expert value too is held once
@@ -161,6 +164,8 @@ class FullyShardedAdamW(DataParallelOptimizer):
         left them so; a forward in between may have freed them at stage 3)."""
         if not self.chunks:
             return
+        from torch.distributed.fsdp import FSDPModule  # loaded by fully_shard, which made these chunks
+
         modules = [m for m in self.chunks[chunk].modules() if isinstance(m, FSDPModule)]
         for handle in [m.unshard(async_op=True) for m in modules]:
             handle.wait()
@@ -232,6 +237,8 @@ def _end_weight_backward(chunk: torch.nn.Module, reduce: bool) -> None:
     the sharded ``.grad`` (mixed-precision accumulators, hybrid all-reduce and averaging as FSDP2 does them)
     and the gathered weights freed, as ``torch.distributed.pipelining``'s REDUCE_GRAD step does. Private FSDP2
     calls (it has no public one for a backward outside autograd's hooks): checked against torch 2.13."""
+    from torch.distributed.fsdp import fully_shard
+
     state = fully_shard.state(chunk)
     if reduce:
         chunk.set_requires_gradient_sync(True)
@@ -247,7 +254,7 @@ def _end_weight_backward(chunk: torch.nn.Module, reduce: bool) -> None:
 
 def _local_share(param: torch.Tensor, info: ParamInfo) -> ParamInfo:
     """``info`` with a per-row ``norm_share`` cut to the rows of ``param``'s dp shard."""
-    if not isinstance(info.norm_share, torch.Tensor) or not isinstance(param, DTensor):
+    if not isinstance(info.norm_share, torch.Tensor) or not is_dtensor(param):
         return info
     return replace(info, norm_share=info.norm_share[dp_rows(param)])
 

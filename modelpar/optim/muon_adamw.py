@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from modelpar.optim.muon import momentum_update
 from modelpar.optim.muon_layout import MuonLayout
+from modelpar.parallel.dtensors import local_tensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 class MuonAdamW(torch.optim.AdamW):

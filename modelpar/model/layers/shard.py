@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from modelpar.parallel.dtensors import is_dtensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,7 +88,7 @@ class ShardInfo:
         the dp shard FSDP2 keeps of either (a DTensor whose rank holds a ``torch.chunk``-style slice of dim
         0): then only the rows of ``local_rows`` inside that slice, a view into the local shard, and where
         they sit; None when the shard holds none of them. Reads shapes only (no collective)."""
-        if not isinstance(tensor, DTensor):
+        if not is_dtensor(tensor):
             return tensor[self.local_rows], self.index
         mine = tensor.to_local()
         mesh = tensor.device_mesh
