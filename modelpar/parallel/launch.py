@@ -24,7 +24,13 @@ from typing import Any
 
 from modelpar.parallel.admission import AdmissionSpec
 from modelpar.parallel.redact import redact
-from modelpar.parallel.world import LOCAL_ADDR, destroy_distributed, init_distributed, launch_env_from_environ
+from modelpar.parallel.world import (
+    LOCAL_ADDR,
+    RANK_PRELOAD,
+    destroy_distributed,
+    init_distributed,
+    launch_env_from_environ,
+)
 
 _STOP_GRACE_S = 5.0
 
@@ -185,7 +191,7 @@ def _start_context(fn: Callable[..., Any], rank_setup: Callable[[int], None] | N
     ctx = mp.get_context(method)
     if method == "forkserver":
         ours = [m for m in (fn.__module__, type(rank_setup).__module__, __name__) if m.startswith("modelpar")]
-        ctx.set_forkserver_preload(["torch", "torch.distributed", *ours])
+        ctx.set_forkserver_preload([*RANK_PRELOAD, *ours])
     return ctx
 
 

@@ -35,7 +35,7 @@ import torch
 
 from modelpar.parallel.groups import ParallelGroups, held_groups, release_groups
 from modelpar.parallel.layout import ParallelLayout
-from modelpar.parallel.world import init_distributed
+from modelpar.parallel.world import RANK_PRELOAD, init_distributed
 
 DEFAULT_TIMEOUT_S = 120.0
 _FAILURE_GRACE_S = 1.0  # after one rank fails, how long to wait for the others' own reports
@@ -159,7 +159,7 @@ class _RankPool:
 
     def __init__(self, world_size: int, rank_setup: Callable[[int], None] | None = None, start_timeout_s: float = 60.0):
         ctx = mp.get_context("forkserver")
-        preload = ["torch", "torch.distributed", __name__]
+        preload = [*RANK_PRELOAD, __name__]
         ctx.set_forkserver_preload(preload + ([type(rank_setup).__module__] if rank_setup is not None else []))
         self.world_size = world_size
         self.rank_setup = rank_setup

@@ -20,6 +20,10 @@ from modelpar.parallel.admission import AdmissionSpec, admit
 
 DEFAULT_TIMEOUT_S = 300.0
 LOCAL_ADDR = "127.0.0.1"
+# What a fork server loads once for the CPU ranks it forks (the launcher's and the warm pool's). ``torch._dynamo``
+# is there because ``torch.optim.Optimizer.__init__`` imports it on first use: two CPU-seconds that every rank
+# building an optimizer would otherwise pay after the fork, most of a tiny run's time in each rank.
+RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 _timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)  # of the world; every group we create inherits it
 
 
