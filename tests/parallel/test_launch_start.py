@@ -42,3 +42,25 @@ def test_spawn_can_be_asked_for_and_anything_else_is_one_line(monkeypatch):
     monkeypatch.setenv("MODELPAR_RANK_START", "fork")
     with pytest.raises(ValueError, match="MODELPAR_RANK_START='fork' must be forkserver or spawn"):
         RankSetup()
+
+
+def _finish_then_note_teardown(out_dir: str) -> None:
+    import time
+    from pathlib import Path
+
+    from modelpar.parallel.world import on_destroy
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        time.sleep(1.0)  # a slow rank: the others' functions returned long before
+    Path(out_dir, f"done{rank}").write_text(repr(time.time()))
+    on_destroy(lambda: Path(out_dir, f"teardown{rank}").write_text(repr(time.time())))
+
+
+def test_no_rank_tears_its_group_down_before_every_rank_is_done(tmp_path):
+    """A rank whose function returns at once waits for the others before closing its sockets: leaving early made
+    a peer still connecting fail with gloo's "Connection closed by peer" (about 1 launch in 6 of three ranks)."""
+    launch(3, _finish_then_note_teardown, str(tmp_path), rank_setup=RankSetup(), timeout_s=120)
+    slowest_done = float((tmp_path / "done1").read_text())
+    for rank in (0, 2):
+        assert float((tmp_path / f"teardown{rank}").read_text()) >= slowest_done, rank
