@@ -228,34 +228,35 @@ def memory_lines(rows: list[dict]) -> list[str]:
     lines = [
         "## Memory of the published no-recompute layouts on modelpar",
         "",
-        "| run | GPU | modelpar's fullest stage | GiB | model states | chunk micro-batches (layers) in flight | "
-        "SP inputs kept gathered | GiB keeping the 1/tp shard |",
+        "| run | GPU | modelpar's fullest stage | GiB (SP inputs kept as 1/tp shards, the default) | model states | "
+        "chunk micro-batches (layers) in flight | SP inputs' shards vs gathered | GiB keeping them gathered "
+        "(parallel.sp_keep_shard=false) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["memory"]
         lines.append(
             f"| {r['run']} | {m['device_gib']:.0f} GiB | {m['stage']} | {m['total_gib']:.1f} | {m['states_gib']:.1f} | "
-            f"{m['chunk_micro_batches']} ({m['layers_in_flight']:.0f}) | {m['sp_gathered_gib']:.1f} | "
-            f"{m['total_gib'] - m['sp_gathered_gib']:.1f} |"
+            f"{m['chunk_micro_batches']} ({m['layers_in_flight']:.0f}) | -{m['sp_gathered_gib']:.1f} | "
+            f"{m['total_gib'] + m['sp_gathered_gib']:.1f} |"
         )
     lines += [
         "",
-        "Meta ran these without activation recompute in 80 GB; modelpar-plan prices the same strategy on modelpar's "
-        "step above it and refuses it (its search picks selective recompute instead, or offload). The planner is "
-        "right for modelpar: `modelpar-train --config-name llama-405b-16384gpu trainer.dry_run=true parallel.dp=64 "
-        "parallel.microbatches=32 parallel.recompute=none` steps the ranks of that layout on the meta device and "
-        "its saved-activation meter equals the planner's bytes on every rank it checks "
-        "(benchmarks/results/plan_405b_memory.md). What differs is the engine: (1) each column-parallel linear under "
-        "sequence parallelism (qkv, gate|up) saves its all-gathered [T, h] input for the weight gradient, where "
-        "Megatron-LM keeps the [T/t, h] shard and all-gathers it again in backward (Korthikanti et al. 2022); "
-        "(2) interleaved 1F1B's warm-up holds 2(p - r - 1) + (v - 1)p + 1 chunk micro-batches on stage r, which the "
-        "Llama 3 paper's schedule changes trim (section 3.3.2: a tunable number N of consecutive micro-batches per "
-        "chunk, one layer fewer on the first and last stages, each stage's input and output tensors freed once "
-        "sent). Neither alone brings the 8K-GPU run under 80 GiB in modelpar's accounting; the 16K-GPU run "
-        "(16 micro-batches a replica) would fit with (1) alone. modelpar should do (1): it "
-        "costs one more all-gather per linear in backward (overlappable with the input-gradient matmul) and saves "
-        "the column shown; (2) needs the schedule's warm-up depth as a setting.",
+        "Meta ran these without activation recompute in 80 GB. modelpar's step keeps each sequence-parallel "
+        "column-parallel linear's (qkv, gate|up) input as its [T/t, h] shard and all-gathers it again in backward, "
+        "overlapped with the input-gradient matmul (`parallel.sp_keep_shard`, the default; Megatron-LM's, "
+        "Korthikanti et al. 2022); keeping the gathered [T, h] input instead costs the column shown. The planner is "
+        "right for modelpar either way: `modelpar-train --config-name llama-405b-16384gpu trainer.dry_run=true "
+        "parallel.dp=64 parallel.microbatches=32 parallel.recompute=none` steps the ranks of that layout on the meta "
+        "device and its saved-activation meter equals the planner's bytes on every rank it checks "
+        "(benchmarks/results/plan_405b_memory.md). The 16K-GPU run (16 micro-batches a replica) fits 80 GiB with "
+        "the shards kept; the 8K-GPU and 128K-context runs do not: what remains is interleaved 1F1B's warm-up, which "
+        "holds 2(p - r - 1) + (v - 1)p + 1 chunk micro-batches on stage r and which the Llama 3 paper's schedule "
+        "changes trim (section 3.3.2: a tunable number N of consecutive micro-batches per chunk, one layer fewer on "
+        "the first and last stages, each stage's input and output tensors freed once sent); that needs the "
+        "schedule's warm-up depth as a setting. The backward all-gathers of the shards are priced beside the "
+        "input-gradient matmul each runs with (exposed only where longer): at these shapes they are hidden, and the "
+        "predicted steps above are the same with either setting.",
     ]
     return lines
 

@@ -9,7 +9,8 @@ micro-batch's activation, ``e`` the compute dtype's bytes, ``m`` micro-batches:
 
     tp    each block half 2 collective pairs (forward, backward): all-gather + reduce-scatter of a (sequence
           parallel), else all-reduce of a; reruns repeat each rerun half's all-gather (SP) and, under full
-          recompute, the attention half's closing one (``rerun_tp_exchanges``); a MoE MLP under SP none; the fp32
+          recompute, the attention half's closing one (``rerun_tp_exchanges``); under SP with sp_keep_shard one
+          more all-gather per half not rerun and per head (``kept_shard_halves``); a MoE MLP under SP none; the fp32
           gradients tp leaves partial (routed experts, router, the norms under SP) all-reduced once; the
           embedding's output and the head's input one pair each           (``tp_collectives_per_layer``)
     pp    a forward's activation a/t (sp) or a to the next stage, a backward's gradient to the previous one
@@ -44,7 +45,13 @@ from modelpar.plan.optimizer_step import exchange_bytes
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, ModelSpec, Strategy
 from modelpar.plan.states import expert_elements, shard_group_size, stage_units, zero0_buckets, zero1_shards
-from modelpar.plan.step_time import cp_exchange_forwards, cp_exchange_width, rerun_halves, rerun_tp_exchanges
+from modelpar.plan.step_time import (
+    cp_exchange_forwards,
+    cp_exchange_width,
+    kept_shard_halves,
+    rerun_halves,
+    rerun_tp_exchanges,
+)
 
 
 def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int) -> dict:
@@ -74,6 +81,9 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         pairs += sum(partition.has_embedding(c) + partition.has_head(c) for c in chunks)  # embedding out, head in
         opening, closing = rerun_tp_exchanges(model, strategy)  # per layer; the closing one where both halves are
         gathers = pairs + (sum(n for h, n in tp_halves.items() if h in rerun) if opening else 0)
+        kept = set(kept_shard_halves(model, strategy))  # each kept shard all-gathered again in backward
+        gathers += sum(n for h, n in tp_halves.items() if h in kept)
+        gathers += sum(partition.has_head(c) for c in chunks) * (strategy.sp and strategy.sp_keep_shard)
         scatters = pairs + closing * whole
         # the gradients tp leaves partial, summed over tp once (``reduce_tensor_parallel_grads``): the routed
         # experts' and the router's (each tp rank routes its own tokens) and, under SP, the norms'

@@ -32,6 +32,7 @@ def recipe_strategy(cfg) -> Strategy:
         pipeline=p.schedule if p.pp > 1 else "",
         reduce_every_micro_batch=cfg.optim.reduce_every_micro_batch,
         optimizer=cfg.optim.name,
+        sp_keep_shard=p.sp_keep_shard,
     )
 
 

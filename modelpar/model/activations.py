@@ -128,6 +128,13 @@ class RecomputePolicy:
     def __repr__(self) -> str:
         return f"RecomputePolicy({self.mode!r}, {sorted(self.modules)})"
 
+    def reruns(self, name: str) -> bool:
+        """Whether backward reruns the forward of block half ``name`` (attention | mlp): the whole half, or
+        its element-wise ops under ``elementwise`` (which rerun its sequence-parallel all-gathers too)."""
+        if self.mode == "full":
+            return True
+        return self.mode == "selective" and (name in self.modules or "elementwise" in self.modules)
+
     def run_half(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``fn(x)`` for the block half ``name`` (attention | mlp), rerun in backward as the policy says."""
         if self.mode != "selective" or not torch.is_grad_enabled():

@@ -36,7 +36,9 @@ class ChunkSpec:
     the head and the loss. ``split_blocks``: blocks held only in part (``{4: "mlp"}``: block 4's MLP half, its
     attention being in the previous chunk); only the first block may be an ``"mlp"`` half and only the last an
     ``"attention"`` half, so the chunk stays a contiguous piece of the model. ``sequence_parallel``: the
-    residual stream sharded along the sequence over tp (a no-op at tp=1). ``recompute`` (none | selective |
+    residual stream sharded along the sequence over tp (a no-op at tp=1); ``sp_keep_shard``: its column-parallel
+    linears keep their input's sequence shard for backward, not the gathered input, where the half is not rerun
+    (``ColumnParallelLinear.keep_shard``). ``recompute`` (none | selective |
     full) with ``recompute_modules`` (for selective). ``cp_comm`` (ring | allgather | alltoall | hybrid): how
     attention exchanges K/V (or heads) under context parallelism; ``cp_a2a``: hybrid's all-to-all group size.
     ``fp8`` (off | rowwise | tensorwise): the attention and dense MLP projections' GEMMs in FP8
@@ -50,6 +52,7 @@ class ChunkSpec:
     last: bool = True
     split_blocks: Mapping[int, str] = field(default_factory=dict)
     sequence_parallel: bool = False
+    sp_keep_shard: bool = True
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = DEFAULT_SELECTIVE
     cp_comm: str = "ring"

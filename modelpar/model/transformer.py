@@ -89,6 +89,11 @@ class Block(nn.Module):
                     config.hidden, config.ffn_hidden, tp, fp8=spec.fp8, cp=groups.cp, activation=structure.activation,
                     **kw,
                 )  # fmt: skip
+        for name, module in (("attention", getattr(self, "self_attn", None)), ("mlp", getattr(self, "mlp", None))):
+            keep = spec.sp_keep_shard and not self.recompute.reruns(name)  # a rerun half gathers again anyway
+            for linear in () if module is None else module.modules():
+                if isinstance(linear, ColumnParallelLinear):
+                    linear.keep_shard = keep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.half != "mlp":
@@ -217,6 +222,7 @@ class ModelChunk(nn.Module):
             start, size = vocab_range(config.vocab_size, tp)
             head_name = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
             self.lm_head = ColumnParallelLinear(h, [ColumnPart(head_name, config.vocab_size, start, size)], tp, **kw)
+            self.lm_head.keep_shard = spec.sp_keep_shard
             if config.tie_embeddings and self.first:
                 self.lm_head.weight = self.embed_tokens.weight
         # what ``record_comm`` reports each collective under (a recompute's rerun of a block counts as "layer")

@@ -327,6 +327,44 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     return out.movedim(0, dim)
 
 
+class _Done:
+    """The handle of a collective that already ran (a ``CollectiveAlgorithm`` runs its own to completion)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def all_gather_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):
+    """Start ``all_gather(tensor, group, dim)``; returns (handle, result): read the result only after
+    ``wait_after_hand_over(handle, "all_gather", group)``. Records as ``all_gather`` does."""
+    world = group_size(group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _record("all_gather", out, group)
+    with _profiled("all_gather"):
+        if _algorithm is not None and _algorithm.all_gather_into(out, moved, group):
+            work = _Done()
+        else:
+            work = _all_gather_single(out, moved, group=group, async_op=True)
+    return work, out.movedim(0, dim)
+
+
+def reduce_scatter_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):
+    """Start ``reduce_scatter(tensor, group, dim)``; returns (handle, result), as ``all_gather_async``."""
+    world = group_size(group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} is not divisible by {world} ranks")
+    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _record("reduce_scatter", moved, group)
+    with _profiled("reduce_scatter"):
+        if _algorithm is not None and _algorithm.reduce_scatter_into(out, moved, group):
+            work = _Done()
+        else:
+            work = _reduce_scatter_single(out, moved, group=group, async_op=True)
+    return work, out.movedim(0, dim)
+
+
 def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM):
     """Start an in-place all-reduce of ``tensor`` over ``group`` and return its handle (``.wait()`` before reading).
 

@@ -73,7 +73,9 @@ def half_saved(model: ModelSpec, strategy: Strategy, x: Dims, kern: str, half: s
 
 
 def full_saved(model: ModelSpec, strategy: Strategy, x: Dims, kern: str, half: str, layer: int) -> list[Saved]:
-    """A half's tensors with nothing recomputed: what a rerun of it holds while its backward runs."""
+    """A half's tensors with nothing recomputed: what a rerun of it holds while its backward runs (its
+    column-parallel inputs gathered: a rerun half keeps no shard, ``Block``)."""
+    x = dataclasses.replace(x, Tin=x.T)
     if half == "attention":
         return attention_saved(x, kern)
     if model.shape.moe.is_moe_layer(layer):
@@ -96,7 +98,8 @@ def piece_bytes(
         for half in halves:
             mine = half_saved(model, strategy, x, kern, half, layer)
             kept += mine
-            if strategy.recompute == "selective":
+            modules = strategy.recompute_modules
+            if strategy.recompute == "selective" and (half in modules or "elementwise" in modules):
                 rerun = sum(s.nbytes for s in full_saved(model, strategy, x, kern, half, layer))
                 working = max(working, rerun - sum(s.nbytes for s in mine))
     device, host = _split_offload(kept, strategy.offload)

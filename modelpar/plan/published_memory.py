@@ -1,15 +1,13 @@
 """What modelpar's step needs for a published run's strategy, beside what the run itself got by with.
 
 Llama 3 405B ran tp8 x pp16 x dp64 without activation recompute in 80 GB (Dubey et al. 2024, Table 4 and
-section 3.3.2); the planner prices that strategy for modelpar's step well above 80 GiB and ``trainer.dry_run``
-measures the same bytes, so the planner is right for modelpar: the difference is in what the two engines keep.
-``published_memory`` splits modelpar's peak for such a run into what any engine running interleaved 1F1B keeps
-and what modelpar keeps beyond it:
+section 3.3.2); the planner prices that strategy for modelpar's step and ``trainer.dry_run`` measures the same
+bytes. ``published_memory`` splits modelpar's peak for such a run into:
 
 - **sequence-parallel inputs**: each column-parallel linear under sequence parallelism (``qkv_proj`` and
-  ``gate_up_proj``) all-gathers its ``[T/t, h]`` input and ``F.linear`` saves the gathered ``[T, h]`` for the
-  weight gradient; Megatron-LM saves the ``1/t`` shard and gathers it again in backward (Korthikanti et al. 2022,
-  section 4.2.2), which Meta's engine, built the same way, is taken to do;
+  ``gate_up_proj``) keeps its input's ``[T/t, h]`` shard for the weight gradient and all-gathers it again in
+  backward (``parallel.sp_keep_shard``, the default; Megatron-LM's, Korthikanti et al. 2022, section 4.2.2);
+  ``sp_gathered`` is what keeping the gathered ``[T, h]`` instead (``sp_keep_shard=false``) would add;
 - **in flight**: interleaved 1F1B's warm-up holds ``2(p - r - 1) + (v - 1)p + 1`` chunk micro-batches on stage
   ``r`` (``modelpar.plan.chunks.in_flight_estimate``); the paper's changes to the schedule (a tunable number of
   consecutive micro-batches per chunk, one layer fewer on the first and last stages, freeing each stage's input
@@ -40,11 +38,17 @@ class PublishedMemory:
     activations: float
     chunk_micro_batches: int  # (micro-batch, chunk) pairs the stage holds at its peak
     layers_in_flight: float  # the layers of those chunks, summed
-    sp_gathered: float  # the all-gathered inputs of the sequence-parallel linears, beyond their 1/t shards
+    sp_gathered: float  # what the sequence-parallel linears' inputs would add kept gathered, not as 1/t shards
+
+    @property
+    def total_gathered(self) -> float:
+        """The stage's bytes with ``parallel.sp_keep_shard=false``: the gathered inputs kept for backward."""
+        return self.total + self.sp_gathered
 
 
 def published_memory(run: H100Run, hardware: Hardware | None = None) -> PublishedMemory:
-    """``run``'s strategy on modelpar: its fullest stage and what of it the sequence-parallel inputs are."""
+    """``run``'s strategy on modelpar: its fullest stage, and what keeping the sequence-parallel inputs gathered
+    would add to it."""
     model, strategy, hardware = run.model, run.strategy, hardware or run.hardware
     stage = fullest_stage(model, strategy, run.seq_len, hardware)
     memory = stage_memory(model, strategy, run.seq_len, hardware, stage)
@@ -57,7 +61,8 @@ def published_memory(run: H100Run, hardware: Hardware | None = None) -> Publishe
         sum(len(kind[0]) * count for kind, count in chunk_piece_counts(partition, c, model.shape.moe))
         for c in partition.chunks_of(stage)
     ]
-    extra_per_half = x.e * (x.T - x.Ts) * x.h if strategy.sp else 0.0  # one column-parallel input per half block
+    # one column-parallel input per half block (the shard kept, it would be the whole)
+    extra_per_half = x.e * (x.T - x.Ts) * x.h if strategy.sp and strategy.sp_keep_shard else 0.0
     states = memory.weights + memory.grads + memory.optimizer + memory.buffers + memory.gathered + memory.reserved
     return PublishedMemory(
         stage=stage,
@@ -93,14 +98,15 @@ def published_note(model: ModelSpec, gpus: int, seq_len: int, layout: ParallelLa
     pm = published_memory(run, hardware)
     gib = hardware.memory_bytes / GIB
     figure = f"{run.published:g} {run.figure}"
+    fits = "fits" if pm.total <= hardware.memory_bytes else "does not fit"
     return (
         f"published: {run.name} ran {run.strategy.layout} with no recompute at {figure} on {gib:.0f} GiB GPUs "
-        f"({run.where}); modelpar's step needs {pm.total / GIB:.1f} GiB for it at stage {pm.stage} "
-        f"({pm.states / GIB:.1f} model states; {pm.chunk_micro_batches} chunk micro-batches, "
-        f"{pm.layers_in_flight:.0f} layers, in flight under interleaved 1F1B; the dry run's saved "
-        f"bytes equal the planner's): {pm.sp_gathered / GIB:.1f} GiB of it are the all-gathered inputs its "
-        f"sequence-parallel linears keep for backward where Megatron-LM keeps the 1/tp shard and gathers again "
-        f"({(pm.total - pm.sp_gathered) / GIB:.1f} GiB without them); the rest is the schedule's warm-up, which "
-        f"Meta's engine trimmed (Dubey et al. 2024, 3.3.2: fewer consecutive micro-batches per chunk, one layer "
-        f"fewer on the first and last stages, stage inputs and outputs freed once sent)"
+        f"({run.where}); modelpar's step needs {pm.total / GIB:.1f} GiB for it at stage {pm.stage} ({fits}: "
+        f"{pm.states / GIB:.1f} model states; {pm.chunk_micro_batches} chunk micro-batches, "
+        f"{pm.layers_in_flight:.0f} layers, in flight under interleaved 1F1B; the dry run's saved bytes equal the "
+        f"planner's), its sequence-parallel linears keeping their inputs' 1/tp shards and gathering them again in "
+        f"backward ({pm.total_gathered / GIB:.1f} GiB with parallel.sp_keep_shard=false); the rest is the "
+        f"schedule's warm-up, which Meta's engine trimmed (Dubey et al. 2024, 3.3.2: fewer consecutive "
+        f"micro-batches per chunk, one layer fewer on the first and last stages, stage inputs and outputs freed "
+        f"once sent)"
     )

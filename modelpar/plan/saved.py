@@ -13,7 +13,7 @@ sequence parallelism, else ``T``), ``e`` bytes of the compute dtype (4 fp32, 2 b
       x, the half's input (the residual stream)              RMSNorm (x^2, x*r)             e*Ts*h
       x * r, r = 1/rms(x)                                    RMSNorm (* weight)             e*Ts*h
       r                                                      RMSNorm                        4*Ts
-      the norm's output (all-gathered with SP)               qkv_proj                       e*T*h
+      the norm's output (all-gathered with SP: its shard)    qkv_proj                       e*Tin*h
       qkv output, whole (SDPA keeps v, a view of it)         SDPA                           e*T*(hq+2hkv)*d
       q and k after RoPE                                     SDPA                           e*T*(hq+hkv)*d
       (qk_norm) q, k times 1/rms of each head; 1/rms         q_norm, k_norm                 (e*d + 4)*T*(hq+hkv)
@@ -22,12 +22,17 @@ sequence parallelism, else ``T``), ``e`` bytes of the compute dtype (4 fp32, 2 b
       cos, sin rows of this rank's positions (cp > 1)        RoPE                           4*(s/cp)*d
     MLP half (dense SwiGLU)
       x, x * r, r                                            RMSNorm                        2e*Ts*h + 4*Ts
-      the norm's output (all-gathered with SP)               gate_up_proj                   e*T*h
+      the norm's output (all-gathered with SP: its shard)    gate_up_proj                   e*Tin*h
       gate|up output (gate and up are views of it)           silu (gate), product (up)      e*T*2f
       silu(gate)                                             product                        e*T*f
       silu(gate) * up                                        down_proj                      e*T*f
     residual adds, the tp collectives                        (nothing)
     per chunk, once: RoPE's cos/sin tables (cp = 1, shared by every layer and micro-batch)   4*s*d
+
+A column-parallel linear's input (qkv, gate|up, latent attention's down-projection, shared experts, the head)
+is kept as ``Tin`` tokens: under SP its ``T/t`` shard (``parallel.sp_keep_shard``, the default; backward
+all-gathers it again), else ``T`` (the gathered input, which ``F.linear`` keeps). A half rerun in backward
+(recompute) keeps the gathered input while its rerun's backward runs (``full_saved``: working memory).
 
 bench-tiny (h=256, 8 heads, f=688, tp=1, fp32): 22.79 s*b*h fp32 elements per layer, 22.85 with the shared
 tables, as ``benchmarks/activation_memory.py`` measures. Triton kernels (the GPU default; derived from what
@@ -132,6 +137,7 @@ class _LatentDims:
 class Dims:
     T: float  # tokens of the micro-batch on this rank
     Ts: float  # tokens of the residual stream (T/t under SP)
+    Tin: float  # tokens of a column-parallel linear's kept input: Ts keeping the SP shard, else T (gathered)
     s: float  # local sequence length (s/cp)
     h: int
     hq: float
@@ -161,6 +167,7 @@ def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware)
     return Dims(
         T=tokens,
         Ts=tokens / t if strategy.sp and t > 1 else tokens,
+        Tin=tokens / t if strategy.sp and t > 1 and strategy.sp_keep_shard else tokens,
         s=seq_len / cp,
         h=shape.hidden,
         hq=shape.heads / t,
@@ -216,7 +223,7 @@ def latent_attention_saved(x: Dims, kernels: str) -> list[Saved]:
         out.append(Saved("attention: x * 1/rms (RMSNorm)", norm))
     out += [
         Saved("attention: 1/rms (RMSNorm)", 4 * Ts),
-        Saved("attention: down_proj input", e * T * h),
+        Saved("attention: down_proj input", e * x.Tin * h),
         Saved("attention: down_proj output (q | c_kv | k_pe)", e * T * (q_rows + latent)),
         Saved("attention: latent norms' 1/rms", 4 * T * (2 if m.q_lora_rank else 1)),
         Saved("attention: latent [c_kv | k_pe] (kv_b_proj input)", e * T * latent),
@@ -251,7 +258,7 @@ def attention_saved(x: Dims, kernels: str) -> list[Saved]:
     out = [Saved("attention: x (RMSNorm)", norm, moved=2 * norm if torch_kernels else None)]  # by x^2 and x*r
     if torch_kernels:
         out.append(Saved("attention: x * 1/rms (RMSNorm)", norm))
-    out += [Saved("attention: 1/rms (RMSNorm)", 4 * Ts), Saved("attention: qkv_proj input", e * T * h)]
+    out += [Saved("attention: 1/rms (RMSNorm)", 4 * Ts), Saved("attention: qkv_proj input", e * x.Tin * h)]
     if x.score_keys:  # the plain-matmul core: SDPA's tensors are not kept, fp32 copies and scores are
         out += [*qk_norm_saved(x, kernels), *plain_attention_saved(x)]
     else:
@@ -353,7 +360,7 @@ def mlp_saved(x: Dims, kernels: str, ffn: float | None = None, tokens: float | N
             out.append(Saved("mlp: x * 1/rms (RMSNorm)", norm))
         out.append(Saved("mlp: 1/rms (RMSNorm)", 4 * x.Ts))
     out += [
-        Saved("mlp: gate_up_proj input", e * T * h),
+        Saved("mlp: gate_up_proj input", e * (x.Tin if tokens is None or tokens == x.T else T) * h),
         Saved("mlp: gate|up output", e * T * 2 * f),  # gate and up, two views
     ]
     if torch_kernels or x.geglu:  # GeGLU runs on the torch path whatever the kernels
@@ -391,7 +398,8 @@ def moe_saved(model: ModelSpec, x: Dims, kernels: str, tp: int, ep: int = 1) -> 
     ]
     if moe.shared_experts:
         shared = mlp_saved(x, kernels, ffn=moe.shared_experts * fe / tp, tokens=x.T)
-        out += shared if x.Ts < x.T else shared[1:]  # its input: all-gathered under SP, else the router's
+        # its input: all-gathered under SP (kept whole without sp_keep_shard), else (or its shard) the router's
+        out += shared if x.Tin > x.Ts else shared[1:]
     return out + post_norm_saved(x, kernels, "mlp") + norm_scales_saved(x, "mlp")
 
 
@@ -460,7 +468,7 @@ def head_saved(x: Dims, kernels: str) -> list[Saved]:
     out = [Saved("head: x (RMSNorm)", e * x.Ts * h)]
     if kernels == "torch":
         out.append(Saved("head: x * 1/rms (RMSNorm)", e * x.Ts * h))
-    out += [Saved("head: 1/rms (RMSNorm)", 4 * x.Ts), Saved("head: lm_head input", e * T * h)]
+    out += [Saved("head: 1/rms (RMSNorm)", 4 * x.Ts), Saved("head: lm_head input", e * x.Tin * h)]
     if kernels == "torch":
         # sum of exp (fp32; under tp a view of the [2, T] buffer all-reduced with the target logits), target
         # index (int64), two masks (bool), the count of valid targets

@@ -137,6 +137,9 @@ class Strategy:
     pipeline: str = ""
     reduce_every_micro_batch: bool = False
     optimizer: str = "adamw"  # optim.name: muon keeps one momentum buffer (not two moments) for hidden matrices
+    # parallel.sp_keep_shard: under SP the column-parallel linears of the halves not rerun keep their input's
+    # 1/t shard for backward and all-gather it again there (False: they keep the gathered input)
+    sp_keep_shard: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", int(self.zero))  # True/False from older callers: stage 1 / 0

@@ -9,7 +9,9 @@ dimension, the pipeline bubble and offload, from the per-rank FLOPs of ``modelpa
                  layer, at ``memory_bw``; divided by t with SP) + ``layer_overhead_s`` per layer (host-side
                  dispatch, which no parallelism shrinks); with model.fp8 the projections' FLOPs at the FP8 peak
                  (``fp8_time_factor``: H100/H200 twice bf16)
-    tp_comm_s  = per layer per micro-batch 4 collectives of b*s*h elements (and what reruns repeat),
+    tp_comm_s  = per layer per micro-batch 4 collectives of b*s*h elements (and what reruns repeat; under SP
+                 with sp_keep_shard one more all-gather per half not rerun, beside the input-gradient matmul of
+                 its linear: only what is longer than that matmul, ``kept_shard_exposed_s``),
                  ring cost 2(t-1)/t * bytes / bw (+ latency per ring step); NVLink if t <= gpus_per_node;
                  a MoE layer under SP 2 (its MLP has none), plus one all-reduce a step of the fp32 gradients
                  of the routed experts and the router, which are replicated over tp; and per micro-batch one
@@ -137,10 +139,47 @@ def rerun_tp_exchanges(model: ModelSpec, strategy: Strategy) -> tuple[int, int]:
     return (len(halves) if strategy.sp else 0), int(strategy.recompute == "full")
 
 
+def kept_shard_halves(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    """The block halves whose column-parallel linears keep their input's SP shard and all-gather it again in
+    backward (``parallel.sp_keep_shard``): under SP, those backward does not rerun (a rerun half gathers anyway)."""
+    if not (strategy.sp and strategy.sp_keep_shard and strategy.layout.tp > 1):
+        return ()
+    rerun = rerun_halves(model, strategy)
+    return tuple(h for h in ("attention", "mlp") if h not in rerun)
+
+
+def kept_shard_exposed_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, seq_len: int, rate: float) -> float:
+    """The exposed time of one micro-batch's all-gathers of kept SP shards on the busiest rank, per layer: each
+    runs beside its linear's input-gradient matmul (``modelpar.model.layers.sequence_linear``) and shows only
+    where it is longer. The halves of ``kept_shard_halves`` (the MLP's of dense layers: a MoE MLP under SP
+    gathers nothing, ``tp_collectives_per_layer``); 0 without SP or with ``sp_keep_shard=false``."""
+    halves = kept_shard_halves(model, strategy)
+    if not halves:
+        return 0.0
+    layout, shape = strategy.layout, model.shape
+    t = layout.tp
+    tokens = strategy.micro_batch_size * seq_len / layout.cp
+    nbytes = tokens * shape.hidden * hardware.weight_bytes  # the gathered input, in the compute dtype
+    gather = ring_all_gather_s(nbytes, t, group_bandwidth(hardware, t), hardware.latency_s)
+    moe_share = sum(map(shape.moe.is_moe_layer, range(shape.layers))) / shape.layers if shape.moe.enabled else 0.0
+    m = shape.mla
+    if m.enabled:
+        qkv = (m.q_lora_rank or shape.heads * m.qk_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim
+    else:
+        qkv = shape.head_size * (shape.heads + 2 * shape.kv_heads)
+    widths = {"attention": (qkv, 1.0), "mlp": (2 * shape.ffn_hidden, 1.0 - moe_share)}
+    exposed = 0.0
+    for half in halves:
+        width, share = widths[half]
+        input_grad_s = 2 * tokens * shape.hidden * width / t / rate
+        exposed += share * max(0.0, gather - input_grad_s)
+    return exposed
+
+
 def collectives_per_layer(model: ModelSpec, strategy: Strategy) -> float:
     """Tensor-parallel collectives of one layer and micro-batch, in all-reduces of [b, s, h] (under SP an
     all-gather or a reduce-scatter is half of one): 2 forward, 2 backward, and what reruns repeat
-    (``rerun_tp_exchanges``)."""
+    (``rerun_tp_exchanges``); kept SP shards' all-gathers are overlapped (``kept_shard_exposed_s``)."""
     opening, closing = rerun_tp_exchanges(model, strategy)
     return 4 + (0.5 * (opening + closing) if strategy.sp else closing)
 
@@ -307,6 +346,7 @@ def predict(
     both_ends = p == 1 or strategy.placement is Placement.V  # one rank holds the embedding and the head
     tp_comm_s += m * (2 if both_ends else 1)  # the vocab-parallel embedding's output and the head's input
     tp_comm_s *= ring_all_reduce_s(act_bytes, t, tp_bw, hardware.latency_s)
+    tp_comm_s += m * layers_on_rank * kept_shard_exposed_s(model, strategy, hardware, seq_len, rate)
     if shape.moe.enabled:  # the routed experts and the router are replicated over tp: their gradients summed
         router = layers_on_rank * moe_share * shape.hidden * shape.moe.experts
         replicated = routed_expert_params(model, layout) + router

@@ -101,6 +101,7 @@ def chunk_specs(cfg: TrainConfig, pp_rank: int, device: torch.device) -> list[Ch
             last=partition.has_head(c),
             split_blocks=partition.split_blocks(c),
             sequence_parallel=p.sp,
+            sp_keep_shard=p.sp_keep_shard,
             recompute=p.recompute,
             recompute_modules=tuple(p.recompute_modules),
             cp_comm=p.cp_comm,

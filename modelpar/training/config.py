@@ -47,6 +47,9 @@ class ParallelConfig:
     dp: int = 1
     vpp: int = 1
     sp: bool = False
+    # sp: each column-parallel linear keeps its input's 1/tp sequence shard for backward and all-gathers it
+    # again there (Megatron's), instead of keeping the gathered input (tp x the bytes, one all-gather fewer)
+    sp_keep_shard: bool = True
     schedule: str = "1f1b"
     microbatches: int = 1
     # flops: balance half blocks (attention | MLP) against the head; blocks: the same in whole blocks;

@@ -202,6 +202,28 @@ def test_reruns_repeat_the_tp_exchanges_their_backward_needs_as_planned(tmp_path
         assert report.traffic["tp all_gather"] > report.traffic["tp reduce_scatter"]
 
 
+def test_sequence_parallel_linears_keep_their_input_shard_and_gather_it_again_in_backward(tmp_path):
+    """Under SP each column-parallel linear (qkv, gate|up, the head) keeps its input's [T/t, h] shard, not the
+    gathered [T, h], and all-gathers it again in backward (``parallel.sp_keep_shard``, the default); the
+    planner prices both ways, and the saved bytes drop by exactly the gathered inputs less their shards."""
+    reports = {}
+    for keep in (True, False):
+        cfg = make_config(tmp_path / str(keep), tp=2, dp=2, sp=True, partition="uniform", sp_keep_shard=keep)
+        model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False)
+        data = dataclasses.replace(cfg.data, global_batch=8)
+        reports[keep] = report = step_rank(dataclasses.replace(cfg, model=model, data=data), 0, "first stage")
+        assert report.activations == report.planned_activations > 0
+        for kind in ("tp all_gather", "tp reduce_scatter"):
+            assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=1e-2), kind
+    layers, h, tokens = cfg.model.layers, cfg.model.hidden, 2 * 16  # a micro-batch of 2 sequences of 16
+    inputs = 2 * layers + 1  # qkv and gate|up of every layer, and the head
+    assert reports[False].activations - reports[True].activations == inputs * (tokens - tokens // 2) * h * 4
+    act = tokens * h * 4  # one [b, s, h] fp32 activation, as an all-gather's output counts it
+    extra = reports[True].traffic["tp all_gather"] - reports[False].traffic["tp all_gather"]
+    assert extra == cfg.parallel.microbatches * inputs * act
+    assert reports[True].traffic["tp reduce_scatter"] == reports[False].traffic["tp reduce_scatter"]
+
+
 def test_interleaved_fsdp2_holds_one_chunks_gradients_at_a_time_at_m_equal_p(tmp_path):
     """Interleaved 1F1B at m = p finishes each chunk's backwards before the next chunk's first: the gathered
     peak holds one chunk's unsharded gradients, as the planner's ``gradient_live_sets`` says."""

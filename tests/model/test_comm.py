@@ -83,8 +83,9 @@ def test_region_ops_are_free_identities_on_a_single_device():
     assert log.events == []
 
 
-def _model_comm(config, sp, recompute="none"):
-    model = build_model(config, current_groups(), seed=SEED, sequence_parallel=sp, recompute=recompute)
+def _model_comm(config, sp, recompute="none", keep_shard=True):
+    groups = current_groups()
+    model = build_model(config, groups, seed=SEED, sequence_parallel=sp, recompute=recompute, sp_keep_shard=keep_shard)
     ids, targets = batch(config)
     with record_comm() as forward:
         logits = model(ids)
@@ -101,12 +102,18 @@ def _count(events):
     return Counter((e.tag, e.kind, e.elements) for e in events)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize("sp", [False, True, "gathered"], ids=["nosp", "sp", "sp-gathered"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_layer_communicates_exactly_two_allreduces_or_their_sequence_parallel_equivalent(tp, sp):
+    """Under sequence parallelism each column-parallel linear (qkv, gate|up, the head) all-gathers its input's
+    shard again in backward (``sp_keep_shard``, the default); keeping the gathered input instead (``gathered``)
+    it does not."""
     config = CONFIGS["mha-untied"]
     L, bsh, n = config.layers, BATCH * SEQ * config.hidden, BATCH * SEQ
-    forward, loss, backward, grad_sync = run_on_ranks(4, _model_comm, config, sp, layout=layout_for(tp))[0]
+    keep = sp is True
+    forward, loss, backward, grad_sync = run_on_ranks(
+        4, _model_comm, config, bool(sp), "none", keep, layout=layout_for(tp)
+    )[0]
     if sp:
         want_forward = {
             ("embedding", "reduce_scatter", bsh): 1,
@@ -116,10 +123,12 @@ def test_each_layer_communicates_exactly_two_allreduces_or_their_sequence_parall
         }
         want_backward = {
             ("layer", "reduce_scatter", bsh): 2 * L,
-            ("layer", "all_gather", bsh): 2 * L,
+            ("layer", "all_gather", bsh): (4 if keep else 2) * L,
             ("head", "reduce_scatter", bsh): 1,
             ("embedding", "all_gather", bsh): 1,
         }
+        if keep:
+            want_backward[("head", "all_gather", bsh)] = 1
         norms = (2 * L + 1) * config.hidden
         assert _count(grad_sync) == {("grad_sync", "all_reduce", norms): 1}
     else:
@@ -229,12 +238,17 @@ def test_unknown_collective_algorithm_is_refused():
 def test_full_recompute_reruns_each_layers_forward_collectives_inside_backward(sp):
     config = CONFIGS["mha-untied"]
     L, bsh = config.layers, BATCH * SEQ * config.hidden
-    plain, full = (run_on_ranks(4, _model_comm, config, sp, rc, layout=layout_for(2))[0] for rc in ("none", "full"))
+    # a rerun block gathers its inputs again anyway, so its column-parallel linears keep the gathered input
+    # whatever sp_keep_shard says: compared with a plain run keeping it too, full recompute (sp_keep_shard on)
+    # adds the reruns and, under SP, the head's gather of its kept shard (the head is never rerun)
+    plain, full = (
+        run_on_ranks(4, _model_comm, config, sp, rc, rc == "full", layout=layout_for(2))[0] for rc in ("none", "full")
+    )
     assert _count(full[0]) == _count(plain[0])  # forward: the same
     # backward reruns each block's forward up to the last tensor its backward needs (torch's checkpoint stops
     # there): every collective of the block but the MLP's output reduction, the block's last op
     rerun = (
-        {("layer", "all_gather", bsh): 2 * L, ("layer", "reduce_scatter", bsh): L}
+        {("layer", "all_gather", bsh): 2 * L, ("layer", "reduce_scatter", bsh): L, ("head", "all_gather", bsh): 1}
         if sp
         else {("layer", "all_reduce", bsh): L}
     )

@@ -14,8 +14,8 @@ TOL = 1e-5
 LAYOUTS = [(tp, sp) for tp in (1, 2, 4) for sp in (False, True)]
 
 
-def _sharded_forward_backward(config, sp, reduce_grads=True):
-    model = build_model(config, current_groups(), seed=SEED, sequence_parallel=sp)
+def _sharded_forward_backward(config, sp, reduce_grads=True, keep_shard=True):
+    model = build_model(config, current_groups(), seed=SEED, sequence_parallel=sp, sp_keep_shard=keep_shard)
     ids, targets = batch(config)
     logits = model(ids)
     loss = model.loss(logits, targets)
@@ -57,6 +57,18 @@ def test_logits_and_every_gradient_match_the_single_device_model(tp, sp, case):
     grads = {name: shard.grad for name, shard in ref.logical_shards().items()}
     check_pieces([r["grads"] for r in results], grads, TOL)
     assert all(r["padding_grad"] == 0.0 for r in results), "padded vocab rows received gradient"
+
+
+@pytest.mark.parametrize("case", ["gqa-kv2-tied"])
+def test_sequence_parallel_keeping_the_gathered_inputs_also_matches_the_single_device_model(case):
+    """``sp_keep_shard=false``: the column-parallel linears keep the gathered input (one all-gather fewer in
+    backward); the default keeps the shard (``test_logits_and_every_gradient_match_the_single_device_model``)."""
+    config = CONFIGS[case]
+    ref, ref_loss, _ = _reference(config)
+    results = run_on_ranks(4, _sharded_forward_backward, config, True, True, False, layout=layout_for(2))[:2]
+    assert all(abs(r["loss"] - ref_loss) <= TOL * abs(ref_loss) for r in results)
+    grads = {name: shard.grad for name, shard in ref.logical_shards().items()}
+    check_pieces([r["grads"] for r in results], grads, TOL)
 
 
 PARTIAL = [

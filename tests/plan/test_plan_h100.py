@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from modelpar.plan.memory import stage_memory
 from modelpar.plan.published_h100 import (
     GRAND_TETON_CLOCK,
     H100_RUNS,
@@ -134,10 +135,17 @@ def test_the_published_405b_layout_is_priced_beside_what_meta_ran():
     p, v, r = run.pp, run.vpp, pm.stage
     assert pm.chunk_micro_batches == 2 * (p - r - 1) + (v - 1) * p + 1  # interleaved 1F1B's warm-up on stage r
     t, tokens, h = run.tp, run.seq_len, run.model.shape.hidden
-    # two sequence-parallel inputs a layer (qkv, gate|up), each kept whole where its 1/t shard would do (bf16)
+    # two sequence-parallel inputs a layer (qkv, gate|up), each kept as its 1/t shard where the gathered input
+    # (parallel.sp_keep_shard=false) would keep the whole (bf16)
     assert pm.sp_gathered == pytest.approx(pm.layers_in_flight * 2 * 2 * (tokens - tokens // t) * h)
-    assert pm.total > 80 * GIB and pm.total - pm.sp_gathered > 80 * GIB  # neither side alone explains 80 GB
+    gathered = dataclasses.replace(run.strategy, sp_keep_shard=False)
+    assert pm.total_gathered == pytest.approx(stage_memory(run.model, gathered, run.seq_len, run.hardware, r).total)
+    assert pm.total > 80 * GIB  # the shard kept, the warm-up's depth still holds more than 80 GB
     note = published_note(load_model("llama-405b"), run.gpus, run.seq_len, run.strategy.layout, run.hardware)
     assert note and "430 TFLOP/s/GPU" in note and f"needs {pm.total / GIB:.1f} GiB" in note
+    assert f"{pm.total_gathered / GIB:.1f} GiB with parallel.sp_keep_shard=false" in note
+    # the 16K-GPU run (16 micro-batches a replica) fits 80 GB once the shards are kept, not before
+    big = published_memory(LLAMA3_405B[1])
+    assert big.total < 80 * GIB < big.total_gathered
     other = dataclasses.replace(run.strategy.layout, dp=32)
     assert published_note(load_model("llama-405b"), run.gpus // 2, run.seq_len, other, run.hardware) is None

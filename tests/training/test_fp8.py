@@ -43,6 +43,7 @@ LAYOUTS = [
     ("rowwise", dict(tp=2)),
     ("tensorwise", dict(tp=2)),
     ("rowwise", dict(tp=2, sp=True)),
+    ("tensorwise", dict(tp=2, sp=True)),  # the kept shard's backward reuses the forward's scalar scales
     ("rowwise", dict(dp=2, zero_=3)),  # a replica's micro-batch (4 sequences / 2) is the reference's at m=4
     ("tensorwise", dict(cp=2)),  # the tokens split: tensorwise scales reduced over cp
     ("rowwise", dict(cp=2)),  # the weight gradient's scales span the tokens

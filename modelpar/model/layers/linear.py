@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelpar.model.layers.fp8 import Fp8Scaling, fp8_linear
+from modelpar.model.layers.sequence_linear import sequence_parallel_column_linear
 from modelpar.model.layers.shard import ColumnPart, ShardInfo, load_full_weights
 from modelpar.parallel.context import ContextParallelGroup
 from modelpar.parallel.regions import (
@@ -57,6 +58,11 @@ class ColumnParallelLinear(nn.Module):
 
     ``bias``: ``y = x @ W.T + b`` with ``b`` split like the rows of ``W`` (each part's bias, named as its weight
     with ``.bias``, is the rows of it this rank holds), so no rank adds another's.
+
+    ``keep_shard`` (sequence parallel only; ``parallel.sp_keep_shard``): backward's weight gradient reads the
+    gathered input; True keeps the ``[b, s/t, in]`` shard and all-gathers it again in backward, overlapped with
+    the input gradient's matmul (``modelpar.model.layers.sequence_linear``), False keeps the gathered
+    ``[b, s, in]`` (t times the bytes, one all-gather fewer).
     """
 
     def __init__(
@@ -85,6 +91,9 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = sum(p.rows for p in self.parts)  # of the single-device layer, every part whole
         self.tp = tp
         self.sequence_parallel = sequence_parallel
+        # under sequence parallel: keep only the input's 1/t shard for backward and gather it again there
+        # (``modelpar.model.layers.sequence_linear``); a block whose half is rerun in backward turns it off
+        self.keep_shard = True
         rows = sum(p.size for p in self.parts)
         # zeros: rows past a part's end (vocab padding) are never loaded and must stay inert
         self.weight = nn.Parameter(torch.zeros(rows, in_features, device=device, dtype=dtype))
@@ -92,7 +101,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [b, s, in] (or [b, s/t, in] with sequence parallel) -> [b, s, local out]."""
-        if self.fp8 is not None:
+        if self.sequence_parallel and self.keep_shard and self.tp.size > 1:
+            y = sequence_parallel_column_linear(x, self.weight, self.tp, self.fp8)
+        elif self.fp8 is not None:
             x = gather_from_sequence_region(x, self.tp) if self.sequence_parallel else copy_to_tp_region(x, self.tp)
             y = fp8_linear(x, self.weight, self.fp8)
         elif self.sequence_parallel:
