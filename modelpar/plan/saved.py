@@ -56,9 +56,11 @@ Outside the blocks: the first chunk keeps the token ids (int64, 8*T) and the mas
 exp(logits - max) (fp32, 4*T*Vt) plus 14*T + 8 bytes of per-token statistics (18*T + 8 under tp; the Triton
 loss keeps the logits instead: e*T*Vt). A mixture-of-experts MLP (``moe_saved``) keeps its router's input
 and fp32 probabilities, and for each of the ``k*T/t`` routed rows its input, the expert's gate, up,
-silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices;
-shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached there: the
-experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backward reruns them.
+silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices
+(GPT-OSS's clamped SwiGLU: the gate and up outputs and five more ``e*f`` per row, clamp(gate), clamp(up) + 1,
+the sigmoid, their products; the experts' biases: three int64 indices per row), each grouped GEMM its int32
+expert offsets; shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached
+there: the experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backward reruns them.
 
 Multi-token prediction (``mtp_saved``): each module keeps what a head does, the embedding's ids and mask, two
 RMSNorms (hnorm's x is the previous norm's) and its projection's 2h-wide input; its block is the last layer's.
@@ -385,10 +387,17 @@ def moe_saved(model: ModelSpec, x: Dims, kernels: str, tp: int, ep: int = 1) -> 
         Saved("moe: row order and token of each row (int64)", 3 * 8 * rows + (2 * 8 * rows if ep > 1 else 0)),
         Saved("moe: routed rows", e * rows * h),
         Saved("moe: gate, up outputs", e * rows * 2 * fe),
-        Saved("moe: silu(gate), silu(gate) * up", e * rows * 2 * fe),
         Saved("moe: expert outputs, weighted", 2 * e * rows * h),
         Saved("moe: row weights (fp32)", 4 * rows),
     ]
+    if moe.activation == "clamped_swiglu":  # clamp(gate) g, clamp(up) + 1, sigmoid(alpha g), g * (up + 1), output
+        out.append(Saved("moe: clamped SwiGLU's g, up + 1, sigmoid(alpha g), their products", e * rows * 5 * fe))
+    else:
+        out.append(Saved("moe: silu(gate), silu(gate) * up", e * rows * 2 * fe))
+    if moe.bias:  # each bias added by an index_select of the rows' experts, which keeps the index
+        out.append(Saved("moe: the experts' biases' row indices (int64)", 3 * 8 * rows))
+    if moe.grouped_gemm:  # each grouped GEMM keeps its experts' row offsets
+        out.append(Saved("moe: grouped GEMMs' expert offsets (int32)", 3 * 4 * moe.experts / ep))
     if moe.shared_experts:
         shared = mlp_saved(x, kernels, ffn=moe.shared_experts * fe / tp, tokens=x.T)
         out += shared if x.Ts < x.T else shared[1:]  # its input: all-gathered under SP, else the router's
