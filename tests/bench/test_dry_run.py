@@ -278,13 +278,15 @@ def test_the_fake_world_comes_and_goes_without_a_warning(capfd):
         ("gemma3", dict(tp=2, pp=2, dp=16, sp=True)),  # the gemma3-27b-64gpu recipe's split, tiny
         ("olmo2", dict(tp=2, pp=2, dp=16, sp=True)),
         ("gpt-oss", dict(cp=2, cp_comm="ring", pp=2, dp=16, ep=4)),  # gpt-oss-120b-64gpu's: the ring, experts
+        ("gpt-oss-tp", dict(tp=2, sp=True, pp=2, dp=16, ep=4)),  # o_proj's and the experts' biases partial over tp
     ],
 )
 def test_the_families_block_structures_equal_the_planner_on_a_64_rank_job(tmp_path, family, parallel):
     """Gemma 3's sandwich, (1 + weight) norms, GeGLU and per-head QK-norm; OLMo 2's post-norms and whole-projection
-    QK-norm; GPT-OSS's sinks (their plain-matmul attention), biases and biased experts: the first stage of a
-    64-rank job holds the model states the planner plans, keeps the activations it plans byte for byte (Gemma 3,
-    OLMo 2), and moves its planned traffic."""
+    QK-norm; GPT-OSS's sinks (their plain-matmul attention), biases and biased clamped-SwiGLU experts: the first
+    stage of a 64-rank job holds the model states the planner plans, keeps the activations it plans byte for byte,
+    and moves its planned traffic (within 1%: the split counts each MoE layer exchanges first and a few-byte
+    routing statistic are not planned)."""
     from modelpar.model.config import MoEConfig
     from modelpar.model.structure import BlockStructure
 
@@ -302,4 +304,4 @@ def test_the_families_block_structures_equal_the_planner_on_a_64_rank_job(tmp_pa
     assert report.states_exact, (report.states, report.planned_states)
     assert report.activations == report.planned_activations > 0  # GPT-OSS: its clamped SwiGLU's and biases' too
     for kind in report.judged:
-        assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=0.05), kind
+        assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=0.01), kind
