@@ -109,12 +109,13 @@ def test_fsdp2_stages_equal_the_planner(tmp_path, zero):
 
 
 def test_zero1_with_expert_parallelism_shards_the_experts_over_their_own_group(tmp_path):
-    """ZeRO-1 at dp8 x ep2 with MTP: the experts' state is sharded over the 4 ranks holding the same experts
-    (expert_dp), the rest over dp; the untied embedding is synced with the MTP stage. The planner agrees."""
+    """ZeRO-1 at dp8 x ep2 with MTP: the experts' state (their biases too) is sharded over the 4 ranks holding
+    the same experts (expert_dp), the rest over dp; the untied embedding is synced with the MTP stage. The
+    planner agrees."""
     from modelpar.model.config import MoEConfig
 
     cfg = make_config(tmp_path, pp=2, dp=8, ep=2, partition="uniform")
-    moe = MoEConfig(experts=4, top_k=2, ffn_hidden=16, shared_experts=1, first_k_dense_replace=1)
+    moe = MoEConfig(experts=4, top_k=2, ffn_hidden=16, shared_experts=1, first_k_dense_replace=1, bias=True)
     model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, mtp_depth=1, moe=moe)
     optim = dataclasses.replace(cfg.optim, zero=1)
     cfg = dataclasses.replace(cfg, model=model, optim=optim, data=dataclasses.replace(cfg.data, global_batch=16))
@@ -220,12 +221,13 @@ def test_interleaved_fsdp2_holds_one_chunks_gradients_at_a_time_at_m_equal_p(tmp
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero0_routed_expert_gradients_sync_over_the_ranks_holding_the_same_experts(tmp_path, dp):
-    """At dp4 x ep2 the routed experts' gradients are all-reduced over expert_dp (2 ranks), the rest over dp; at
-    dp2 x ep2 (ep = dp) each rank's experts are its own and nothing syncs them: planned as measured."""
+    """At dp4 x ep2 the routed experts' gradients (their biases' too) are all-reduced over expert_dp (2 ranks),
+    the rest over dp; at dp2 x ep2 (ep = dp) each rank's experts are its own and nothing syncs them: planned as
+    measured."""
     from modelpar.model.config import MoEConfig
 
     cfg = make_config(tmp_path, dp=dp, ep=2)
-    model = dataclasses.replace(cfg.model, vocab_size=64, moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16))
+    model = dataclasses.replace(cfg.model, vocab_size=64, moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16, bias=True))
     cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=2 * dp))
     report = step_rank(cfg, 0, "first stage")
     for kind in ("dp all_reduce", "expert_dp all_reduce"):
@@ -240,7 +242,7 @@ def test_tp_replicated_router_and_expert_gradients_are_summed_over_tp_as_planned
     from modelpar.model.config import MoEConfig
 
     cfg = make_config(tmp_path, tp=2, dp=2, ep=2, sp=True)
-    model = dataclasses.replace(cfg.model, vocab_size=64, moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16))
+    model = dataclasses.replace(cfg.model, vocab_size=64, moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16, bias=True))
     cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=4))
     report = step_rank(cfg, 0, "first stage")
     assert report.traffic["tp all_reduce"] == pytest.approx(report.planned_traffic["tp all_reduce"], rel=1e-2)
