@@ -51,16 +51,16 @@ where its storage is 16 KiB or more; smaller tensors, everything the embedding a
 selective checkpointing caches itself (no hook sees them) stay on the device. Each saved view is copied on
 its own: x of an RMSNorm, saved by two ops, twice; of the qkv output only v, SDPA's view (``Saved.moved``).
 
-Outside the blocks: the first chunk keeps the token ids (int64, 8*T) and the mask of ids other tp ranks own
-(1*T); the last keeps the final norm's three tensors, the head's input (e*T*h) and the cross-entropy's
-exp(logits - max) (fp32, 4*T*Vt) plus 14*T + 8 bytes of per-token statistics (18*T + 8 under tp; the Triton
-loss keeps the logits instead: e*T*Vt). A mixture-of-experts MLP (``moe_saved``) keeps its router's input
-and fp32 probabilities, and for each of the ``k*T/t`` routed rows its input, the expert's gate, up,
-silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices
-(GPT-OSS's clamped SwiGLU: the gate and up outputs and five more ``e*f`` per row, clamp(gate), clamp(up) + 1,
-the sigmoid, their products; the experts' biases: three int64 indices per row), each grouped GEMM its int32
-expert offsets; shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached
-there: the experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backward reruns them.
+Outside the blocks: the first chunk keeps the token ids (int64, 8*T) and the mask of ids other tp ranks own (1*T);
+the last keeps the final norm's three tensors, the head's input (e*T*h) and the cross-entropy's exp(logits - max)
+(fp32, 4*T*Vt) plus 14*T + 8 bytes of per-token statistics (18*T + 8 under tp; the Triton loss keeps the logits
+instead: e*T*Vt; a final soft-cap's tanh keeps its output too, e*T*Vt). A mixture-of-experts MLP (``moe_saved``)
+keeps its router's input and fp32 probabilities, and for each of the ``k*T/t`` routed rows its input, the expert's
+gate, up, silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices
+(GPT-OSS's clamped SwiGLU: the gate and up outputs and five more ``e*f`` per row, clamp(gate), clamp(up) + 1, the
+sigmoid, their products; the experts' biases: three int64 indices per row), each grouped GEMM its int32 expert
+offsets; shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached there: the
+experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backward reruns them.
 
 Multi-token prediction (``mtp_saved``): each module keeps what a head does, the embedding's ids and mask, two
 RMSNorms (hnorm's x is the previous norm's) and its projection's 2h-wide input; its block is the last layer's.
@@ -153,6 +153,7 @@ class Dims:
     softcap: bool = False  # model.block.attention_softcap > 0 (on the plain-matmul path: tanh's output)
     sinks: bool = False  # model.block.attention_sinks (on the plain-matmul path: one more column of scores)
     embedding_scale: bool = False  # model.block.embedding_scale: the product keeps its 0-d factor sqrt(h)
+    final_softcap: bool = False  # model.block.final_softcap > 0: tanh keeps its output, the head's shard
     projection_norm: bool = False  # model.block.qk_norm_scope=projection: one RMSNorm over all q (k) heads
 
 
@@ -182,6 +183,7 @@ def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware)
         softcap=bool(b.attention_softcap),
         sinks=b.attention_sinks,
         embedding_scale=b.embedding_scale,
+        final_softcap=bool(b.final_softcap),
         projection_norm=b.qk_norm_scope == "projection",
     )
 
@@ -470,6 +472,8 @@ def head_saved(x: Dims, kernels: str) -> list[Saved]:
     if kernels == "torch":
         out.append(Saved("head: x * 1/rms (RMSNorm)", e * x.Ts * h))
     out += [Saved("head: 1/rms (RMSNorm)", 4 * x.Ts), Saved("head: lm_head input", e * T * h)]
+    if x.final_softcap:  # cap * tanh(logits / cap): tanh keeps its output, the logits before the cap's product
+        out.append(Saved("head: tanh(logits / cap) (final soft-cap)", e * T * x.vt))
     if kernels == "torch":
         # sum of exp (fp32; under tp a view of the [2, T] buffer all-reduced with the target logits), target
         # index (int64), two masks (bool), the count of valid targets

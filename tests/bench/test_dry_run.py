@@ -307,3 +307,15 @@ def test_the_families_block_structures_equal_the_planner_on_a_64_rank_job(tmp_pa
     assert report.activations == report.planned_activations > 0  # GPT-OSS: its clamped SwiGLU's and biases' too
     for kind in report.judged:
         assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=0.01), kind
+
+
+def test_the_final_soft_cap_keeps_its_tanh_on_the_last_stage_as_planned(tmp_path):
+    """Gemma 2's final-logit soft-cap, cap * tanh(logits / cap), on the head's vocabulary shard: tanh keeps its
+    output, one more [T, V/t] tensor on the last stage, planned byte for byte."""
+    from modelpar.model.structure import BlockStructure
+
+    cfg = make_config(tmp_path, tp=2, pp=2, dp=16, sp=True, partition="uniform")
+    model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False, block=BlockStructure(final_softcap=3.0))
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, global_batch=32))
+    report = step_rank(cfg, cfg.parallel.layout().rank(pp=1), "last stage")
+    assert report.activations == report.planned_activations > 0
