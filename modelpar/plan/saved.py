@@ -392,14 +392,11 @@ def moe_saved(model: ModelSpec, x: Dims, kernels: str, tp: int, ep: int = 1) -> 
         Saved("moe: expert outputs, weighted", 2 * e * rows * h),
         Saved("moe: row weights (fp32)", 4 * rows),
     ]
-    if moe.activation == "clamped_swiglu":  # clamp(gate) g, clamp(up) + 1, sigmoid(alpha g), g * (up + 1), output
-        out.append(Saved("moe: clamped SwiGLU's g, up + 1, sigmoid(alpha g), their products", e * rows * 5 * fe))
-    else:
-        out.append(Saved("moe: silu(gate), silu(gate) * up", e * rows * 2 * fe))
-    if moe.bias:  # each bias added by an index_select of the rows' experts, which keeps the index
-        out.append(Saved("moe: the experts' biases' row indices (int64)", 3 * 8 * rows))
-    if moe.grouped_gemm:  # each grouped GEMM keeps its experts' row offsets
-        out.append(Saved("moe: grouped GEMMs' expert offsets (int32)", 3 * 4 * moe.experts / ep))
+    clamped = moe.activation == "clamped_swiglu"  # GPT-OSS's: g = clamp(gate), clamp(up) + 1, sigmoid(alpha g)
+    own = "g, up + 1, sigmoid(alpha g), two products" if clamped else "silu(gate), silu(gate) * up"
+    out.append(Saved(f"moe: {own}", e * rows * (5 if clamped else 2) * fe))
+    out += [Saved("moe: the biases' row indices (int64; index_select keeps them)", 3 * 8 * rows)] * moe.bias
+    out += [Saved("moe: grouped GEMMs' expert offsets (int32)", 3 * 4 * moe.experts / ep)] * moe.grouped_gemm
     if moe.shared_experts:
         shared = mlp_saved(x, kernels, ffn=moe.shared_experts * fe / tp, tokens=x.T)
         out += shared if x.Ts < x.T else shared[1:]  # its input: all-gathered under SP, else the router's

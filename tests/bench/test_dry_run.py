@@ -294,8 +294,9 @@ def test_the_families_block_structures_equal_the_planner_on_a_64_rank_job(tmp_pa
 
     cfg = make_config(tmp_path, partition="uniform", **parallel)
     structures = {
-        "gemma3": dict(qk_norm=True, block=BlockStructure(norm="sandwich", norm_offset=1.0, activation="geglu",
-                                                          embedding_scale=True, query_scale=24.0)),
+        "gemma3": dict(qk_norm=True, sliding_window=4, window_layers=[0],  # a local layer, its mask kept
+                       block=BlockStructure(norm="sandwich", norm_offset=1.0, activation="geglu",
+                                            embedding_scale=True, query_scale=24.0)),
         "olmo2": dict(qk_norm=True, block=BlockStructure(norm="post", qk_norm_scope="projection")),
         "gpt-oss": dict(attention_bias=True, attention_out_bias=True, block=BlockStructure(attention_sinks=True),
                         moe=MoEConfig(experts=4, top_k=2, ffn_hidden=16, bias=True, activation="clamped_swiglu")),
