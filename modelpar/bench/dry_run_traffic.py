@@ -86,7 +86,8 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         gathers += sum(partition.has_head(c) for c in chunks) * (strategy.sp and strategy.sp_keep_shard)
         scatters = pairs + closing * whole
         # the gradients tp leaves partial, summed over tp once (``reduce_tensor_parallel_grads``): the routed
-        # experts' and the router's (each tp rank routes its own tokens) and, under SP, the norms'
+        # experts' (their biases too) and the router's (each tp rank routes its own tokens) and, under SP, the
+        # norms' and o_proj's bias (added after the reduce-scatter, to this rank's tokens)
         experts = expert_elements(model, strategy, seq_len, stage)[0]
         partial = experts + moe_layers * shape.moe.experts * shape.hidden
         if shape.moe.bias:  # the router's bias, beside its weight
@@ -97,6 +98,7 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
             norms = 2 if shape.block.norm == "sandwich" else 1  # a sandwich's second norm after each sub-layer
             ends = sum(partition.has_head(c) for c in chunks)  # the final norm
             partial += (norms * (halves["attention"] + halves["mlp"]) + ends) * shape.hidden
+            partial += halves["attention"] * shape.hidden * shape.attention_out_bias
         out["tp all_reduce"] += GRAD_BYTES * partial
         if shape.qk_norm and shape.block.qk_norm_scope == "projection":  # q's and k's sum of squares, [T] fp32,
             forwards = 1 + ("attention" in rerun)  # forward (and rerun) and backward: OLMo 2's whole-projection norm
@@ -146,8 +148,9 @@ def _data_parallel(model: ModelSpec, strategy: Strategy, seq_len: int, stage: in
     units = stage_units(model, strategy, seq_len, stage)
     if strategy.zero == 0:  # the routed experts' gradients over the ranks holding the same experts (d / ep)
         elements, tensors = zero0_buckets(model, strategy, seq_len, stage)  # a gradient and a flag per tensor
-        # (at ep = d the buckets already leave each rank's own experts out, and nothing syncs them)
-        experts = GRAD_BYTES * expert_elements(model, strategy, seq_len, stage)[0] if 1 < layout.ep < d else 0
+        # (at ep = d the buckets already leave each rank's own experts out, and nothing syncs them; their
+        # buckets hold a flag a tensor too)
+        experts = GRAD_BYTES * sum(expert_elements(model, strategy, seq_len, stage)) if 1 < layout.ep < d else 0
         out[f"{group} all_reduce"] += GRAD_BYTES * (elements + tensors) - experts
         if experts:
             out["expert_dp all_reduce"] += experts

@@ -32,14 +32,13 @@ from modelpar.plan.saved import (
     Saved,
     attention_saved,
     dims,
-    embedding_saved,
-    head_saved,
     kernels,
     mlp_saved,
     moe_saved,
-    mtp_saved,
+    plain_matmul_attention,
     sac_saved,
 )
+from modelpar.plan.saved_ends import embedding_saved, head_saved, mtp_saved
 from modelpar.plan.spec import Hardware, ModelSpec, Strategy
 
 OFFLOAD_MIN_BYTES = 16 * 1024  # modelpar.model.activations.ActivationOffload's default
@@ -131,6 +130,8 @@ def chunk_bytes(
             memo[key] = _PIECE_BYTES[key]
         d, h, w = memo[key]
         device, host, working = device + count * d, host + count * h, max(working, w)
+    d, h = _split_offload(window_masks(model, strategy, seq_len, kern, partition, chunk), strategy.offload)
+    device, host = device + d, host + h
     if partition.has_embedding(chunk):
         device += sum(s.nbytes for s in embedding_saved(x))
     if partition.has_head(chunk):
@@ -151,6 +152,25 @@ def _mtp_bytes(model: ModelSpec, strategy: Strategy, x: Dims, kern: str) -> tupl
     own = sum(s.nbytes for s in mtp_saved(x, kern))
     depth = model.shape.mtp_depth
     return depth * (device + own), depth * host, working
+
+
+def window_masks(
+    model: ModelSpec, strategy: Strategy, seq_len: int, kern: str, partition: Partition, chunk: int
+) -> list[Saved]:
+    """The [s, s] boolean mask the torch path's sliding-window attention hands SDPA, which keeps it: one per
+    micro-batch and windowed layer of the chunk whose attention half it holds and does not rerun (cp = 1; the
+    Triton kernel and the cp exchanges build no mask, the plain-matmul path counts its own)."""
+    shape, modules = model.shape, set(strategy.recompute_modules)
+    rerun = strategy.recompute == "full" or (
+        strategy.recompute == "selective" and modules & {"attention", "elementwise"}
+    )
+    if kern != "torch" or strategy.layout.cp > 1 or rerun or plain_matmul_attention(model, strategy):
+        return []
+    split = partition.split_blocks(chunk)
+    windowed = [
+        i for i in partition.layers(chunk) if split.get(i) != "mlp" and 0 < shape.window(i) < seq_len
+    ]  # fmt: skip
+    return [Saved(f"attention: window mask [s, s] (bool), layer {i}", float(seq_len) ** 2) for i in windowed]
 
 
 def _split_offload(kept: list[Saved], offload: bool) -> tuple[float, float]:

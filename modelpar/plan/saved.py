@@ -56,13 +56,15 @@ where its storage is 16 KiB or more; smaller tensors, everything the embedding a
 selective checkpointing caches itself (no hook sees them) stay on the device. Each saved view is copied on
 its own: x of an RMSNorm, saved by two ops, twice; of the qkv output only v, SDPA's view (``Saved.moved``).
 
-Outside the blocks: the first chunk keeps the token ids (int64, 8*T) and the mask of ids other tp ranks own
-(1*T); the last keeps the final norm's three tensors, the head's input (e*T*h) and the cross-entropy's
-exp(logits - max) (fp32, 4*T*Vt) plus 14*T + 8 bytes of per-token statistics (18*T + 8 under tp; the Triton
-loss keeps the logits instead: e*T*Vt). A mixture-of-experts MLP (``moe_saved``) keeps its router's input
-and fp32 probabilities, and for each of the ``k*T/t`` routed rows its input, the expert's gate, up,
-silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices;
-shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached there: the
+Outside the blocks: the first chunk keeps the token ids (int64, 8*T) and the mask of ids other tp ranks own (1*T);
+the last keeps the final norm's three tensors, the head's input (e*T*h) and the cross-entropy's exp(logits - max)
+(fp32, 4*T*Vt) plus 14*T + 8 bytes of per-token statistics (18*T + 8 under tp; the Triton loss keeps the logits
+instead: e*T*Vt; a final soft-cap's tanh keeps its output too, e*T*Vt). A mixture-of-experts MLP (``moe_saved``)
+keeps its router's input and fp32 probabilities, and for each of the ``k*T/t`` routed rows its input, the expert's
+gate, up, silu(gate) and product, its output and weighted output (``e*h`` or ``e*f`` each) and the int64 row indices
+(GPT-OSS's clamped SwiGLU: the gate and up outputs and five more ``e*f`` per row, clamp(gate), clamp(up) + 1, the
+sigmoid, their products; the experts' biases: three int64 indices per row), each grouped GEMM its int32 expert
+offsets; shared experts as a dense MLP. Under ``elementwise`` only the router's matmul output is cached there: the
 experts' grouped GEMMs (``aten._grouped_mm``) are not in the save list, so backward reruns them.
 
 Multi-token prediction (``mtp_saved``): each module keeps what a head does, the embedding's ids and mask, two
@@ -157,6 +159,7 @@ class Dims:
     softcap: bool = False  # model.block.attention_softcap > 0 (on the plain-matmul path: tanh's output)
     sinks: bool = False  # model.block.attention_sinks (on the plain-matmul path: one more column of scores)
     embedding_scale: bool = False  # model.block.embedding_scale: the product keeps its 0-d factor sqrt(h)
+    final_softcap: bool = False  # model.block.final_softcap > 0: tanh keeps its output, the head's shard
     projection_norm: bool = False  # model.block.qk_norm_scope=projection: one RMSNorm over all q (k) heads
 
 
@@ -187,6 +190,7 @@ def dims(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware)
         softcap=bool(b.attention_softcap),
         sinks=b.attention_sinks,
         embedding_scale=b.embedding_scale,
+        final_softcap=bool(b.final_softcap),
         projection_norm=b.qk_norm_scope == "projection",
     )
 
@@ -392,10 +396,14 @@ def moe_saved(model: ModelSpec, x: Dims, kernels: str, tp: int, ep: int = 1) -> 
         Saved("moe: row order and token of each row (int64)", 3 * 8 * rows + (2 * 8 * rows if ep > 1 else 0)),
         Saved("moe: routed rows", e * rows * h),
         Saved("moe: gate, up outputs", e * rows * 2 * fe),
-        Saved("moe: silu(gate), silu(gate) * up", e * rows * 2 * fe),
         Saved("moe: expert outputs, weighted", 2 * e * rows * h),
         Saved("moe: row weights (fp32)", 4 * rows),
     ]
+    clamped = moe.activation == "clamped_swiglu"  # GPT-OSS's: g = clamp(gate), clamp(up) + 1, sigmoid(alpha g)
+    own = "g, up + 1, sigmoid(alpha g), two products" if clamped else "silu(gate), silu(gate) * up"
+    out.append(Saved(f"moe: {own}", e * rows * (5 if clamped else 2) * fe))
+    out += [Saved("moe: the biases' row indices (int64; index_select keeps them)", 3 * 8 * rows)] * moe.bias
+    out += [Saved("moe: grouped GEMMs' expert offsets (int32)", 3 * 4 * moe.experts / ep)] * moe.grouped_gemm
     if moe.shared_experts:
         shared = mlp_saved(x, kernels, ffn=moe.shared_experts * fe / tp, tokens=x.T)
         # its input: all-gathered under SP (kept whole without sp_keep_shard), else (or its shard) the router's
@@ -455,45 +463,4 @@ def sac_saved(x: Dims, half: str, moe=None, kernels: str = "torch") -> list[Save
             Saved("mlp: gate|up output (cached)", e * T * 2 * x.f, hooked=False),
             Saved("mlp: down_proj output (cached)", e * T * h, hooked=False),
         ]
-    return out
-
-
-def embedding_saved(x: Dims) -> list[Saved]:
-    out = [Saved("embedding: token ids", 8 * x.T), Saved("embedding: foreign-id mask", x.T)]
-    return out + [Saved("embedding: its scale sqrt(h), a 0-d tensor", x.e)] * x.embedding_scale
-
-
-def head_saved(x: Dims, kernels: str) -> list[Saved]:
-    e, h, T = x.e, x.h, x.T
-    out = [Saved("head: x (RMSNorm)", e * x.Ts * h)]
-    if kernels == "torch":
-        out.append(Saved("head: x * 1/rms (RMSNorm)", e * x.Ts * h))
-    out += [Saved("head: 1/rms (RMSNorm)", 4 * x.Ts), Saved("head: lm_head input", e * x.Tin * h)]
-    if kernels == "torch":
-        # sum of exp (fp32; under tp a view of the [2, T] buffer all-reduced with the target logits), target
-        # index (int64), two masks (bool), the count of valid targets
-        stats = (8 if x.tp > 1 else 4) * T + 8 * T + 2 * T + 8
-        out += [Saved("loss: exp(logits - max), fp32", 4 * T * x.vt), Saved("loss: per-token statistics", stats)]
-    else:
-        out.append(Saved("loss: logits (their gradient, in place)", e * T * x.vt))
-    return out
-
-
-def mtp_saved(x: Dims, kernels: str) -> list[Saved]:
-    """One multi-token prediction module (``modelpar.model.mtp``) on the last stage, besides its block: the
-    embedding of the shifted tokens, ``enorm`` on it, ``hnorm`` on the previous hidden state (whose x the
-    norm before a head keeps already), the projection's input [e; h] (2h wide) and, in bf16, its cast weight,
-    the head and loss as the main head's, and two fp32 scalars of the loss's mean (count and divisor)."""
-    e, h, Ts = x.e, x.h, x.Ts
-    torch_kernels = kernels == "torch"
-    out = [*embedding_saved(x), Saved("mtp: enorm x", e * Ts * h)]
-    for norm in ("enorm", "hnorm"):
-        if torch_kernels:
-            out.append(Saved(f"mtp: {norm} x * 1/rms", e * Ts * h))
-        out.append(Saved(f"mtp: {norm} 1/rms", 4 * Ts))
-    out.append(Saved("mtp: eh_proj input [e; h]", e * Ts * 2 * h))
-    if e != 4:
-        out.append(Saved("mtp: eh_proj weight in the compute dtype", e * 2 * h * h))
-    out += head_saved(x, kernels)
-    out.append(Saved("mtp: the loss's count and divisor (fp32)", 8))
     return out

@@ -210,12 +210,14 @@ def zero1_shards(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int,
 
 def expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> tuple[int, int]:
     """(elements, tensors) of the routed experts a rank of pipeline stage ``stage`` holds (w1, w3, w2 of its
-    ``E/ep`` experts in each MoE layer, the multi-token prediction blocks' included)."""
+    ``E/ep`` experts in each MoE layer, with ``moe.bias`` their b1, b3, b2 too, the multi-token prediction
+    blocks' included)."""
     shape, layout = model.shape, strategy.layout
     if not shape.moe.enabled:
         return 0, 0
-    local = shape.moe.experts // layout.ep
-    per_layer = 3 * local * shape.expert_ffn_hidden * shape.hidden
+    local, fe, h = shape.moe.experts // layout.ep, shape.expert_ffn_hidden, shape.hidden
+    per_layer = 3 * local * fe * h + (local * (2 * fe + h) if shape.moe.bias else 0)
+    tensors = 6 if shape.moe.bias else 3
     partition = strategy_partition(model, strategy, seq_len)
     layers = sum(
         count
@@ -225,7 +227,7 @@ def expert_elements(model: ModelSpec, strategy: Strategy, seq_len: int, stage: i
     )
     if shape.mtp_depth and shape.moe.is_moe_layer(shape.layers - 1):  # the MTP blocks on the last stage
         layers += shape.mtp_depth * sum(partition.has_head(c) for c in partition.chunks_of(stage))
-    return layers * per_layer, 3 * layers
+    return layers * per_layer, tensors * layers
 
 
 def chunk_sizes(units: list[tuple[str, list, int]]) -> list[int]:

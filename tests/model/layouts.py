@@ -2,9 +2,9 @@
 the gradients reduced as a step would reduce them, so that several layouts share one warm-pool call.
 
 ``run_layouts(cases)`` runs on every rank of the pool: for each ``(config, layout, options, hf_path)`` it builds that
-layout's groups, its chunk (tp, cp, ep; pp=2 as two one-layer stages joined by send/recv), optionally loads
-HF weights, runs the batch (split over dp, and over cp as the trainer splits it) and returns this rank's loss
-(the global mean; None off the last stage) and its ``(index, local gradient)`` of every logical tensor.
+layout's groups, its chunk (tp, cp, ep; pp=2 as two stages joined by send/recv, whole blocks or halves),
+optionally loads HF weights, runs the batch (split over dp, and over cp as the trainer splits it) and returns this
+rank's loss (the global mean; None off the last stage) and its ``(index, local gradient)`` of every logical tensor.
 """
 
 from __future__ import annotations
@@ -68,14 +68,21 @@ def reference_loss_and_grads(config, *, seed=0, hf_path=None, **options):
 
 
 def _stages(config, groups, seed, options):
+    """This rank's chunk: the whole model, or its stage of ``options["stage_layers"]`` blocks a stage (halves
+    allowed: [1.5, 0.5] cuts block 1 between its attention and its MLP), by default an even split."""
     from modelpar.model.transformer import build_chunk
 
     pp, stage = groups.layout.pp, groups.pp_rank
     if pp == 1:
         return build_chunk(config, groups, range(config.layers), first=True, last=True, seed=seed, **options)
-    per = config.layers // pp
-    ids = range(stage * per, (stage + 1) * per)
-    return build_chunk(config, groups, ids, first=stage == 0, last=stage == pp - 1, seed=seed, **options)
+    stage_layers = options.pop("stage_layers", [config.layers // pp] * pp)
+    start = round(2 * sum(stage_layers[:stage]))  # in block halves
+    end = start + round(2 * stage_layers[stage])
+    split = {start // 2: "mlp"} if start % 2 else {}
+    split |= {end // 2: "attention"} if end % 2 else {}
+    ids = range(start // 2, (end + 1) // 2)
+    first, last = stage == 0, stage == pp - 1
+    return build_chunk(config, groups, ids, first=first, last=last, seed=seed, split_blocks=split, **options)
 
 
 def layout_loss_and_grads(config, layout, options, *, seed=0, hf_path=None, backward=True):

@@ -120,6 +120,7 @@ LAYOUTS = [  # (model, layout, chunk options) on the one 4-rank pool
     ("gemma3", ParallelLayout(tp=2, dp=2), {}),
     ("gemma3", ParallelLayout(tp=2, dp=2), {"sequence_parallel": True, "recompute": "selective"}),
     ("gemma3", ParallelLayout(pp=2, dp=2), {"recompute": "full"}),
+    ("gemma3", ParallelLayout(pp=2, dp=2), {"stage_layers": [0.5, 1.5]}),  # block 0's sandwiched halves apart
     ("gemma3", ParallelLayout(cp=2, dp=2), {}),
     ("gemma3", ParallelLayout(cp=2, dp=2), {"cp_comm": "allgather"}),
     ("gemma3_capped", ParallelLayout(tp=2, dp=2), {"sequence_parallel": True}),

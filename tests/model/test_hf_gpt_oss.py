@@ -112,6 +112,7 @@ LAYOUTS = [  # (layout, chunk options) on the one 4-rank pool
     (ParallelLayout(pp=2, dp=2), {"recompute": "full"}),
     (ParallelLayout(cp=2, dp=2), {}),
     (ParallelLayout(cp=2, dp=2), {"cp_comm": "allgather"}),
+    (ParallelLayout(cp=4), {"cp_comm": "hybrid", "cp_a2a": 2}),  # heads over pairs, a ring across the pairs
     (ParallelLayout(dp=4, ep=2), {}),  # dp2 x ep2 in each pair of replicas
     (ParallelLayout(tp=2, dp=2, ep=2), {"sequence_parallel": True}),
 ]

@@ -83,6 +83,7 @@ LAYOUTS = [  # (layout, chunk options) on the one 4-rank pool
     (ParallelLayout(tp=2, dp=2), {}),
     (ParallelLayout(tp=2, dp=2), {"sequence_parallel": True, "recompute": "selective"}),
     (ParallelLayout(pp=2, dp=2), {"recompute": "full"}),
+    (ParallelLayout(pp=2, dp=2), {"stage_layers": [1.5, 0.5]}),  # block 1's post-normed attention, then its MLP
     (ParallelLayout(cp=2, dp=2), {}),
     (ParallelLayout(cp=2, dp=2), {"cp_comm": "allgather"}),
 ]

@@ -34,7 +34,7 @@ STRUCTURES = {
         attention_bias=True,
         attention_out_bias=True,
         block=BlockStructure(attention_sinks=True),
-        moe=MoEConfig(experts=4, top_k=2, ffn_hidden=32),
+        moe=MoEConfig(experts=4, top_k=2, ffn_hidden=32, bias=True, activation="clamped_swiglu"),
     ),  # fmt: skip
 }
 # full recompute and a selective half keep the input only, whatever the structure
