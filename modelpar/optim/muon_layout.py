@@ -171,7 +171,8 @@ def build_muon_layout(
     this rank's chunks) are all Muon matrices. ``stage_group``: every rank of this pipeline stage (tp x dp x
     cp); ``replicas[id(param)]``: ``(index, count)`` where ``count`` dp ranks hold the same values (ZeRO-0
     replicas): replica ``index`` writes the ``index``-th of ``count`` even stretches of the parameter's
-    elements, so each sends about 1/count of them. Collective over ``stage_group`` (the union of names)."""
+    elements that this rank writes at all (tp: its primary rows), so each sends 1/count of them. Collective
+    over ``stage_group`` (the union of names)."""
     stage_group, tp_group = _group(stage_group), _group(tp_group)
     by_param: dict[int, list[tuple[str, ShardInfo]]] = {}
     for name, shard in shards.items():
@@ -216,10 +217,10 @@ def build_muon_layout(
             pos[shard.local_rows] = block
             write[shard.local_rows] = shard.primary
         index, count = replicas.get(id(p), (0, 1))
-        if count > 1:  # ZeRO-0 replicas: this one writes its stretch of the elements only
-            mine = torch.zeros(write.numel(), dtype=torch.bool, device="cpu")
-            mine[write.numel() * index // count : write.numel() * (index + 1) // count] = True
-            write &= mine.view(local_shape)
+        if count > 1:  # ZeRO-0 replicas: this one writes its stretch of the elements written here only
+            flat = write.view(-1)
+            nth, n = flat.cumsum(0) - 1, int(flat.sum())
+            flat &= (nth >= n * index // count) & (nth < n * (index + 1) // count)
         if bool((pos < 0).any()):
             raise ValueError(f"a Muon parameter {local_shape} has elements no logical matrix covers (padding?)")
         positions[id(p)], writes[id(p)] = pos, write

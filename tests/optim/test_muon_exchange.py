@@ -6,10 +6,11 @@ import threading
 
 import torch
 
+from modelpar.model.layers.shard import ShardInfo
 from modelpar.optim import muon_moves
 from modelpar.optim.muon import MuonSettings, newton_schulz
 from modelpar.optim.muon_exchange import MatrixTable, route
-from modelpar.optim.muon_layout import Matrix, MuonLayout
+from modelpar.optim.muon_layout import Matrix, MuonLayout, build_muon_layout
 from modelpar.optim.muon_moves import Take, runs_of
 
 SETTINGS = MuonSettings(ns_dtype="fp32")
@@ -191,6 +192,30 @@ def test_compiled_maps_move_what_the_index_does():
         assert torch.equal(dst, want)
     assert runs_of(stretches) == [(40, 30), (0, 30), (80, 20)]
     assert Take.of(torch.arange(100), 8).is_identity(100) and not Take.of(stretches, 8).is_identity(100)
+
+
+def test_zero0_replicas_share_the_writing_evenly():
+    """Under ZeRO-0 the dp x cp replicas of a parameter each write an even stretch of its elements (each element
+    by exactly one of them), so no replica sends more than its share; a tp-replicated row's non-primary holder
+    writes none."""
+    fused = torch.nn.Parameter(torch.zeros(16, 6))
+    out = torch.nn.Parameter(torch.zeros(6, 10))
+    shards = {
+        "l.q_proj.weight": ShardInfo(fused, slice(0, 8), (8, 6)),
+        "l.k_proj.weight": ShardInfo(fused, slice(8, 16), (8, 6), replicated_over_tp=True, primary=False),
+        "l.o_proj.weight": ShardInfo(out, slice(0, 6), (6, 10)),
+    }
+    writes = []
+    for index in range(3):
+        replicas = {id(fused): (index, 3), id(out): (index, 3)}
+        layout = build_muon_layout(SETTINGS, [fused, out], shards, stage_group=None, replicas=replicas)
+        writes.append([layout.writes[id(fused)], layout.writes[id(out)]])
+    for p, (numel, written) in enumerate(((16 * 6, 8 * 6), (60, 60))):
+        mine = torch.stack([w[p].reshape(-1) for w in writes]).long()
+        assert [int(m.sum()) for m in mine] == [written // 3] * 3
+        assert bool((mine.sum(0) <= 1).all()) and int(mine.sum()) == written  # one writer each
+        assert mine.shape[1] == numel
+    assert not bool(torch.stack([w[0][8:] for w in writes]).any())  # k_proj's rows: another tp rank writes them
 
 
 def test_matrix_table_places_positions_in_the_owners_buffer():
