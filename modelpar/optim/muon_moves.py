@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_RUN = 256  # mean elements per stretch below which the map stays an index (one slice copy each costs more)
+MIN_RUN = 4096  # mean elements per stretch below which the map stays an index (a slice copy each costs more)
 
 
 def runs_of(index: torch.Tensor) -> list[tuple[int, int]]:
