@@ -10,8 +10,10 @@ timed steps; the optimizer's own ``step()`` (for Muon: momentum, the two all-to-
 update) is timed inside them, and inside that Muon's Newton-Schulz and its exchange (an all-to-all's time
 includes waiting for the other rank). Reported per layout and optimizer: the median over rounds of the mean
 step time and of the optimizer-step time, Muon's ratio to AdamW, the Newton-Schulz and exchange seconds per
-step, and each rank's Newton-Schulz FLOPs per step with the owner assignment's balance (busiest rank over the
-mean). Results: ``benchmarks/results/muon_step.json`` and
+step, the same two as CPU seconds of the rank's own thread (``time.thread_time``: what the rank computed,
+not the time it waited for a core on a loaded machine, nor for the other rank), and each rank's Newton-Schulz
+FLOPs per step with the owner assignment's balance (busiest rank over the mean). The machine's load average
+before and after each job is recorded and printed under the table. Results: ``benchmarks/results/muon_step.json`` and
 ``muon_step.md``.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -41,10 +44,13 @@ def timed_rank(cfg, data_path: str, steps: int) -> dict:
     opt = trainer.optimizer
     inner, spent = opt.step, []
 
+    spent_cpu: list[float] = []
+
     def step() -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         inner()
         spent.append(time.perf_counter() - start)
+        spent_cpu.append(time.thread_time() - cpu)
 
     opt.step = step
     torch_opt = getattr(opt.optimizer, "shard_optimizer", opt.optimizer)
@@ -55,16 +61,20 @@ def timed_rank(cfg, data_path: str, steps: int) -> dict:
             setattr(layout, attr, _timed(getattr(layout, attr), parts[key]))
     trainer.train_step()
     spent.clear()
+    spent_cpu.clear()
     for v in parts.values():
         v.clear()
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         trainer.train_step()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.thread_time() - cpu)
     return {
         "step_s": times,
         "optimizer_step_s": spent,
+        "step_cpu_s": cpu_times,
+        "optimizer_step_cpu_s": spent_cpu,
         **{k: sum(v) / steps for k, v in parts.items()},
         "ns_flops": layout.my_ns_flops() if layout else 0,
         "ns_balance": layout.balance() if layout else None,
@@ -112,6 +122,7 @@ def main(argv=None) -> None:
         base = OmegaConf.to_object(compose(config_name="single", overrides=overrides))
     data_path, _ = resolve_data(base)
     raw: dict[str, dict[str, list]] = {lay: {o: [] for o in OPTIMIZERS} for lay in LAYOUTS}
+    loads: list[float] = []  # the machine's 1-minute load average before and after each job
     for layout, parallel in LAYOUTS.items():
         for round_ in range(args.rounds):
             for label, optim in OPTIMIZERS.items():
@@ -122,14 +133,17 @@ def main(argv=None) -> None:
                     optim=replace(base.optim, zero=parallel["zero"], muon_ns_dtype=ns, **optim),
                 )
                 validate(cfg)
+                load = os.getloadavg()[0]
                 ranks = run_on_ranks(2, timed_rank, cfg, str(data_path), args.steps, timeout_s=1800)
+                loads.extend([load, os.getloadavg()[0]])
                 raw[layout][label].append(ranks)
                 mean = statistics.mean(ranks[0]["step_s"])
-                print(f"{layout} {label} round {round_}: {mean:.3f} s/step", flush=True)
+                print(f"{layout} {label} round {round_}: {mean:.3f} s/step (load {load:.1f})", flush=True)
     rows = [
         "| layout | optimizer | step s (median of rounds) | x AdamW | optimizer step s | x AdamW | of which NS s | "
-        "of which exchange s | NS GFLOP per rank per step | NS balance (max/mean) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "of which exchange s | step CPU s | x AdamW | optimizer step CPU s | x AdamW | NS GFLOP per rank per step "
+        "| NS balance (max/mean) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     summary: dict = {}
     for layout in LAYOUTS:
@@ -138,14 +152,20 @@ def main(argv=None) -> None:
             step = statistics.median(max(statistics.mean(r["step_s"]) for r in ranks) for ranks in rounds)
             opt = statistics.median(max(statistics.mean(r["optimizer_step_s"]) for r in ranks) for ranks in rounds)
             ns, ex = (statistics.median(max(r[k] for r in ranks) for ranks in rounds) for k in PARTS)
-            med[label] = (step, opt, [r["ns_flops"] for r in rounds[0]], rounds[0][0]["ns_balance"], ns, ex)
-        for label, (step, opt, flops, balance, ns, ex) in med.items():
+            cpu = [
+                statistics.median(max(statistics.mean(r[k]) for r in ranks) for ranks in rounds)
+                for k in ("step_cpu_s", "optimizer_step_cpu_s")
+            ]
+            med[label] = (step, opt, [r["ns_flops"] for r in rounds[0]], rounds[0][0]["ns_balance"], ns, ex, *cpu)
+        for label, (step, opt, flops, balance, ns, ex, step_cpu, opt_cpu) in med.items():
             base_step, base_opt = med["adamw"][0], med["adamw"][1]
+            base_step_cpu, base_opt_cpu = med["adamw"][6], med["adamw"][7]
             gflops = " / ".join(f"{f / 1e9:.2f}" for f in flops)
             bal = "-" if balance is None else f"{balance:.2f}"
             rows.append(
                 f"| {layout} | {label} | {step:.3f} | {step / base_step:.2f} | {opt:.4f} | {opt / base_opt:.1f} | "
-                f"{ns:.4f} | {ex:.4f} | {gflops} | {bal} |"
+                f"{ns:.4f} | {ex:.4f} | {step_cpu:.3f} | {step_cpu / base_step_cpu:.2f} | {opt_cpu:.4f} | "
+                f"{opt_cpu / base_opt_cpu:.1f} | {gflops} | {bal} |"
             )
             summary[f"{layout}/{label}"] = {
                 "step_s": step,
@@ -156,13 +176,26 @@ def main(argv=None) -> None:
                 "ns_balance": balance,
                 "newton_schulz_s": ns,
                 "exchange_s": ex,
+                "step_cpu_s": step_cpu,
+                "step_cpu_ratio": step_cpu / base_step_cpu,
+                "optimizer_step_cpu_s": opt_cpu,
+                "optimizer_step_cpu_ratio": opt_cpu / base_opt_cpu,
             }
-    md = "\n".join(rows) + "\n"
+    load_line = f"Machine load (1-minute load average, {os.cpu_count()} cores): {min(loads):.1f} to {max(loads):.1f}"
+    md = "\n".join(rows) + "\n\n" + load_line + "\n"
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "muon_step.md").write_text(md)
     (args.results_dir / "muon_step.json").write_text(
         json.dumps(
-            {"summary": summary, "raw": raw, "rounds": args.rounds, "steps": args.steps, "machine": platform.machine()},
+            {
+                "summary": summary,
+                "raw": raw,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "load_average": loads,
+            },
             indent=1,
         )
     )

@@ -68,7 +68,8 @@ def timed_rank(hidden: int, ffn: int, layers: int, ns_dtype: str, repeats: int) 
     gather_route = route(table, rank, [s for s, _ in mats], pieces, transport)
 
     def gather() -> None:
-        gather_route.exchange([b.reshape(-1) for b in blocks], lambda m, _: newton_schulz(m[0], settings), transport)
+        values = torch.cat([b.reshape(-1) for b in blocks])
+        gather_route.pieces(gather_route.exchange(values, lambda m, _: newton_schulz(m[0], settings), transport))
 
     def distributed() -> None:
         for block, (shape, dim) in zip(blocks, mats, strict=True):

@@ -129,7 +129,7 @@ def planned_traffic(model: ModelSpec, strategy: Strategy, seq_len: int, hardware
         vt = padded_vocab_size(shape.vocab_size, t) // t
         out["embedding all_reduce"] += GRAD_BYTES * vt * shape.hidden
     if strategy.optimizer == "muon" and t * layout.dp * cp > 1:
-        out[f"{stage_group_name(strategy)} all_to_all"] += exchange_bytes(model, strategy)
+        out[f"{stage_group_name(strategy)} all_to_all"] += exchange_bytes(model, strategy, seq_len, stage)
     _data_parallel(model, strategy, seq_len, stage, e, out)
     return dict(out)
 

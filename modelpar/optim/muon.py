@@ -112,11 +112,17 @@ def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int) -> int:
     return ns_steps * 2 * (2 * m * m * n + m**3)
 
 
-def momentum_update(param_grad: torch.Tensor, buf: torch.Tensor, settings: MuonSettings) -> torch.Tensor:
+def momentum_update(
+    param_grad: torch.Tensor, buf: torch.Tensor, settings: MuonSettings, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Advance the momentum buffer ``buf`` in place; the update to orthogonalise (elementwise: any shard of a
-    matrix gives the same values as the whole)."""
+    matrix gives the same values as the whole), written into ``out`` (shaped like the gradient) when given."""
     buf.lerp_(param_grad, 1 - settings.momentum)
-    return param_grad.lerp(buf, settings.momentum) if settings.nesterov else buf
+    if out is None:
+        return param_grad.lerp(buf, settings.momentum) if settings.nesterov else buf
+    if settings.nesterov:
+        return torch.lerp(param_grad, buf, settings.momentum, out=out)
+    return out.copy_(buf)
 
 
 __all__ = [

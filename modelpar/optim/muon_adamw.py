@@ -63,28 +63,33 @@ class MuonAdamW(torch.optim.AdamW):
     def _muon_step(self, group: dict) -> None:
         settings = self.layout.settings
         params: Sequence[torch.Tensor] = group["params"]
-        updates = []
-        for p in params:
+        sizes = self.route.sizes
+        device = _local(params[0]).device if params else torch.device("cpu")
+        # the pieces' momentum updates written straight into the one flat buffer the exchange sends from
+        values = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+        for p, piece in zip(params, values.split(sizes), strict=True):
             if p.grad is None:
-                updates.append(torch.empty(0, device=_local(p).device))
+                piece.zero_()
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            update = momentum_update(_local(p.grad), _local(state["momentum_buffer"]), settings)
-            updates.append(update.reshape(-1))
-        outs = self.layout.orthogonalise(self.route, updates)
+            grad = _local(p.grad)
+            momentum_update(grad, _local(state["momentum_buffer"]), settings, out=piece.view(grad.shape))
+        back = self.layout.orthogonalise(self.route, values)
         lr, decay = group["lr"], group["weight_decay"]
-        for p, out in zip(params, outs, strict=True):
+        for p, spread in zip(params, self.route.spread, strict=True):
             if p.grad is None:
                 continue
-            weights = _local(p)
+            weights = _local(p).view(-1)
             ratio = self.muon_pieces[id(p)][2]
             weights.mul_(1 - lr * decay)
-            if isinstance(ratio, float):  # as torch.optim.Muon: one alpha for the whole tensor
-                weights.add_(out.view_as(weights), alpha=-(lr * ratio))
-            else:  # a piece fusing matrices whose shapes adjust the learning rate differently
-                weights.add_((out * (-lr * ratio).to(torch.float32)).view_as(weights))
+            for at, out in spread.segments(back):  # views of what came back where it runs whole
+                part = weights[at : at + out.numel()]
+                if isinstance(ratio, float):  # as torch.optim.Muon: one alpha for the whole tensor
+                    part.add_(out, alpha=-(lr * ratio))
+                else:  # a piece fusing matrices whose shapes adjust the learning rate differently
+                    part.add_(out * (-lr * ratio[at : at + out.numel()]).to(torch.float32))
 
 
 def muon_piece(layout: MuonLayout, param: torch.Tensor, rows: slice | None = None, flat: slice | None = None):

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modelpar.optim.muon_moves import Take
+
 Transport = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]  # (tensor, send splits, recv splits)
 
 
@@ -105,58 +107,68 @@ def requests(table: MatrixTable, positions: torch.Tensor, writes: torch.Tensor) 
 
 @dataclass(frozen=True)
 class Route:
-    """One rank's side of every step's exchange (the module docstring), computed once by ``route``."""
+    """One rank's side of every step's exchange (the module docstring), computed once by ``route``; its index
+    maps compiled to slices where they run (``modelpar.optim.muon_moves``)."""
 
     sizes: list[int]  # each piece's elements, in the order the step passes them
-    gather: torch.Tensor
+    gather: Take  # the sent elements from the pieces' concatenated values, grouped by owner
     send_splits: list[int]
     recv_splits: list[int]
-    place: torch.Tensor  # long [received]: each received element's offset in the owned buffer
+    place: Take  # each received element's offset in the owned buffer
     owned: list[tuple[int, tuple[int, int], list[int]]]  # (offset in the owned buffer, shape, matrix indices)
     owned_numel: int
-    serve: torch.Tensor  # long [served]: owned-buffer offsets of the results sent back, grouped by rank
+    serve: Take  # owned-buffer offsets of the results sent back, grouped by rank
     serve_splits: list[int]
     fetch_splits: list[int]
-    spread: torch.Tensor
+    spread: list[Take]  # per piece: each of its elements' index in what comes back
+
+    @property
+    def covered(self) -> bool:
+        """Whether the received elements fill the owned buffer (each element has one writer)."""
+        return self.place.numel == self.owned_numel
 
     def buffer_numel(self) -> dict[str, int]:
         """Elements of each buffer a step holds on this rank (the bound the module docstring states)."""
         return {
-            "sent": int(self.gather.numel()),
-            "received": int(self.place.numel()),
+            "sent": self.gather.numel,
+            "received": self.place.numel,
             "owned": self.owned_numel,
-            "served": int(self.serve.numel()),
+            "served": self.serve.numel,
             "returned": sum(self.fetch_splits),
             "pieces": sum(self.sizes),
         }
 
     def to(self, device: torch.device) -> Route:
-        move = {k: getattr(self, k).to(device) for k in ("gather", "place", "serve", "spread")}
-        return Route(**{**self.__dict__, **move})
+        move = {k: getattr(self, k).to(device) for k in ("gather", "place", "serve")}
+        return Route(**{**self.__dict__, **move, "spread": [t.to(device) for t in self.spread]})
 
     def exchange(
         self,
-        updates: Sequence[torch.Tensor],
+        values: torch.Tensor,
         orthogonalise: Callable[[torch.Tensor, int], torch.Tensor],
         transport: Transport,
-    ) -> list[torch.Tensor]:
-        """Each piece's orthogonalised update (fp32, flat) from its ``updates`` (flat; empty: no gradient, zeros
-        sent). ``orthogonalise(batch, indices)``: Newton-Schulz of owned matrices of one shape, ``[n, rows,
-        cols]``; ``transport``: the stage's all_to_all (collective: every rank of the stage calls it twice)."""
-        device = self.gather.device
-        pairs = zip(updates, self.sizes, strict=True)
-        whole = [u.float() if u.numel() else torch.zeros(n, device=device) for u, n in pairs]
-        values = torch.cat(whole) if whole else torch.zeros(0, device=device)
-        got = transport(values[self.gather], self.send_splits, self.recv_splits)
-        owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=device)
-        owned[self.place] = got
+    ) -> torch.Tensor:
+        """What comes back for the pieces (fp32, flat; ``pieces`` splits it) from their ``values`` (fp32, flat:
+        the pieces' updates one after another, zeros for a piece without a gradient). ``orthogonalise(batch,
+        indices)``: Newton-Schulz of owned matrices of one shape, ``[n, rows, cols]``; ``transport``: the
+        stage's all_to_all (collective: every rank of the stage calls it twice)."""
+        got = transport(self.gather(values), self.send_splits, self.recv_splits)
+        if self.place.is_identity(self.owned_numel):
+            owned = got
+        else:
+            make = torch.empty if self.covered else torch.zeros
+            owned = make(self.owned_numel, dtype=torch.float32, device=values.device)
+            self.place.put(owned, got)
         out = torch.empty_like(owned)
         for offset, shape, indices in self.owned:
             n = shape[0] * shape[1] * len(indices)
             batch = owned[offset : offset + n].view(len(indices), *shape)
-            out[offset : offset + n] = orthogonalise(batch, indices).reshape(-1)
-        back = transport(out[self.serve], self.serve_splits, self.fetch_splits)
-        return list(back[self.spread].split(self.sizes))
+            out[offset : offset + n].view(len(indices), *shape).copy_(orthogonalise(batch, indices))
+        return transport(self.serve(out), self.serve_splits, self.fetch_splits)
+
+    def pieces(self, back: torch.Tensor) -> list[torch.Tensor]:
+        """Each piece's orthogonalised update (flat) from what ``exchange`` returned."""
+        return [take(back) for take in self.spread]
 
 
 def placements(
@@ -194,18 +206,19 @@ def route(
     received = transport(mine.sent_positions, mine.send_splits, recv_splits)
     asked = transport(mine.fetch_positions, mine.fetch_splits, serve_splits)
     place, owned, owned_numel, serve = placements(table, rank, shapes, received, asked)
+    sizes = [len(p) for p, _ in pieces]
     return Route(
-        sizes=[len(p) for p, _ in pieces],
-        gather=mine.gather,
+        sizes=sizes,
+        gather=Take.of(mine.gather),
         send_splits=mine.send_splits,
         recv_splits=recv_splits,
-        place=place,
+        place=Take.of(place),
         owned=owned,
         owned_numel=owned_numel,
-        serve=serve,
+        serve=Take.of(serve),
         serve_splits=serve_splits,
         fetch_splits=mine.fetch_splits,
-        spread=mine.spread,
+        spread=[Take.of(s) for s in mine.spread.split(sizes)],
     )
 
 
@@ -226,18 +239,19 @@ def symmetric_route(
     _, owned, owned_numel, _ = placements(table, rank, shapes, none, none)
     total = int(table.numels.sum())
     holders = max(1, round(len(positions) * table.ranks / total)) if total else 1
+    sizes = [len(p) for p, _ in pieces]
     return Route(
-        sizes=[len(p) for p, _ in pieces],
-        gather=mine.gather,
+        sizes=sizes,
+        gather=Take.of(mine.gather),
         send_splits=mine.send_splits,
         recv_splits=_even(owned_numel, table.ranks),
-        place=torch.arange(owned_numel, device=host),
+        place=Take.of(torch.arange(owned_numel, device=host)),
         owned=owned,
         owned_numel=owned_numel,
-        serve=torch.arange(owned_numel * holders, device=host) % max(owned_numel, 1),
+        serve=Take.of(torch.arange(owned_numel * holders, device=host) % max(owned_numel, 1)),
         serve_splits=_even(owned_numel * holders, table.ranks),
         fetch_splits=mine.fetch_splits,
-        spread=mine.spread,
+        spread=[Take.of(s) for s in mine.spread.split(sizes)],
     )
 
 

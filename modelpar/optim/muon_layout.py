@@ -10,8 +10,9 @@ heads a tp rank fuses), one expert's ``w1``, a ``down_proj`` split over tp by co
 experts held elsewhere under ep too) into one flat index space, gives each local parameter the position of
 every element in it, and each matrix an owner: the largest matrices first, each to the least loaded rank of
 the stage by Newton-Schulz FLOPs, so each rank does about ``1/(tp x dp x cp)`` of the work. The one writer of
-an element (whose update its owner takes): a tp-replicated piece's primary rank, and under ZeRO-0 dp x cp
-rank 0 (experts: the first rank holding them); ZeRO-1/2/3 segments and dp shards are held once already.
+an element (whose update its owner takes): a tp-replicated piece's primary rank, and under ZeRO-0 one of the
+dp x cp replicas (experts: of the ranks holding them), each replica the writer of an even stretch of every
+parameter's elements, so each sends its share; ZeRO-1/2/3 segments and dp shards are held once already.
 
 A step moves each matrix's pieces to its owner and the results back with two all-to-alls over the stage
 (``modelpar.optim.muon_exchange``; ``route`` plans one rank's side once): no rank holds more than its own
@@ -117,15 +118,17 @@ class MuonLayout:
         return route(self.table, self.stage_index, shapes, pieces, self._transport).to(device)
 
     @torch.no_grad()
-    def orthogonalise(self, route: Route, updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each piece's orthogonalised update (fp32, flat) from its momentum ``updates`` (flat; empty for a piece
-        without a gradient). Collective over the stage: every rank calls it every step."""
-        return route.exchange(updates, self._newton_schulz, self._transport)
+    def orthogonalise(self, route: Route, values: torch.Tensor) -> torch.Tensor:
+        """What comes back for this rank's pieces (fp32, flat; ``route.spread`` places it) from their momentum
+        updates ``values`` (fp32, flat, one piece after another; zeros for a piece without a gradient).
+        Collective over the stage: every rank calls it every step."""
+        return route.exchange(values, self._newton_schulz, self._transport)
 
     def _newton_schulz(self, batch: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """In ``ns_dtype``: the exchange copies it into its fp32 buffer."""
         if len(indices) == 1:
-            return newton_schulz(batch[0], self.settings).float()
-        return newton_schulz_batched(batch, self.settings).float()
+            return newton_schulz(batch[0], self.settings)
+        return newton_schulz_batched(batch, self.settings)
 
     def _transport(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         if self.stage_group is None:
@@ -162,12 +165,14 @@ def build_muon_layout(
     *,
     stage_group: dist.ProcessGroup | None,
     tp_group: dist.ProcessGroup | None = None,
-    replica_writer: dict[int, bool],
+    replicas: dict[int, tuple[int, int]],
 ) -> MuonLayout:
     """The layout of ``params`` (this rank's trainable parameters) whose logical tensors (``shards``, of all
     this rank's chunks) are all Muon matrices. ``stage_group``: every rank of this pipeline stage (tp x dp x
-    cp); ``replica_writer[id(param)]``: False where another dp rank writes the same values (ZeRO-0 replicas).
-    Collective over ``stage_group`` (the union of names)."""
+    cp); ``replicas[id(param)]``: ``(index, count)`` where ``count`` dp ranks hold the same values (ZeRO-0
+    replicas): replica ``index`` writes the ``index``-th of ``count`` even stretches of the parameter's
+    elements that this rank writes at all (tp: its primary rows), so each sends 1/count of them. Collective
+    over ``stage_group`` (the union of names)."""
     stage_group, tp_group = _group(stage_group), _group(tp_group)
     by_param: dict[int, list[tuple[str, ShardInfo]]] = {}
     for name, shard in shards.items():
@@ -210,7 +215,12 @@ def build_muon_layout(
             block = torch.arange(start, start + shape[0] * shape[1], dtype=torch.long, device="cpu")
             block = block.view(shape)[shard.index]
             pos[shard.local_rows] = block
-            write[shard.local_rows] = shard.primary and replica_writer.get(id(p), True)
+            write[shard.local_rows] = shard.primary
+        index, count = replicas.get(id(p), (0, 1))
+        if count > 1:  # ZeRO-0 replicas: this one writes its stretch of the elements written here only
+            flat = write.view(-1)
+            nth, n = flat.cumsum(0) - 1, int(flat.sum())
+            flat &= (nth >= n * index // count) & (nth < n * (index + 1) // count)
         if bool((pos < 0).any()):
             raise ValueError(f"a Muon parameter {local_shape} has elements no logical matrix covers (padding?)")
         positions[id(p)], writes[id(p)] = pos, write

@@ -6,13 +6,17 @@ spread over the stage's S = tp x dp x cp ranks by FLOPs, and two all-to-alls ove
 owner sends its results to every rank holding a piece of them::
 
     ns_s       = NS FLOPs of the stage's matrices / S / rate
-    sent       = 2 x 4 x elements / tp      ZeRO-0: dp x cp rank 0 writes its whole tp shard, and an owner
-                                            serves each of its elements to the dp x cp replicas
-               = 2 x 4 x elements / S       ZeRO-1/2/3: each element held (and written) once
+    sent       = 4 x (written + owned x holders)
+    written    = elements / S               ZeRO-0: each dp x cp replica writes an even stretch of its tp shard;
+                                            ZeRO-2/3: its dp shard's rows
+               = Muon elements of the rank's ZeRO-1 segment (the stage's parameters end to end, cut evenly)
+    owned      = the elements of the matrices the rank owns (largest first, each to the least loaded by FLOPs)
+    holders    = dp x cp under ZeRO-0 (each replica gets the results), else 1
     exchange_s = (S - 1) / S x sent / bandwidth(S) + 2 (S - 1) x latency
 
 The matrices are the single-device model's (q, k, v, o, gate, up, down of every layer; each routed expert's
-w1, w3, w2; multi-token prediction's projections and blocks not counted), the stage holding layers/pp of them.
+w1, w3, w2; multi-token prediction's projections and blocks not counted), the stage holding layers/pp of them;
+the bytes are those of the stage's rank 0, as the planner's model states are.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from modelpar.model.config import ModelConfig
 from modelpar.optim.muon import newton_schulz_flops
 from modelpar.plan.links import group_bandwidth
 from modelpar.plan.spec import Hardware, ModelSpec, Strategy
+from modelpar.plan.states import muon_tensors, stage_units
 
 
 def layer_matrices(shape: ModelConfig, layer: int) -> list[tuple[int, int]]:
@@ -44,26 +49,83 @@ def layer_matrices(shape: ModelConfig, layer: int) -> list[tuple[int, int]]:
 
 def stage_muon(model: ModelSpec, strategy: Strategy, ns_steps: int = 5) -> tuple[int, int]:
     """(Newton-Schulz FLOPs, Muon elements) of the busiest pipeline stage's matrices (layers split evenly)."""
-    shape, pp = model.shape, strategy.layout.pp
-    per_layer = [layer_matrices(shape, layer) for layer in range(shape.layers)]
-    flops = [sum(newton_schulz_flops(m, ns_steps) for m in ms) for ms in per_layer]
-    elements = [sum(r * c for r, c in ms) for ms in per_layer]
-    stage = -(-shape.layers // pp)
-    busiest = max(range(0, shape.layers, stage), key=lambda first: sum(flops[first : first + stage]))
-    return sum(flops[busiest : busiest + stage]), sum(elements[busiest : busiest + stage])
+    matrices = stage_matrices(model, strategy)
+    return sum(newton_schulz_flops(m, ns_steps) for m in matrices), sum(r * c for r, c in matrices)
 
 
-def exchange_bytes(model: ModelSpec, strategy: Strategy) -> float:
-    """Bytes a rank sends in one step's two all-to-alls (the module docstring's ``sent``; 0: a stage of one)."""
+def exchange_bytes(model: ModelSpec, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> float:
+    """Bytes rank 0 of a pipeline stage sends in one step's two all-to-alls (the module docstring's ``sent``;
+    0: a stage of one): the updates it writes, and its matrices' results to the ranks holding them. The
+    owners are the engine's (largest matrices first, each to the least loaded rank by Newton-Schulz FLOPs);
+    under ZeRO-1 with ``seq_len`` the Muon elements of rank 0's segment of pipeline stage ``stage`` (its
+    parameters end to end, the embedding first, cut into dp x cp even segments), else an even share."""
     layout = strategy.layout
-    ranks = layout.tp * layout.dp * layout.cp
+    d = layout.dp * layout.cp
+    ranks = layout.tp * d
     if strategy.optimizer != "muon" or ranks == 1:
         return 0.0
-    _, elements = stage_muon(model, strategy)
-    return 2 * 4.0 * elements / (layout.tp if strategy.zero == 0 else ranks)
+    matrices = stage_matrices(model, strategy)
+    elements = sum(r * c for r, c in matrices)
+    owned = owned_elements(matrices, ranks)[0]
+    if strategy.zero == 1 and seq_len is not None:
+        written = zero1_muon_share(model, strategy, seq_len, stage)
+    else:  # ZeRO-0: each dp x cp replica writes an even stretch of its tp shard; ZeRO-2/3: its dp shard
+        written = elements / ranks
+    holders = d if strategy.zero == 0 else 1  # ZeRO-0: an owner serves each element to every replica
+    return 4.0 * (written + owned * holders)
 
 
-def muon_step_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, rate: float) -> float:
+def stage_matrices(model: ModelSpec, strategy: Strategy) -> list[tuple[int, int]]:
+    """The Muon matrices of the busiest pipeline stage (``stage_muon``'s, layers split evenly)."""
+    shape, pp = model.shape, strategy.layout.pp
+    per_layer = [layer_matrices(shape, layer) for layer in range(shape.layers)]
+    flops = [sum(newton_schulz_flops(m, 5) for m in ms) for ms in per_layer]
+    stage = -(-shape.layers // pp)
+    busiest = max(range(0, shape.layers, stage), key=lambda first: sum(flops[first : first + stage]))
+    return [m for ms in per_layer[busiest : busiest + stage] for m in ms]
+
+
+def owned_elements(matrices: list[tuple[int, int]], ranks: int, ns_steps: int = 5) -> list[int]:
+    """Elements each stage rank owns under the engine's rule (``build_muon_layout``): the largest matrices by
+    Newton-Schulz FLOPs first, each to the least loaded rank (ties: the lowest)."""
+    loads, owned = [0] * ranks, [0] * ranks
+    for m in sorted(matrices, key=lambda m: -newton_schulz_flops(m, ns_steps)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[rank] += newton_schulz_flops(m, ns_steps)
+        owned[rank] += m[0] * m[1]
+    return owned
+
+
+def zero1_muon_share(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int) -> int:
+    """Muon elements in dp x cp rank 0's ZeRO-1 segment on pipeline stage ``stage``: the stage's parameters
+    end to end as the engine lays them (chunk by chunk: the embedding first, the blocks, the root's rest), cut
+    into dp x cp even segments. Under ep the routed experts form a partition of their own: an even share."""
+    layout = strategy.layout
+    if layout.ep > 1:
+        return round(sum(r * c for r, c in stage_matrices(model, strategy)) / (layout.tp * layout.dp * layout.cp))
+    units = stage_units(model, strategy, seq_len, stage)
+    muon = muon_tensors(model, units)
+    flat: list[tuple[int, bool]] = []
+    chunk_start, first_chunk = 0, True
+    for i, (kind, tensors, count) in enumerate(units):
+        entries = [(r * c, (i, j) in muon) for j, (r, c) in enumerate(tensors)]
+        if kind == "root" and first_chunk and stage == 0 and entries:  # the model's first chunk: its embedding
+            flat[chunk_start:chunk_start] = entries[:1]
+            entries = entries[1:]
+        flat += entries * count
+        if kind == "root":
+            chunk_start, first_chunk = len(flat), False
+    segment = -(-sum(n for n, _ in flat) // (layout.dp * layout.cp))
+    share = at = 0
+    for n, is_muon in flat:
+        share += is_muon * max(0, min(at + n, segment) - at)
+        at += n
+    return share
+
+
+def muon_step_s(
+    model: ModelSpec, strategy: Strategy, hardware: Hardware, rate: float, seq_len: int | None = None
+) -> float:
     """Seconds of Muon's Newton-Schulz and exchange per step on a rank (the module docstring); 0 under AdamW."""
     if strategy.optimizer != "muon":
         return 0.0
@@ -72,7 +134,7 @@ def muon_step_s(model: ModelSpec, strategy: Strategy, hardware: Hardware, rate: 
     ranks = layout.tp * layout.dp * layout.cp
     seconds = flops / ranks / rate
     if ranks > 1:
-        wire = (ranks - 1) / ranks * exchange_bytes(model, strategy)
+        wire = (ranks - 1) / ranks * exchange_bytes(model, strategy, seq_len)
         seconds += wire / group_bandwidth(hardware, ranks * layout.pp) + 2 * (ranks - 1) * hardware.latency_s
     return seconds
 

@@ -383,7 +383,7 @@ def predict(
         ep_comm_s *= share
     memory = peak_memory(model, strategy, seq_len, hardware, exact=False)
     offload_s = m * offload_per_micro_batch_s(model, strategy, seq_len, hardware)
-    optimizer_s = muon_step_s(model, strategy, hardware, rate)
+    optimizer_s = muon_step_s(model, strategy, hardware, rate, seq_len)
     total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s + offload_s
     total_s += optimizer_s
     tokens = strategy.global_batch * seq_len

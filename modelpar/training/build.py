@@ -256,19 +256,23 @@ def build_muon_layout_for(cfg: TrainConfig, model: RankModel, groups: ParallelGr
     shards = {}
     for chunk in model.chunks:
         shards |= chunk.logical_shards()
-    writer = {}
-    if cfg.optim.zero == 0:  # replicas over dp x cp (experts: over the ranks holding them): the first writes
-        dense_first = groups.dp_cp_ranks[0] == groups.rank if groups.dp_cp_ranks else True
-        expert_first = groups.expert_dp_ranks[0] == groups.rank if groups.expert_dp_ranks else True
-        writer = {id(p): expert_first if info.expert_parallel else dense_first for p, info in model.params}
+    replicas = {}
+    if cfg.optim.zero == 0:  # replicas over dp x cp (experts: over the ranks holding them) share the writing
+        dense, expert = (_replica(groups.rank, ranks) for ranks in (groups.dp_cp_ranks, groups.expert_dp_ranks))
+        replicas = {id(p): expert if info.expert_parallel else dense for p, info in model.params}
     return build_muon_layout(
         muon_settings(cfg),
         [p for p, _ in model.params],
         shards,
         stage_group=groups.stage_group(),
         tp_group=groups.tp_group,
-        replica_writer=writer,
+        replicas=replicas,
     )
+
+
+def _replica(rank: int, ranks: tuple[int, ...]) -> tuple[int, int]:
+    """This rank's index among the replicas ``ranks`` (every one holds the same values), and their number."""
+    return (ranks.index(rank), len(ranks)) if ranks else (0, 1)
 
 
 def build_rank_optimizer(cfg: TrainConfig, model: RankModel, groups: ParallelGroups) -> DataParallelOptimizer:

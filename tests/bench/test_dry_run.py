@@ -270,18 +270,23 @@ def test_tp_replicated_router_and_expert_gradients_are_summed_over_tp_as_planned
     assert report.traffic["tp all_reduce"] == pytest.approx(report.planned_traffic["tp all_reduce"], rel=1e-2)
 
 
-@pytest.mark.parametrize("layout, zero", [(dict(tp=2, pp=2, dp=4), 0), (dict(dp=4), 3)], ids=["tp2pp2dp4", "dp4zero3"])
+@pytest.mark.parametrize(
+    "layout, zero",
+    [(dict(tp=2, pp=2, dp=4), 0), (dict(tp=2, pp=2, dp=4), 1), (dict(dp=4), 3)],
+    ids=["tp2pp2dp4", "tp2pp2dp4zero1", "dp4zero3"],
+)
 def test_muons_exchange_is_counted_as_planned(tmp_path, layout, zero):
     """optim.name=muon dry-runs: its two all-to-alls over the stage's tp x dp x cp ranks are counted, and the
-    planner's bytes for them are within 5% (ZeRO-0: the owners' shares of the stage differ a little from the
-    even split the planner takes)."""
+    planner's bytes for them are within 2%: it takes the engine's owners (balanced by FLOPs, not elements),
+    ZeRO-0's replicas each writing their stretch, and ZeRO-1's segments as they fall (rank 0's begins with the
+    embedding, so holds fewer Muon elements than an even share)."""
     cfg = make_config(tmp_path, partition="uniform", **layout)
     model = dataclasses.replace(cfg.model, vocab_size=64, tie_embeddings=False)
     optim = dataclasses.replace(cfg.optim, name="muon", zero=zero)
     cfg = dataclasses.replace(cfg, model=model, optim=optim, data=dataclasses.replace(cfg.data, global_batch=16))
     report = step_rank(cfg, 0, "first stage")
     kind = "world all_to_all" if cfg.parallel.pp == 1 else "stage all_to_all"
-    assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=0.05)
+    assert report.traffic[kind] == pytest.approx(report.planned_traffic[kind], rel=0.02)
     assert report.traffic[kind] > 0
 
 

@@ -6,9 +6,12 @@ import threading
 
 import torch
 
+from modelpar.model.layers.shard import ShardInfo
+from modelpar.optim import muon_moves
 from modelpar.optim.muon import MuonSettings, newton_schulz
 from modelpar.optim.muon_exchange import MatrixTable, route
-from modelpar.optim.muon_layout import Matrix, MuonLayout
+from modelpar.optim.muon_layout import Matrix, MuonLayout, build_muon_layout
+from modelpar.optim.muon_moves import Take, runs_of
 
 SETTINGS = MuonSettings(ns_dtype="fp32")
 SHAPES = [(24, 16), (16, 40), (8, 8), (32, 12), (12, 12), (20, 6), (6, 30), (16, 16)]
@@ -68,9 +71,18 @@ def _layout(ranks: int) -> MuonLayout:
     return MuonLayout(SETTINGS, matrices, {}, {}, 0, None, None, loads)
 
 
-def _pieces(total: int, ranks: int, replicated: float, seed: int):
+def _pieces(total: int, ranks: int, replicated: float, seed: int, shuffle: bool = True):
     """Each rank's pieces ``(positions, writes)``: every element written by one random rank, held besides by
-    others with probability ``replicated`` (a ZeRO-0 replica, a tp-replicated row), cut into a few pieces."""
+    others with probability ``replicated`` (a ZeRO-0 replica, a tp-replicated row), cut into a few pieces;
+    ``shuffle=False``: each rank holds one contiguous stretch (a ZeRO-1 segment), in order."""
+    if not shuffle:
+        bounds = [total * r // ranks for r in range(ranks + 1)]
+        out = []
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            positions = torch.arange(a, b)
+            cut = (a + b) // 2 - a
+            out.append([(positions[:cut], torch.ones(cut, dtype=torch.bool)), (positions[cut:], positions[cut:] >= 0)])
+        return out
     g = torch.Generator().manual_seed(seed)
     writer = torch.randint(0, ranks, (total,), generator=g)
     out = []
@@ -85,7 +97,7 @@ def _pieces(total: int, ranks: int, replicated: float, seed: int):
     return out
 
 
-def _exchange(ranks: int, replicated: float, seed: int = 0):
+def _exchange(ranks: int, replicated: float, seed: int = 0, shuffle: bool = True):
     layout = _layout(ranks)
     total = layout.total
     truth = torch.randn(total, generator=torch.Generator().manual_seed(seed + 1))
@@ -94,22 +106,27 @@ def _exchange(ranks: int, replicated: float, seed: int = 0):
         expected[m.offset : m.offset + m.numel] = newton_schulz(
             truth[m.offset : m.offset + m.numel].view(m.shape), SETTINGS
         ).reshape(-1)
-    pieces = _pieces(total, ranks, replicated, seed)
+    pieces = _pieces(total, ranks, replicated, seed, shuffle)
     shapes = [m.shape for m in layout.matrices]
 
     def rank_step(rank, transport):
         r = route(layout.table, rank, shapes, pieces[rank], transport)
         # a value only its writer may send: the others' copies are poisoned, and must not reach the owner
         updates = [torch.where(w, truth[p], torch.nan) for p, w in pieces[rank]]
-        outs = r.exchange(updates, layout._newton_schulz, transport)
+        outs = r.pieces(r.exchange(torch.cat(updates), layout._newton_schulz, transport))
         return r, outs
 
     return layout, pieces, expected, Stage(ranks).run(rank_step)
 
 
-def test_each_piece_gets_its_whole_matrix_result_bit_for_bit():
-    for ranks, replicated in ((1, 0.0), (4, 0.0), (4, 0.3), (3, 0.5)):
-        layout, pieces, expected, results = _exchange(ranks, replicated, seed=ranks)
+def test_each_piece_gets_its_whole_matrix_result_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(muon_moves, "MIN_RUN", 4)  # the test's matrices are small: compile their stretches too
+    cases = ((1, 0.0, True), (4, 0.0, True), (4, 0.3, True), (3, 0.5, True), (1, 0.0, False), (2, 0.0, False))
+    for ranks, replicated, shuffle in cases:
+        layout, pieces, expected, results = _exchange(ranks, replicated, seed=ranks, shuffle=shuffle)
+        if not shuffle:  # contiguous segments: every index map compiled to whole slices, not indices
+            maps = [m for r, _ in results for m in (r.gather, r.place, r.serve, *r.spread)]
+            assert all(m.index is None for m in maps), [m.numel for m in maps if m.index is not None]
         dense = sum(a * b for a, b in SHAPES)  # the experts follow: batched, held to the loop below
         for rank, (_, outs) in enumerate(results):
             for (positions, _), out in zip(pieces[rank], outs, strict=True):
@@ -150,6 +167,55 @@ def test_no_buffer_is_sized_by_the_stage():
             if replicated == 0.0:
                 assert sizes["served"] == sizes["owned"]
                 assert max(sizes["sent"], sizes["owned"], sizes["returned"]) < 0.5 * layout.total
+
+
+def test_compiled_maps_move_what_the_index_does():
+    """``Take``: ``src[index]`` and ``dst[index] = values`` by slices where the index runs, by index otherwise."""
+    src = torch.randn(100)
+    stretches = torch.cat([torch.arange(40, 70), torch.arange(0, 30), torch.arange(80, 100)])
+    for index, min_run, by_slices in (
+        (stretches, 8, True),
+        (stretches, 64, False),
+        (torch.arange(100), 8, True),
+        (torch.randperm(100), 8, False),
+        (torch.zeros(0, dtype=torch.long), 8, True),
+    ):
+        take = Take.of(index, min_run)
+        assert (take.index is None) == by_slices
+        assert torch.equal(take(src), src[index])
+        parts = torch.cat([v for _, v in take.segments(src)]) if len(index) else src[:0]
+        assert torch.equal(parts, src[index])
+        assert [at for at, _ in take.segments(src)][:1] in ([0], [])
+        dst, want = torch.zeros(100), torch.zeros(100)
+        take.put(dst, src[: len(index)])
+        want[index] = src[: len(index)]
+        assert torch.equal(dst, want)
+    assert runs_of(stretches) == [(40, 30), (0, 30), (80, 20)]
+    assert Take.of(torch.arange(100), 8).is_identity(100) and not Take.of(stretches, 8).is_identity(100)
+
+
+def test_zero0_replicas_share_the_writing_evenly():
+    """Under ZeRO-0 the dp x cp replicas of a parameter each write an even stretch of its elements (each element
+    by exactly one of them), so no replica sends more than its share; a tp-replicated row's non-primary holder
+    writes none."""
+    fused = torch.nn.Parameter(torch.zeros(16, 6))
+    out = torch.nn.Parameter(torch.zeros(6, 10))
+    shards = {
+        "l.q_proj.weight": ShardInfo(fused, slice(0, 8), (8, 6)),
+        "l.k_proj.weight": ShardInfo(fused, slice(8, 16), (8, 6), replicated_over_tp=True, primary=False),
+        "l.o_proj.weight": ShardInfo(out, slice(0, 6), (6, 10)),
+    }
+    writes = []
+    for index in range(3):
+        replicas = {id(fused): (index, 3), id(out): (index, 3)}
+        layout = build_muon_layout(SETTINGS, [fused, out], shards, stage_group=None, replicas=replicas)
+        writes.append([layout.writes[id(fused)], layout.writes[id(out)]])
+    for p, (numel, written) in enumerate(((16 * 6, 8 * 6), (60, 60))):
+        mine = torch.stack([w[p].reshape(-1) for w in writes]).long()
+        assert [int(m.sum()) for m in mine] == [written // 3] * 3
+        assert bool((mine.sum(0) <= 1).all()) and int(mine.sum()) == written  # one writer each
+        assert mine.shape[1] == numel
+    assert not bool(torch.stack([w[0][8:] for w in writes]).any())  # k_proj's rows: another tp rank writes them
 
 
 def test_matrix_table_places_positions_in_the_owners_buffer():
