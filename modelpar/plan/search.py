@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
-from modelpar.plan.activations import memoised_stages
 from modelpar.plan.bubble import bubble_ratio
+from modelpar.plan.memo import search_memo
 from modelpar.plan.spec import (
     GIB,
     RECOMPUTE_MODES,
@@ -188,7 +188,7 @@ def plan(
     layouts = valid_layouts(model, gpus, global_batch, space, seq_len)
     if not layouts:
         raise PlanError(no_layout_message(model, gpus, global_batch, space, seq_len))
-    with memoised_stages():
+    with search_memo():
         planned, closest = _search(model, hardware, layouts, global_batch, seq_len, costs, space, progress)
     if not planned:
         raise PlanError(nothing_fits_message(closest, hardware))
