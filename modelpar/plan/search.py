@@ -208,14 +208,14 @@ def _search(
 ) -> tuple[list[PlannedLayout], PlannedLayout | None]:
     """(the strategies that fit, the closest miss) over ``layouts``."""
     planned, closest = [], None
-    fits_as_is: set[Strategy] = set()  # strategies that fit without recompute: recomputing them only costs time
+    fits_as_is: set[tuple] = set()  # strategies that fit without recompute: recomputing them only costs time
     for layout in progress(layouts) if progress else layouts:
         for strategy in strategies(model, layout, global_batch, seq_len, space):
-            if strategy.recompute != "none" and _without_recompute(strategy) in fits_as_is:
+            if strategy.recompute != "none" and _but_recompute(strategy) in fits_as_is:
                 continue
             prediction = predict(strategy, model, hardware, seq_len=seq_len, costs=costs)
             if strategy.recompute == "none" and prediction.fits:
-                fits_as_is.add(strategy)
+                fits_as_is.add(_but_recompute(strategy))
             if not prediction.fits:
                 # reducing every micro-batch and offload only cost time: tried only where the strategy misses
                 for change in _memory_savers(model, strategy, hardware, space):
@@ -233,8 +233,12 @@ def _search(
     return planned, closest
 
 
-def _without_recompute(strategy: Strategy) -> Strategy:
-    return dataclasses.replace(strategy, recompute="none", recompute_modules=Strategy.recompute_modules)
+_BUT_RECOMPUTE = tuple(f.name for f in dataclasses.fields(Strategy) if f.name not in ("recompute", "recompute_modules"))
+
+
+def _but_recompute(strategy: Strategy) -> tuple:
+    """Every field of ``strategy`` but its recompute: equal for a strategy and its recomputing variants."""
+    return tuple(getattr(strategy, name) for name in _BUT_RECOMPUTE)
 
 
 def _memory_savers(model: ModelSpec, strategy: Strategy, hardware: Hardware, space: SearchSpace) -> list[dict]:
