@@ -120,7 +120,8 @@ def chunk_bytes(
     moe, layers = model.shape.moe, model.shape.layers
     rc = (strategy.recompute, strategy.recompute_modules, strategy.offload)
     for kind, count in chunk_piece_counts(partition, chunk, moe):
-        key = (x, kern, rc, kind, (moe.experts, moe.top_k, moe.shared_experts, model.shape.expert_ffn_hidden) * kind[1])
+        experts = (moe.experts, moe.top_k, moe.shared_experts, model.shape.expert_ffn_hidden, strategy.layout.ep)
+        key = (x, kern, rc, kind, experts * kind[1])  # a MoE piece's bytes read ep too (moe_saved)
         if key not in memo:
             if key not in _PIECE_BYTES:
                 _PIECE_BYTES[key] = piece_bytes(model, strategy, x, kern, a_layer(kind[1], moe, layers), kind[0])
