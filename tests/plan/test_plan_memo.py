@@ -37,3 +37,21 @@ def test_pruning_by_model_states_ranks_the_same_strategies():
     with search_memo():
         whole, _ = _search(LLAMA_8B, H100, layouts, 8, SEQ, None, SPACE, None, prune=False)
     assert pruned and pruned == whole
+
+
+def test_a_moe_stage_bytes_do_not_depend_on_the_ep_priced_before():
+    from modelpar.parallel.layout import ParallelLayout
+    from modelpar.plan import Strategy
+    from modelpar.plan.activations import _PIECE_BYTES
+
+    qwen3 = load_model("qwen3-30b-a3b")
+
+    def strategy(ep):
+        layout = ParallelLayout(pp=4, dp=4, vpp=2, ep=ep)
+        return Strategy(layout, 1, 16, "selective", recompute_modules=("elementwise",), pipeline="zbv")
+
+    _PIECE_BYTES.clear()
+    alone = predict(strategy(2), qwen3, H100, seq_len=SEQ).memory
+    _PIECE_BYTES.clear()
+    predict(strategy(1), qwen3, H100, seq_len=SEQ)
+    assert predict(strategy(2), qwen3, H100, seq_len=SEQ).memory == alone
