@@ -12,13 +12,12 @@ the last (with the head and its logits).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from dataclasses import dataclass
 
 from modelpar.pipeline.partition import Partition
 from modelpar.pipeline.schedule import V_SCHEDULES
+from modelpar.plan import memo as search_memo
 from modelpar.plan.chunks import (
     a_layer,
     chunk_piece_counts,
@@ -123,7 +122,8 @@ def chunk_bytes(
     moe, layers = model.shape.moe, model.shape.layers
     rc = (strategy.recompute, strategy.recompute_modules, strategy.offload)
     for kind, count in chunk_piece_counts(partition, chunk, moe):
-        key = (x, kern, rc, kind, (moe.experts, moe.top_k, moe.shared_experts, model.shape.expert_ffn_hidden) * kind[1])
+        experts = (moe.experts, moe.top_k, moe.shared_experts, model.shape.expert_ffn_hidden, strategy.layout.ep)
+        key = (x, kern, rc, kind, experts * kind[1])  # a MoE piece's bytes read ep too (moe_saved)
         if key not in memo:
             if key not in _PIECE_BYTES:
                 _PIECE_BYTES[key] = piece_bytes(model, strategy, x, kern, a_layer(kind[1], moe, layers), kind[0])
@@ -199,18 +199,6 @@ def shared_tables_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hard
 # bytes, so the memo's key is every other field (a field added to Strategy joins the key)
 _NOT_READ = ("zero", "zero_group", "reduce_every_micro_batch")
 _READ = tuple(f.name for f in dataclasses.fields(Strategy) if f.name not in _NOT_READ)
-_SEARCH_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("stage_activations_memo", default=None)
-
-
-@contextlib.contextmanager
-def memoised_stages():
-    """Inside, ``stage_activations`` keeps its answers (a search's many strategies share each stage's bytes);
-    the models asked about must not change meanwhile (a model is told apart by its identity)."""
-    token = _SEARCH_MEMO.set({})
-    try:
-        yield
-    finally:
-        _SEARCH_MEMO.reset(token)
 
 
 def stage_activations(
@@ -219,11 +207,13 @@ def stage_activations(
     """Peak saved activations of pipeline stage ``stage`` over the strategy's schedule (module docstring).
     ``exact=False`` (the planner's search): interleaved schedules count in-flight chunks in closed form
     instead of walking the action list (``in_flight_estimate``), the V schedules walk it at the folded ``m``
-    (``v_in_flight_mixes``). Kept inside ``memoised_stages``, by the strategy less what it never reads."""
-    memo = _SEARCH_MEMO.get()
+    (``v_in_flight_mixes``). Kept inside ``modelpar.plan.memo.search_memo``, by the strategy less what it never
+    reads."""
+    memo = search_memo.current()
     if memo is None:
         return _stage_activations(model, strategy, seq_len, hardware, stage, exact)
-    key = (id(model), *(getattr(strategy, name) for name in _READ), seq_len, hardware, stage, exact)
+    key = (stage_activations, id(model), *(getattr(strategy, name) for name in _READ), seq_len, id(hardware), stage)
+    key += (exact,)
     found = memo.get(key)
     if found is None:
         found = memo[key] = _stage_activations(model, strategy, seq_len, hardware, stage, exact)
@@ -234,11 +224,7 @@ def _stage_activations(
     model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, exact: bool
 ) -> StageActivations:
     layout = strategy.layout
-    partition = strategy_partition(model, strategy, seq_len)
-    memo: dict = {}
-    per_chunk = [
-        chunk_bytes(model, strategy, seq_len, hardware, partition, c, memo) for c in partition.chunks_of(stage)
-    ]
+    per_chunk = _stage_chunk_bytes(model, strategy, seq_len, hardware, stage)
     working = max(w for _, _, w in per_chunk)
     name, pp, m, vpp = strategy.schedule_name, layout.pp, strategy.micro_batches, layout.vpp
     if not exact and name in V_SCHEDULES:
@@ -252,6 +238,28 @@ def _stage_activations(
     return StageActivations(device + shared_tables_bytes(model, strategy, seq_len, hardware), host, working)
 
 
+def _chunk_key(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int, offload: bool | None = None
+) -> tuple:
+    """What a stage's chunks' bytes read: the layout, the strategy's split (its ``stage_layers`` and schedule,
+    which places the chunks), the micro-batch, SP, the cp exchange, recompute and offload (or ``offload``)."""
+    s, offload = strategy, strategy.offload if offload is None else offload
+    key = (id(model), s.layout, s.pipeline, s.stage_layers, s.micro_batch_size, s.sp, s.cp_comm, s.recompute)
+    return (*key, s.recompute_modules, offload, seq_len, id(hardware), stage)
+
+
+@search_memo.per_search(_chunk_key)
+def _stage_chunk_bytes(
+    model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int
+) -> tuple[tuple[float, float, float], ...]:
+    """``chunk_bytes`` of each chunk of ``stage``, in ``chunks_of`` order."""
+    partition = strategy_partition(model, strategy, seq_len)
+    memo: dict = {}
+    return tuple(
+        chunk_bytes(model, strategy, seq_len, hardware, partition, c, memo) for c in partition.chunks_of(stage)
+    )
+
+
 def block_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, layer: int = 0) -> float:
     """What one whole block keeps of one micro-batch on the device (``benchmarks/activation_memory.py``'s
     layer), with RoPE's shared tables, under the strategy's recompute and offload."""
@@ -260,6 +268,9 @@ def block_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Ha
     return device + shared_tables_bytes(model, strategy, seq_len, hardware)
 
 
+@search_memo.per_search(
+    lambda model, strategy, seq_len, hardware, stage: _chunk_key(model, strategy, seq_len, hardware, stage, True)
+)
 def offloaded_per_micro_batch(
     model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware, stage: int
 ) -> float:

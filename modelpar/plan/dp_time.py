@@ -6,6 +6,7 @@ embedding's sync between the first and last pipeline stages."""
 from __future__ import annotations
 
 from modelpar.pipeline.placement import Placement
+from modelpar.plan import memo as search_memo
 from modelpar.plan.links import group_bandwidth, ring_all_gather_s, ring_all_reduce_s
 from modelpar.plan.memory import layers_per_chunk, stage_params
 from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Strategy
@@ -44,7 +45,7 @@ def dp_exposed_s(
     layout = strategy.layout
     t, p = layout.tp, layout.pp
     d = layout.dp * layout.cp  # weights are replicated over dp x cp, gradients reduced over both
-    params = max(stage_params(model, layout, st, strategy.placement) for st in {0, p - 1})
+    params = _end_stage_params(model, layout, strategy.placement)
     bw = group_bandwidth(hardware, layout.world_size)
     exposed = 0.0
     if d > 1 and strategy.zero >= 2:
@@ -80,3 +81,9 @@ def dp_exposed_s(
         embedding = model.shape.vocab_size * model.shape.hidden / t * GRAD_BYTES
         exposed += ring_all_reduce_s(embedding, 2, group_bandwidth(hardware, t * p), hardware.latency_s)
     return exposed
+
+
+@search_memo.per_search(lambda model, layout, placement: (id(model), layout, placement))
+def _end_stage_params(model: ModelSpec, layout, placement: Placement) -> float:
+    """The larger of the first and the last stage's parameters (``stage_params``), kept for one search."""
+    return max(stage_params(model, layout, st, placement) for st in {0, layout.pp - 1})

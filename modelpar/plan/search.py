@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from modelpar.parallel.context import CP_COMMS
 from modelpar.parallel.layout import LayoutError, ParallelLayout
 from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES
-from modelpar.plan.activations import memoised_stages
 from modelpar.plan.bubble import bubble_ratio
+from modelpar.plan.memo import search_memo
+from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import (
     GIB,
     RECOMPUTE_MODES,
@@ -25,6 +26,7 @@ from modelpar.plan.spec import (
     PlannedLayout,
     Strategy,
 )
+from modelpar.plan.states import state_bytes
 from modelpar.plan.step_time import predict
 
 PLANNED_CP_COMMS = tuple(c for c in CP_COMMS if c != "hybrid")  # hybrid's group size is not searched
@@ -188,8 +190,11 @@ def plan(
     layouts = valid_layouts(model, gpus, global_batch, space, seq_len)
     if not layouts:
         raise PlanError(no_layout_message(model, gpus, global_batch, space, seq_len))
-    with memoised_stages():
+    with search_memo():
         planned, closest = _search(model, hardware, layouts, global_batch, seq_len, costs, space, progress)
+        if not planned:  # the closest miss may be one whose model states alone were too many: search them too
+            search = (model, hardware, layouts, global_batch, seq_len, costs, space, None)
+            planned, closest = _search(*search, prune=False)
     if not planned:
         raise PlanError(nothing_fits_message(closest, hardware))
     planned.sort(key=lambda e: (-e.prediction.tokens_per_s, e.prediction.memory.total))
@@ -205,17 +210,21 @@ def _search(
     costs: CostModel | None,
     space: SearchSpace,
     progress: Callable[[list[ParallelLayout]], Iterable[ParallelLayout]] | None,
+    prune: bool = True,
 ) -> tuple[list[PlannedLayout], PlannedLayout | None]:
-    """(the strategies that fit, the closest miss) over ``layouts``."""
+    """(the strategies that fit, the closest miss) over ``layouts``. ``prune``: a strategy whose model states
+    cannot fit (``_states_exceed``) is not predicted, and the closest miss is then not known."""
     planned, closest = [], None
-    fits_as_is: set[Strategy] = set()  # strategies that fit without recompute: recomputing them only costs time
+    fits_as_is: set[tuple] = set()  # strategies that fit without recompute: recomputing them only costs time
     for layout in progress(layouts) if progress else layouts:
         for strategy in strategies(model, layout, global_batch, seq_len, space):
-            if strategy.recompute != "none" and _without_recompute(strategy) in fits_as_is:
+            if strategy.recompute != "none" and _but_recompute(strategy) in fits_as_is:
+                continue
+            if prune and _states_exceed(model, strategy, seq_len, hardware):
                 continue
             prediction = predict(strategy, model, hardware, seq_len=seq_len, costs=costs)
             if strategy.recompute == "none" and prediction.fits:
-                fits_as_is.add(strategy)
+                fits_as_is.add(_but_recompute(strategy))
             if not prediction.fits:
                 # reducing every micro-batch and offload only cost time: tried only where the strategy misses
                 for change in _memory_savers(model, strategy, hardware, space):
@@ -233,8 +242,24 @@ def _search(
     return planned, closest
 
 
-def _without_recompute(strategy: Strategy) -> Strategy:
-    return dataclasses.replace(strategy, recompute="none", recompute_modules=Strategy.recompute_modules)
+def _states_exceed(model: ModelSpec, strategy: Strategy, seq_len: int, hardware: Hardware) -> bool:
+    """Whether the first stage's model states and the reserved bytes alone exceed the device (our block), for
+    ``strategy`` and every memory saver of it: reducing every micro-batch changes only the gathered copies,
+    left out here, offload only activations, and activations and gathered copies only add (in floats too:
+    this sum is the first terms of ``MemoryBreakdown.total``'s, in its order)."""
+    if model.block != "llama":
+        return False
+    states = state_bytes(model, strategy, seq_len, 0, activation_bytes(hardware))
+    lower = states["weights"] + states["gradients"] + states["optimizer"] + states["buffers"]
+    return lower + hardware.reserved_bytes > hardware.memory_bytes
+
+
+_BUT_RECOMPUTE = tuple(f.name for f in dataclasses.fields(Strategy) if f.name not in ("recompute", "recompute_modules"))
+
+
+def _but_recompute(strategy: Strategy) -> tuple:
+    """Every field of ``strategy`` but its recompute: equal for a strategy and its recomputing variants."""
+    return tuple(getattr(strategy, name) for name in _BUT_RECOMPUTE)
 
 
 def _memory_savers(model: ModelSpec, strategy: Strategy, hardware: Hardware, space: SearchSpace) -> list[dict]:

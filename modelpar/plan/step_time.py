@@ -78,6 +78,7 @@ from modelpar.model.config import ModelConfig
 from modelpar.model.flops import attention_keys, attention_width, training_flops_per_token
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.pipeline.placement import Placement
+from modelpar.plan import memo as search_memo
 from modelpar.plan.activations import offloaded_per_micro_batch
 from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.dp_time import dp_exposed_s, routed_expert_params
@@ -261,6 +262,12 @@ def _selective_modules(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
     return strategy.recompute_modules if strategy.recompute == "selective" and model.block == "llama" else ()
 
 
+def _step_flops_key(model: ModelSpec, strategy: Strategy, seq_len: int) -> tuple:
+    s = strategy  # what the FLOPs read: the chunks, the micro-batch and what recompute reruns
+    return id(model), s.layout, s.pipeline, s.micro_batch_size, s.recompute, s.recompute_modules, seq_len
+
+
+@search_memo.per_search(_step_flops_key)
 def stage_step_flops(model: ModelSpec, strategy: Strategy, seq_len: int) -> float:
     """Hardware FLOPs of one micro-batch on the busiest rank (whole tp group), recomputed forwards included.
 
@@ -305,9 +312,22 @@ def hardware_flops_per_step(model: ModelSpec, strategy: Strategy, seq_len: int) 
     """Model FLOPs of the whole step plus the forwards that recompute runs again."""
     shape, tokens = model.shape, strategy.global_batch * seq_len
     extra = recompute_extra_flops(model, strategy, tokens, seq_len)
-    return training_flops_per_token(shape, seq_len) * tokens + shape.layers * extra
+    return flops_per_token(shape, seq_len) * tokens + shape.layers * extra
 
 
+@search_memo.per_search(lambda shape, seq_len: (id(shape), seq_len))
+def flops_per_token(shape: ModelConfig, seq_len: int) -> float:
+    """``training_flops_per_token``, kept for one search."""
+    return training_flops_per_token(shape, seq_len)
+
+
+@search_memo.per_search(lambda shape: id(shape))
+def moe_layer_share(shape: ModelConfig) -> float:
+    """The share of the layers that are mixture-of-experts layers (0 for a dense model)."""
+    return sum(map(shape.moe.is_moe_layer, range(shape.layers))) / shape.layers if shape.moe.enabled else 0.0
+
+
+@search_memo.per_search(lambda shape, hardware, seq_len: (id(shape), id(hardware), seq_len))
 def fp8_time_factor(shape: ModelConfig, hardware: Hardware, seq_len: int) -> float:
     """Compute time with ``model.fp8`` over the time without: the attention and MLP projections' share ``f`` of
     the training FLOPs runs at ``fp8_peak_flops``, the rest (scores, head) at ``peak_flops``:
@@ -315,7 +335,7 @@ def fp8_time_factor(shape: ModelConfig, hardware: Hardware, seq_len: int) -> flo
     if shape.fp8 == "off" or hardware.fp8_peak_flops <= 0:
         return 1.0
     projections = 6.0 * shape.layers * shape.block_params()
-    share = projections / training_flops_per_token(shape, seq_len)
+    share = projections / flops_per_token(shape, seq_len)
     return 1.0 - share + share * hardware.peak_flops / hardware.fp8_peak_flops
 
 
@@ -341,7 +361,7 @@ def predict(
 
     act_bytes = b * seq_len / cp * shape.hidden * hardware.weight_bytes  # one [b, s/cp, h] activation
     tp_bw = group_bandwidth(hardware, t)
-    moe_share = sum(map(shape.moe.is_moe_layer, range(shape.layers))) / shape.layers if shape.moe.enabled else 0.0
+    moe_share = moe_layer_share(shape)
     tp_comm_s = m * layers_on_rank * tp_collectives_per_layer(model, strategy, moe_share)
     both_ends = p == 1 or strategy.placement is Placement.V  # one rank holds the embedding and the head
     tp_comm_s += m * (2 if both_ends else 1)  # the vocab-parallel embedding's output and the head's input
@@ -387,7 +407,7 @@ def predict(
     total_s = compute_s + tp_comm_s + pp_comm_s + dp_comm_s + cp_comm_s + ep_comm_s + bubble_s + offload_s
     total_s += optimizer_s
     tokens = strategy.global_batch * seq_len
-    model_flops = training_flops_per_token(shape, seq_len) * tokens
+    model_flops = flops_per_token(shape, seq_len) * tokens
     hw_flops = hardware_flops_per_step(model, strategy, seq_len)
     world_peak = layout.world_size * hardware.peak_flops
     return Prediction(
