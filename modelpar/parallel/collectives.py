@@ -301,11 +301,25 @@ def _post_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op):
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
-def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along ``dim`` (records the gathered output size)."""
+def _gather_buffers(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int):
+    """``tensor`` with ``dim`` moved first (contiguous), and the empty gathered output of an all-gather of it."""
     world = group_size(group)
     moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    return moved, torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
+def _scatter_buffers(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int):
+    """``tensor`` with ``dim`` moved first (contiguous), and the empty output of a reduce-scatter of it."""
+    world = group_size(group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} is not divisible by {world} ranks")
+    return moved, torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (records the gathered output size)."""
+    moved, out = _gather_buffers(tensor, group, dim)
     _record("all_gather", out, group)
     with blocking("all_gather", group):
         if _algorithm is None or not _algorithm.all_gather_into(out, moved, group):
@@ -315,11 +329,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """Sum ``tensor`` over ranks and keep this rank's slice along ``dim`` (records the input size)."""
-    world = group_size(group)
-    moved = tensor.movedim(dim, 0).contiguous()
-    if moved.shape[0] % world:
-        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} is not divisible by {world} ranks")
-    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    moved, out = _scatter_buffers(tensor, group, dim)
     _record("reduce_scatter", moved, group)
     with blocking("reduce_scatter", group):
         if _algorithm is None or not _algorithm.reduce_scatter_into(out, moved, group):
@@ -337,9 +347,7 @@ class _Done:
 def all_gather_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):
     """Start ``all_gather(tensor, group, dim)``; returns (handle, result): read the result only after
     ``wait_after_hand_over(handle, "all_gather", group)``. Records as ``all_gather`` does."""
-    world = group_size(group)
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    moved, out = _gather_buffers(tensor, group, dim)
     _record("all_gather", out, group)
     with _profiled("all_gather"):
         if _algorithm is not None and _algorithm.all_gather_into(out, moved, group):
@@ -351,11 +359,7 @@ def all_gather_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim:
 
 def reduce_scatter_async(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0):
     """Start ``reduce_scatter(tensor, group, dim)``; returns (handle, result), as ``all_gather_async``."""
-    world = group_size(group)
-    moved = tensor.movedim(dim, 0).contiguous()
-    if moved.shape[0] % world:
-        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} is not divisible by {world} ranks")
-    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    moved, out = _scatter_buffers(tensor, group, dim)
     _record("reduce_scatter", moved, group)
     with _profiled("reduce_scatter"):
         if _algorithm is not None and _algorithm.reduce_scatter_into(out, moved, group):
