@@ -5,7 +5,6 @@ another; they import this."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from modelpar.training.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TrainerConfig
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -113,7 +113,7 @@ SMALL = [  # the default recipe's model, shrunk: every run here is a real multi-
 def train(tmp_path: Path, *overrides: str, faults: str = "", timeout: int = 240):
     env = dict(os.environ, MODELPAR_FAULTS=faults)
     start = time.time()
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", *SMALL, f"hydra.run.dir={tmp_path}", *overrides],
         capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip

@@ -58,11 +58,13 @@ class _ParentFd:
         return dup.detach()
 
 
-def _adopt(environ: dict[str, str], stdio: tuple | None) -> None:
-    """Take the launcher's environment and (from a fork server) its stdout and stderr, as a spawned rank has them."""
+def _adopt(environ: dict[str, str], umask: int, stdio: tuple | None) -> None:
+    """Take the launcher's environment, file mode mask and (from a fork server) its stdout and stderr, as a spawned
+    rank has them: a fork server started earlier has its own. (multiprocessing passes the working directory.)"""
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
+    os.umask(umask)
     if stdio is None:
         return
     for stream in (sys.stdout, sys.stderr):
@@ -73,9 +75,9 @@ def _adopt(environ: dict[str, str], stdio: tuple | None) -> None:
 
 
 def _rank_main(
-    rank, world_size, store, timeout_s, threads, rank_setup, admission, fn, args, errors, environ, stdio
+    rank, world_size, store, timeout_s, threads, rank_setup, admission, fn, args, errors, environ, umask, stdio
 ) -> None:
-    _adopt(environ, stdio)
+    _adopt(environ, umask, stdio)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOCAL_ADDR)
     # a fatal signal (a crash in native code: SIGSEGV, SIGABRT from glibc's heap checks) prints every thread's
     # Python stack to the rank's stderr, the launcher's: where it happened, beside the launcher's "died" line
@@ -168,6 +170,7 @@ def launch(
                 args,
                 errors,
                 dict(os.environ),
+                _umask(),
                 stdio,
             ),
         )
@@ -187,6 +190,12 @@ def launch(
                 p.kill()
                 p.join()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)  # reading it means setting it
+    os.umask(mask)
+    return mask
 
 
 def _start_context(fn: Callable[..., Any], rank_setup: Callable[[int], None] | None):

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
 import sys
 import warnings
 
@@ -14,6 +13,7 @@ from modelpar.bench.dry_run import rank_roles, step_rank
 from modelpar.bench.meta_world import CpuAttention, MetaStep, fake_world
 from modelpar.parallel import collectives
 from modelpar.parallel.layout import ParallelLayout
+from tests import warm_cli
 from tests.helpers import make_config
 
 
@@ -79,7 +79,7 @@ def test_read_backs_see_a_symmetric_world_and_balanced_routing():
 
 
 def test_the_train_command_ends_with_the_summary_line(tmp_path):
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", "parallel=tp2-pp2", "parallel.dp=16", "data.global_batch=64",
          "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=300,

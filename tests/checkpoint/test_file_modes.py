@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 import sys
 
 import pytest
 
+from tests import warm_cli
 from tests.helpers import SMALL
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("files, forbidden", [("group", 0o007), ("owner", 0o077)])
 def test_run_files_are_not_world_readable(files, forbidden, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", *SMALL, "parallel=pp2", "trainer.steps=2", "trainer.ckpt_every=2",
          f"trainer.files={files}", f"hydra.run.dir={run}"],
         capture_output=True, text=True, timeout=240,

@@ -2,12 +2,12 @@
 
 import argparse
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 from modelpar.cli.args import check_layouts, positive_float, positive_int
+from tests import warm_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_check_layouts_names_the_bad_entry():
     ],
 )
 def test_benchmark_scripts_refuse_bad_arguments_in_one_line(tmp_path, script, args, message):
-    done = subprocess.run(
+    done = warm_cli.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,

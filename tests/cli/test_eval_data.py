@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from modelpar.cli.eval import data_of_checkpoint
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError
+from tests import warm_cli
 from tests.helpers import make_config, train_and_collect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def test_eval_without_data_scores_the_checkpoints_training_data_and_says_so(toke
     common = [sys.executable, "-m", "modelpar.cli.eval", f"eval.checkpoint={tmp_path / 'checkpoints'}",
               "eval.windows=4", "data.seq_len=16", "parallel=single", "parallel.microbatches=1"]  # fmt: skip
     runs = [
-        subprocess.run([*common, *extra], capture_output=True, text=True, timeout=180, cwd=ROOT)
+        warm_cli.run([*common, *extra], capture_output=True, text=True, timeout=180, cwd=ROOT)
         for extra in ([], [f"data.path={token_path}"])
     ]
     for proc in runs:

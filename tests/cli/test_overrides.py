@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from modelpar.cli.overrides import recipe_groups, unknown_override
 from modelpar.training.config import RECIPES, TrainConfig
+from tests import warm_cli
 
 GROUPS = recipe_groups(RECIPES)
 
@@ -35,7 +35,7 @@ def test_real_keys_group_choices_and_hydra_options_pass():
 
 @pytest.mark.parametrize("cli", ["train", "eval"])
 def test_the_cli_refuses_a_typo_in_one_line_before_any_work(cli, tmp_path):
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", f"modelpar.cli.{cli}", "+trainer.stepz=3", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -46,7 +46,7 @@ def test_the_cli_refuses_a_typo_in_one_line_before_any_work(cli, tmp_path):
 
 
 def test_bench_refuses_a_typo_in_one_line_before_any_work(tmp_path):
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.bench", "+bench.roundz=3", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -3,7 +3,6 @@ split over dp; and a default setting that stays quiet where its limit is moot.""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from modelpar.cli.overrides import recipe_groups, unknown_choice, unknown_override
 from modelpar.training.config import RECIPES, RecipeError, TrainConfig, validate
 from modelpar.training.outliers import outlier_check_note
+from tests import warm_cli
 from tests.helpers import make_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def test_a_typo_in_a_recipe_choice_is_one_line_naming_the_closest():
     problem = unknown_choice(["model=llama8b"], RECIPES, GROUPS)
     assert problem.startswith("model=llama8b is not a model recipe; did you mean model=llama-8b? (one of ")
     assert unknown_choice(["model=tiny,llama-1b", "parallel=tp2"], RECIPES, GROUPS) is None
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", "model=llama8b"], capture_output=True, text=True, timeout=120,
         cwd=ROOT,
     )  # fmt: skip

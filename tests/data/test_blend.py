@@ -19,6 +19,7 @@ from modelpar.data import (
 from modelpar.data.blend import quotas
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import BlendEntry, RecipeError, validate
+from tests import warm_cli
 from tests.helpers import make_config, train_and_collect
 
 
@@ -204,7 +205,6 @@ def test_preflight_takes_a_shard_directory_and_its_held_out_split(tmp_path):
 
 
 def test_train_and_eval_commands_take_a_blend(tmp_path):
-    import subprocess
     import sys
 
     from tests.helpers import TINY
@@ -216,14 +216,14 @@ def test_train_and_eval_commands_take_a_blend(tmp_path):
     model = [f"model.{k}={getattr(TINY, k)}" for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden")]
     common = [blend, *model, "model.vocab_size=256", "data.seq_len=16", "data.global_batch=8", "parallel=single"]
     run = tmp_path / "run"
-    train = subprocess.run(
+    train = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", *common, "trainer.steps=2", "trainer.progress=false",
          f"trainer.out_dir={run}", f"hydra.run.dir={run}", "trainer.sample_tokens=8"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert train.returncode == 0, train.stderr
     assert "--- continuation ---" in train.stdout
-    evaluated = subprocess.run(
+    evaluated = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.eval", *common, f"eval.checkpoint={run / 'checkpoints'}",
          "eval.windows=4", f"hydra.run.dir={tmp_path / 'eval'}"],
         capture_output=True, text=True, timeout=180,

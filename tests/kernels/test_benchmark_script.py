@@ -1,19 +1,20 @@
 """benchmarks/kernels.py: without CUDA it says so in one line and exits 2; --smoke runs its code paths on CPU."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import warm_cli
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_without_cuda_it_exits_2_with_one_line():
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    done = warm_cli.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.strip().splitlines() == [
@@ -23,7 +24,7 @@ def test_without_cuda_it_exits_2_with_one_line():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_smoke_run_writes_json_and_markdown(tmp_path):
-    done = subprocess.run(
+    done = warm_cli.run(
         [sys.executable, str(SCRIPT), "--smoke", "--only", "rms_norm,cross_entropy", "--out", str(tmp_path)],
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
 """Local CPU ranks forked from a server that imported the engine once: each rank still gets the launcher's
-environment and output as they are at this launch, as a spawned rank would."""
+environment, working directory, file mode mask and output as they are at this launch, as a spawned rank would."""
 
 import os
 import sys
@@ -12,21 +12,28 @@ from modelpar.parallel.launch import launch
 
 def _report(tag: str) -> None:
     rank = os.environ["RANK"]  # one write per line: the two ranks share the descriptors
-    os.write(sys.stdout.fileno(), f"rank {rank} {tag} {os.environ.get('MODELPAR_TEST_MARK', '-')}\n".encode())
+    mask = os.umask(0)
+    where = f"{os.environ.get('MODELPAR_TEST_MARK', '-')} {os.getcwd()} {mask:03o}"
+    os.write(sys.stdout.fileno(), f"rank {rank} {tag} {where}\n".encode())
     os.write(sys.stderr.fileno(), f"rank {rank} err {tag}\n".encode())
 
 
-def test_forked_ranks_get_this_launchs_environment_and_output(capfd, monkeypatch):
+def test_forked_ranks_get_this_launchs_environment_and_output(capfd, monkeypatch, tmp_path):
     monkeypatch.delenv("MODELPAR_RANK_START", raising=False)
     setup = RankSetup()
     assert setup.start_method == "forkserver"
     launch(2, _report, "first", rank_setup=setup, timeout_s=120)  # the server starts here, or already has
     monkeypatch.setenv("MODELPAR_TEST_MARK", "set-after-the-server-started")
-    launch(2, _report, "second", rank_setup=setup, timeout_s=120)
+    monkeypatch.chdir(tmp_path)
+    mask = os.umask(0o027)
+    try:
+        launch(2, _report, "second", rank_setup=setup, timeout_s=120)
+    finally:
+        os.umask(mask)
     out, err = capfd.readouterr()
     assert sorted(line for line in out.splitlines() if "second" in line) == [
-        "rank 0 second set-after-the-server-started",
-        "rank 1 second set-after-the-server-started",
+        f"rank 0 second set-after-the-server-started {tmp_path} 027",
+        f"rank 1 second set-after-the-server-started {tmp_path} 027",
     ]
     assert sorted(line for line in err.splitlines() if line.startswith("rank")) == [
         "rank 0 err first",

@@ -1,7 +1,6 @@
 """The command-line tools: bad input is one clear line before any rank starts; conversions round-trip."""
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -11,11 +10,12 @@ import torch
 from modelpar.cli.ckpt import main as ckpt_main
 from modelpar.cli.generate import load_single_device_model
 from modelpar.testing import run_on_ranks
+from tests import warm_cli
 from tests.helpers import TINY, make_config, train_and_collect
 
 
 def train_cli(*overrides, cwd=None):
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", *overrides],
         capture_output=True,
         text=True,
@@ -157,7 +157,7 @@ def test_eval_under_any_layout_equals_the_single_device_loss(checkpoint, tokens,
     from modelpar.data import TokenFile
 
     windows = 8
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.eval", f"eval.checkpoint={checkpoint}", f"eval.windows={windows}",
          f"data.path={tokens}", f"parallel={parallel}", "parallel.microbatches=2", *TINY_OVERRIDES],
         capture_output=True, text=True, timeout=180,
@@ -174,7 +174,7 @@ def test_eval_under_any_layout_equals_the_single_device_loss(checkpoint, tokens,
 
 
 def test_multirun_sweeps_layouts_with_equal_losses(tmp_path):
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", "-m", "parallel=single,tp2", "trainer.steps=2",
          "trainer.progress=false", "trainer.sample_tokens=0", "model.layers=2", "data.corpus_max_bytes=200000",
          f"hydra.sweep.dir={tmp_path}"],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from modelpar.cli.ckpt import main as ckpt_main
+from tests import warm_cli
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def imported(tmp_path_factory):
 
 
 def eval_cli(*overrides):
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.eval", *overrides], capture_output=True, text=True, timeout=240
     )
 

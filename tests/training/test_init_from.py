@@ -5,7 +5,6 @@ resumes from the run's own checkpoint."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from modelpar.cli.ckpt import main as ckpt_main
+from tests import warm_cli
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def source(tmp_path_factory):
 
 
 def train_cli(run_dir, *overrides):
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", *RUN, f"hydra.run.dir={run_dir}", *overrides],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

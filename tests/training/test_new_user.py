@@ -16,6 +16,7 @@ import torch
 from modelpar.testing import run_on_ranks
 from modelpar.training.config import RecipeError, validate
 from modelpar.training.preflight import check_device
+from tests import warm_cli
 from tests.helpers import SMALL, make_config, train_and_collect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cuda_requested_without_one_is_a_single_line(tmp_path):
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", "trainer.device=cuda", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -45,7 +46,7 @@ def test_exchange_collectives_are_refused_for_gpu_ranks(monkeypatch, tmp_path):
 def test_training_on_a_plain_token_file_exits_zero_without_a_sample(tmp_path):
     tokens = tmp_path / "mine.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, size=20000, dtype=np.uint16))
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", *[o for o in SMALL if "sample_tokens" not in o],
          f"data.path={tokens}", "trainer.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=240,

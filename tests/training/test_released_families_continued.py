@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from modelpar.cli.ckpt import main as ckpt_main
 from modelpar.model.hf_files import HFWeights
+from tests import warm_cli
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def released(tmp_path_factory):
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
+    return warm_cli.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

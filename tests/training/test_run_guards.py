@@ -21,6 +21,7 @@ from modelpar.training.resume_identity import identity_differences
 from modelpar.training.run_dir import RunDirError, RunLock, check_writable, run_dir_of
 from modelpar.training.sinks import JsonlSink
 from modelpar.training.step import StepMetrics
+from tests import warm_cli
 from tests.helpers import SMALL, TINY, make_config, train, train_and_collect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +104,7 @@ def test_an_unwritable_run_directory_is_one_line(tmp_path):
     blocker.write_text("")
     with pytest.raises(RunDirError, match=r"^cannot write the run directory .*file/run .*hydra\.run\.dir=PATH$"):
         check_writable(blocker / "run")
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.train", f"hydra.run.dir={blocker / 'run'}"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
@@ -180,7 +181,7 @@ def test_ctrl_c_saves_the_step_every_rank_stopped_after_in_one_line(tmp_path):
     saved = (tmp_path / "checkpoints" / "latest").read_text().strip()
     stopped = int(saved.removeprefix("step-"))
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1] == stopped
-    again = subprocess.run([*run, f"trainer.steps={stopped + 2}"], capture_output=True, text=True, timeout=240)
+    again = warm_cli.run([*run, f"trainer.steps={stopped + 2}"], capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, stopped + 3))
