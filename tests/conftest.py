@@ -1,5 +1,6 @@
 """Fixtures every test package may use."""
 
+import gc
 import importlib
 import pathlib
 import sys
@@ -27,6 +28,16 @@ def _installed_kernels_first() -> None:
 
 
 _installed_kernels_first()
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection imported (torch, transformers, the engine) lives as long as the session: Python's own
+    collections need not walk it again after each test's garbage."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config) -> None:
+    gc.unfreeze()  # an extension that counts its objects at exit (Triton's) would otherwise call them leaked
 
 
 @pytest.fixture(scope="module")
