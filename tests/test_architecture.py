@@ -168,6 +168,12 @@ _IMPORT_EACH = textwrap.dedent(
                 __import__(name)
             except BaseException:
                 pass  # a private or platform module that only loads as a side effect: the forks will load it
+    # our sources compiled to bytecode once, into a folder of this run's (compiling is not importing: nothing
+    # runs), so that no fork compiles them again where bytecode is not written (PYTHONDONTWRITEBYTECODE)
+    import atexit, compileall, shutil, tempfile
+    sys.pycache_prefix = tempfile.mkdtemp(prefix="import-each-")
+    atexit.register(shutil.rmtree, sys.pycache_prefix, True)
+    compileall.compile_dir("modelpar", quiet=2)
     failed, running = [], {}
     for name in sys.argv[1:] + [None] * 2:
         if len(running) == 2 or (name is None and running):  # two at a time, one per core
