@@ -32,7 +32,7 @@ suite goes on. Exit status 0 when every section ran and found nothing wrong, 1 o
 
 ``--smoke`` runs the same sections on CPU with tiny shapes: the tests section asks ``-m gpu`` of one test file,
 the kernels run fp32 (Triton in its interpreter, compile baselines with the ``aot_eager`` backend), the models
-are the MFU script's tiny one (16-token sequences and one timed step for FP8), and blocks compile with
+are the MFU script's tiny one (one 16-token micro-batch per step and one timed step for FP8), and blocks compile with
 ``aot_eager``; each section's process is a fork of the suite's, which imported what they share once, under the
 same box and kill; the numbers mean nothing there.
 
@@ -323,8 +323,8 @@ def run_mfu_fp8(s: Section) -> dict:
     from modelpar.model.layers.fp8 import FP8_MODES
 
     mfu = _benchmark("gpu_llama1b_mfu")
-    # --smoke: half the smoke's tokens and one timed step (CPU's tensorwise torch._scaled_mm is a slow reference)
-    smoke = ["--smoke", "--seq", "16", "--steps", "1"]
+    # --smoke: one 16-token micro-batch, one timed step (CPU's tensorwise torch._scaled_mm is a slow reference)
+    smoke = ["--smoke", "--seq", "16", "--micro-batch", "1", "--accum", "1", "--steps", "1"]
     common = smoke if s.smoke else ["--warmup", "3", "--steps", "8", "--time-limit", "15"]
     out = _measure_variants(s, mfu, {m: [*common, "--fp8", m] for m in FP8_MODES}, min_left_s=20)
     for mode in FP8_MODES[1:]:
