@@ -156,7 +156,9 @@ def train_steps(config: ModelConfig, args, device: torch.device) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps: exercise every path")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model on CPU, 2 steps: exercise every path (flags given still apply)"
+    )
     parser.add_argument("--compile", action="store_true", help="each block under torch.compile (compile_blocks)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     parser.add_argument("--fp8", choices=FP8_MODES, default="off", help="model.fp8: the projections' GEMMs in FP8")
@@ -168,10 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-n", type=positive_int, default=8192)
     parser.add_argument("--time-limit", type=positive_float, default=240.0, help="stop timing steps after this many s")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.micro_batch, args.seq, args.accum, args.warmup, args.steps, args.peak_n = 2, 32, 2, 1, 2, 256
-    return args
+    if parser.parse_args(argv).smoke:  # the smoke's sizes are the defaults; a flag given still sets its own
+        parser.set_defaults(micro_batch=2, seq=32, accum=2, warmup=1, steps=2, peak_n=256)
+    return parser.parse_args(argv)
 
 
 def model_and_device(args) -> tuple[torch.device, ModelConfig, str]:

@@ -135,7 +135,8 @@ def test_kernels_import_nothing_of_modelpar():
 
 # Each module in an interpreter of its own that has imported no modelpar module: numpy and torch (which every
 # module pays for, and which import nothing of ours) are imported once and each module gets a fork of that
-# process, as if by `python -c "import m"` for every one of them, without a torch import each; two at a time.
+# process (by way of a fork that imported its package alone), as if by `python -c "import m"` for every one of
+# them, without a torch import each; two at a time.
 _IMPORT_EACH = textwrap.dedent(
     """
     import os, sys, traceback
@@ -168,24 +169,53 @@ _IMPORT_EACH = textwrap.dedent(
                 __import__(name)
             except BaseException:
                 pass  # a private or platform module that only loads as a side effect: the forks will load it
+    # our sources compiled to bytecode once, into a folder of this run's (compiling is not importing: nothing
+    # runs), so that no fork compiles them again where bytecode is not written (PYTHONDONTWRITEBYTECODE)
+    import atexit, compileall, shutil, tempfile
+    sys.pycache_prefix = tempfile.mkdtemp(prefix="import-each-")
+    atexit.register(shutil.rmtree, sys.pycache_prefix, True)
+    compileall.compile_dir("modelpar", quiet=2)
+    # Importing a.b.c alone imports a, then a.b, then a.b.c: a fork of a process that imported the package a.b
+    # alone is where a.b.c's own import begins. So each package is imported alone in a fork of this process,
+    # and each module in it in a fork of that one, without importing the package again each time.
+    names = sys.argv[1:]
+    members = {n: [] for n in names if any(o.startswith(n + ".") for o in names)}
+    for name in names:
+        if name not in members:
+            members.setdefault(name.rpartition(".")[0] if name.rpartition(".")[0] in members else "", []).append(name)
+    failures, report = os.pipe()
     failed, running = [], {}
-    for name in sys.argv[1:] + [None] * 2:
-        if len(running) == 2 or (name is None and running):  # two at a time, one per core
+    for package in list(members) + [None] * 2:
+        if len(running) == 2 or (package is None and running):  # two packages at a time, one per core
             pid, status = os.wait()
             if status:
                 failed.append(running[pid])
             del running[pid]
-        if name is None:
+        if package is None:
             continue
         pid = os.fork()
         if pid == 0:
             try:
-                __import__(name)
+                if package:
+                    __import__(package)
             except BaseException:
                 traceback.print_exc()
                 os._exit(1)
+            for name in members[package]:
+                if os.fork() == 0:
+                    try:
+                        __import__(name)
+                    except BaseException:
+                        traceback.print_exc()
+                        os._exit(1)
+                    os._exit(0)
+                if os.wait()[1]:
+                    os.write(report, (name + " ").encode())
             os._exit(0)
-        running[pid] = name
+        running[pid] = package
+    os.close(report)
+    with os.fdopen(failures) as pipe:
+        failed += pipe.read().split()
     print("FAILED " + " ".join(sorted(failed)) if failed else "OK")
     """
 )

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,11 +62,37 @@ def test_smoke_run_records_every_section_in_one_json_and_one_markdown(tmp_path):
 
 
 def test_a_section_past_its_box_is_killed_and_recorded_as_timed_out(tmp_path, monkeypatch):
-    suite = load_suite(monkeypatch)
-    record = suite.run_section("mfu", suite.SECTIONS["mfu"], smoke=True, box_s=0.5, workdir=tmp_path)
+    suite = load_suite(monkeypatch)  # a fresh interpreter, as on the GPU: killed while it starts
+    record = suite.run_section("mfu", suite.SECTIONS["mfu"], smoke=True, box_s=0.5, workdir=tmp_path, fork=False)
     assert record["status"] == "timeout"
     assert record["error"] == "timed out after 0 s; the result holds what it had measured"
     assert "log_tail" in record and record["result"] == {}
+
+
+def test_a_forked_section_past_its_box_is_killed_and_keeps_what_it_had_measured(tmp_path, monkeypatch):
+    suite = load_suite(monkeypatch)
+
+    def stuck(s):
+        s.save({"measured": 1})
+        print("measured one", flush=True)
+        time.sleep(60)
+
+    monkeypatch.setitem(suite.SECTIONS, "mfu", suite.Plan(stuck, 1, 1, "stuck after one measurement"))
+    started = time.monotonic()
+    record = suite.run_section("mfu", suite.SECTIONS["mfu"], smoke=True, box_s=1.0, workdir=tmp_path)
+    assert time.monotonic() - started < 30
+    assert record["status"] == "timeout" and record["result"] == {"measured": 1}
+    assert "measured one" in record["log_tail"]
+
+
+def test_a_sections_own_process_runs_it_from_the_command_line_and_leaves_its_complete_result(tmp_path, monkeypatch):
+    """What the GPU run starts in a fresh interpreter for each section (the smoke run forks instead)."""
+    suite = load_suite(monkeypatch)
+    result = tmp_path / "moe_layer.json"
+    argv = ["--section", "moe_layer", "--smoke", "--budget", "60", "--result", str(result)]
+    assert suite.main(argv) == 0
+    saved = json.loads(result.read_text())
+    assert saved["complete"] and saved["result"]["ok"] and len(saved["result"]["rows"]) >= 1
 
 
 def test_each_kernel_time_is_set_beside_its_floor_on_the_gpu_it_ran_on(monkeypatch):
