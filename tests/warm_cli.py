@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "TRITON", "CUDA", "OMP", "MKL", "LD_")
-ENGINE_MODULES = ("modelpar.cli.train", "modelpar.cli.eval", "modelpar.cli.ckpt", "modelpar.cli.data")
+ENGINE_MODULES = tuple(f"modelpar.cli.{name}" for name in ("train", "eval", "ckpt", "data", "bench"))
 # what the launcher's own fork server would preload for the jobs these commands start
 RANK_MODULES = (
     "modelpar.parallel.launch", "modelpar.backends.gloo_cpu", "modelpar.training.trainer", "modelpar.cli.eval",
@@ -95,7 +95,7 @@ def run(cmd, *, capture_output=False, text=False, timeout=None, cwd=None, env=No
     global _server
     target = _warm_target(cmd)
     env_given = dict(os.environ if env is None else env)
-    if target is None or kwargs or not (capture_output and text):
+    if target is None or kwargs or (capture_output and not text):
         return subprocess.run(cmd, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env,
                               check=check, **kwargs)  # fmt: skip
     if _server is None or not _server.alive():
@@ -107,6 +107,10 @@ def run(cmd, *, capture_output=False, text=False, timeout=None, cwd=None, env=No
     code, stdout, stderr, timed_out = _server.run(
         target, argv, str(Path(cwd or os.getcwd()).resolve()), env_given, timeout
     )
+    if not capture_output:  # the command's output is the caller's, as a child's inherited stdout and stderr are
+        sys.stdout.write(stdout)
+        sys.stderr.write(stderr)
+        stdout = stderr = None
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     done = subprocess.CompletedProcess(cmd, code, stdout, stderr)

@@ -16,6 +16,7 @@ from modelpar.bench.layout_spec import layout_name, parse_layout
 from modelpar.bench.meters import SavedTensorMeter
 from modelpar.bench.peers import regroup_rows
 from modelpar.training.config import ParallelConfig
+from tests import warm_cli
 from tests.helpers import tiny_bench_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,7 +203,7 @@ def test_peer_starts_from_our_weights_and_data(tiny_sweep, layout):
 def test_gpu_script_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "mfu.json"
     script = ROOT / "benchmarks" / "gpu_llama1b_mfu.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, timeout=120)
+    warm_cli.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, timeout=120)
     result = json.loads(out.read_text())
     assert result["model"] == "smoke" and result["tokens_per_s"] > 0 and result["mfu_vs_measured_peak"] > 0
 
@@ -226,7 +227,7 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
         "bench.peak_tflops=0.1",
         f"hydra.sweep.dir={tmp_path / 'hydra'}",
     ]  # no bench.results_dir: the sweep's directory, never the committed benchmarks/results
-    proc = subprocess.run(
+    proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.bench", *overrides],
         check=True, timeout=300, cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/net/tcp").exi
 
 def test_a_local_multi_rank_run_listens_on_loopback_only(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "modelpar.cli.train", *SMALL, "parallel=tp2-pp2", "trainer.steps=40",
+        [sys.executable, "-m", "modelpar.cli.train", *SMALL, "parallel=tp2-pp2", "trainer.steps=12",
          "trainer.ckpt_every=0", f"hydra.run.dir={tmp_path}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
