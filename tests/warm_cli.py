@@ -127,6 +127,8 @@ def serve() -> None:
     import importlib
     import multiprocessing as mp
 
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the caller's pipe: nothing else may write there
+    os.dup2(2, 1)  # whatever an import prints goes where its warnings go
     from modelpar.parallel.world import RANK_PRELOAD
 
     for name in ENGINE_MODULES:
@@ -136,17 +138,18 @@ def serve() -> None:
     from multiprocessing import forkserver
 
     forkserver.ensure_running()
-    print("ready", flush=True)
+    print("ready", file=replies)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            replies.close()
             _child(request)  # never returns: ends as the command's process would
-        print(pid, flush=True)
+        print(pid, file=replies)
         _, status = os.waitpid(pid, 0)
-        print(os.waitstatus_to_exitcode(status), flush=True)
+        print(os.waitstatus_to_exitcode(status), file=replies)
 
 
 def _child(request: dict) -> None:
