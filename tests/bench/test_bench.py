@@ -227,6 +227,8 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
         "bench.peak_tflops=0.1",
         f"hydra.sweep.dir={tmp_path / 'hydra'}",
     ]  # no bench.results_dir: the sweep's directory, never the committed benchmarks/results
+    status = ["git", "status", "--porcelain", "--untracked-files=all", "benchmarks/results"]
+    before = subprocess.run(status, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     proc = warm_cli.run(
         [sys.executable, "-m", "modelpar.cli.bench", *overrides],
         check=True, timeout=300, cwd=ROOT, capture_output=True, text=True,
@@ -235,8 +237,7 @@ def test_multirun_benches_one_layout_per_job_and_merges_the_rows(tmp_path):
     rows = json.loads((sweep / "bench.json").read_text())["rows"]
     assert set(rows) == {"single-m4", "pp2-1f1b-m4"}
     assert rows["pp2-1f1b-m4"]["peer"] is None
-    status = ["git", "status", "--porcelain", "--untracked-files=all", "benchmarks/results"]
-    assert subprocess.run(status, cwd=ROOT, capture_output=True, text=True, check=True).stdout == ""
+    assert subprocess.run(status, cwd=ROOT, capture_output=True, text=True, check=True).stdout == before
     wrote = [line for line in proc.stdout.splitlines() if line.startswith("modelpar-bench: wrote ")]
     assert len(wrote) == 2  # one line per job, naming every file it wrote
     named = {p for line in wrote for p in line.removeprefix("modelpar-bench: wrote ").split(", ")}
