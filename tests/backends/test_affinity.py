@@ -148,7 +148,7 @@ def test_trainer_puts_only_the_tp_groups_socket_threads_idle_for_the_run(mode, t
         assert made_idle <= rank["during"]
         assert rank["during"] - made_idle <= rank["before"]  # nothing else went idle
         assert not rank["during"] & rank["pp"]  # the pipeline's p2p thread stays normal
-        if rank["restorable"]:
-            assert rank["after"] == set()
+        if rank["restorable"]:  # what this run made idle is normal again (an earlier test's leftovers may remain)
+            assert rank["after"] <= rank["before"] and not rank["after"] & (made_idle - rank["before"])
         else:  # unprivileged: what went idle stays idle
             assert made_idle <= rank["after"] <= rank["during"]
