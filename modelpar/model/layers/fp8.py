@@ -130,7 +130,31 @@ def fp8_matmul(
     return y, sa, sb
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def fp8_forward(x: torch.Tensor, weight: torch.Tensor, scaling: Fp8Scaling, out_dtype: torch.dtype):
+    """y = x @ weight.T (x: [T, in], weight: [out, in]) -> (y, x's scale, weight's scale)."""
+    return fp8_matmul(x, (TOKENS, IN), weight, (OUT, IN), scaling, out_dtype)
+
+
+def fp8_input_grad(grad, weight, scaling: Fp8Scaling, out_dtype: torch.dtype, sw) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx = grad @ weight (grad: [T, out]) -> (dx, grad's scale). Under tensorwise scaling (one scale per tensor)
+    the forward's weight scale ``sw`` serves again; rowwise scales run along another dimension and are new."""
+    whole = scaling.mode == "tensorwise"
+    dx, sg, _ = fp8_matmul(
+        grad, (TOKENS, OUT), weight.t(), (IN, OUT), scaling, out_dtype, (None, sw if whole else None)
+    )
+    return dx, sg
+
+
+def fp8_weight_grad(grad, x, scaling: Fp8Scaling, out_dtype: torch.dtype, sg, sx) -> torch.Tensor:
+    """dW = grad.T @ x (grad: [T, out], x: [T, in]) -> [out, in]; ``sg`` (the input gradient's, or None) and
+    ``sx`` (the forward's) serve again under tensorwise scaling, as in ``fp8_input_grad``."""
+    whole = scaling.mode == "tensorwise"
+    scales = (sg if whole else None, sx if whole else None)
+    dw, _, _ = fp8_matmul(grad.t(), (OUT, TOKENS), x.t(), (IN, TOKENS), scaling, out_dtype, scales)
+    return dw
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -144,7 +168,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scaling):
-        y, sx, sw = fp8_matmul(x, (TOKENS, IN), weight, (OUT, IN), scaling, _compute_dtype(x))
+        y, sx, sw = fp8_forward(x, weight, scaling, compute_dtype(x))
         ctx.save_for_backward(x, weight, sx, sw)
         ctx.scaling, ctx.tag = scaling, current_tag()
         return y
@@ -152,27 +176,14 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, sx, sw = ctx.saved_tensors
-        scaling = ctx.scaling
-        whole = scaling.mode == "tensorwise"  # one scale per tensor: the forward's serve the backward too
         g = grad_y
         grad_x = grad_w = sg = None
         with comm_tag(ctx.tag):
             if ctx.needs_input_grad[0]:
-                dx, sg, _ = fp8_matmul(
-                    g, (TOKENS, OUT), weight.t(), (IN, OUT), scaling, g.dtype, (None, sw if whole else None)
-                )
+                dx, sg = fp8_input_grad(g, weight, ctx.scaling, g.dtype, sw)
                 grad_x = dx.to(x.dtype)
             if ctx.needs_input_grad[1]:
-                dw, _, _ = fp8_matmul(
-                    g.t(),
-                    (OUT, TOKENS),
-                    x.t(),
-                    (IN, TOKENS),
-                    scaling,
-                    g.dtype,
-                    (sg if whole else None, sx if whole else None),
-                )
-                grad_w = dw.to(weight.dtype)
+                grad_w = fp8_weight_grad(g, x, ctx.scaling, g.dtype, sg, sx).to(weight.dtype)
         return grad_x, grad_w, None
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modelpar.model.layers.fp8 import IN, OUT, TOKENS, Fp8Scaling, _compute_dtype, fp8_matmul
+from modelpar.model.layers.fp8 import Fp8Scaling, compute_dtype, fp8_forward, fp8_input_grad, fp8_weight_grad
 from modelpar.parallel.collectives import (
     all_gather,
     all_gather_async,
@@ -42,15 +42,13 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, tp, fp8):
         ctx.tp, ctx.fp8, ctx.tag, ctx.in_dtype = tp, fp8, current_tag(), x.dtype
         if fp8 is None:
-            shard = x.to(_compute_dtype(x))
+            shard = x.to(compute_dtype(x))
             full = all_gather(shard, tp.group, SEQUENCE_DIM)
             y = F.linear(full, weight.to(shard.dtype))
             ctx.save_for_backward(shard, weight)
             return y
         full = all_gather(x, tp.group, SEQUENCE_DIM)
-        y, sx, sw = fp8_matmul(
-            full.reshape(-1, full.shape[-1]), (TOKENS, IN), weight, (OUT, IN), fp8, _compute_dtype(x)
-        )
+        y, sx, sw = fp8_forward(full.reshape(-1, full.shape[-1]), weight, fp8, compute_dtype(x))
         ctx.save_for_backward(x, weight, sx, sw)
         return y.reshape(*full.shape[:-1], weight.shape[0])
 
@@ -62,7 +60,6 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         with comm_tag(ctx.tag):
             gathering, full = all_gather_async(shard, tp.group, SEQUENCE_DIM)
-        whole = fp8 is not None and fp8.mode == "tensorwise"  # the forward's scales serve the backward too
         sx, sw = scales if fp8 is not None else (None, None)
         sg = grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # while the gather is in flight
@@ -70,15 +67,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
                 grad_full = torch.matmul(grad_y, weight.to(grad_y.dtype))
             else:
                 with comm_tag(ctx.tag):
-                    dx, sg, _ = fp8_matmul(
-                        flat_grad,
-                        (TOKENS, OUT),
-                        weight.t(),
-                        (IN, OUT),
-                        fp8,
-                        grad_y.dtype,
-                        (None, sw if whole else None),
-                    )
+                    dx, sg = fp8_input_grad(flat_grad, weight, fp8, grad_y.dtype, sw)
                 grad_full = dx.reshape(*grad_y.shape[:-1], weight.shape[1])
             with comm_tag(ctx.tag):
                 wait_after_hand_over(gathering, "all_gather", tp.group)
@@ -92,16 +81,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
                 grad_w = torch.matmul(flat_grad.t(), flat_x.to(grad_y.dtype)).to(weight.dtype)
             else:
                 with comm_tag(ctx.tag):
-                    dw, _, _ = fp8_matmul(
-                        flat_grad.t(),
-                        (OUT, TOKENS),
-                        flat_x.t(),
-                        (IN, TOKENS),
-                        fp8,
-                        grad_y.dtype,
-                        (sg if whole else None, sx if whole else None),
-                    )
-                grad_w = dw.to(weight.dtype)
+                    grad_w = fp8_weight_grad(flat_grad, flat_x, fp8, grad_y.dtype, sg, sx).to(weight.dtype)
         if grad_x is not None:
             with comm_tag(ctx.tag):
                 wait_after_hand_over(scattering, "reduce_scatter", tp.group)
