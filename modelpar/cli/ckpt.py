@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from modelpar.model.hf_files import DEFAULT_MAX_SHARD, INDEX_FILE, weight_files
 from modelpar.model.hf_gpt_oss import mxfp4_experts
 from modelpar.model.safetensors_io import TensorReader
 from modelpar.parallel.groups import ParallelGroups
-from modelpar.parallel.launch import LaunchError, launch
+from modelpar.parallel.launch import LaunchError, current_umask, launch
 from modelpar.parallel.layout import LayoutError
 from modelpar.training.build import build_rank_model
 from modelpar.training.config import ParallelConfig, TrainConfig, TrainerConfig
@@ -164,7 +163,7 @@ def cmd_export_hf(args) -> int:
             for file in weights:
                 sign_file(file, key, file.with_name(file.name + ".sig"))
             signed = ", each signed (.sig)"
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp's directory is owner-only; the export is an ordinary one
+        tmp.chmod(0o777 & ~current_umask())  # mkdtemp's directory is owner-only; the export is an ordinary one
         tmp.rename(out)  # an empty destination directory is replaced; a non-empty one was refused above
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,12 +176,6 @@ def cmd_export_hf(args) -> int:
         + ")"
     )
     return 0
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,7 +170,7 @@ def launch(
                 args,
                 errors,
                 dict(os.environ),
-                _umask(),
+                current_umask(),
                 stdio,
             ),
         )
@@ -192,8 +192,9 @@ def launch(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _umask() -> int:
-    mask = os.umask(0o077)  # reading it means setting it
+def current_umask() -> int:
+    """This process's file mode mask (reading it means setting it, and back)."""
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
 
