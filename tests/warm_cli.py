@@ -42,15 +42,16 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 
 
-def _warm_target(cmd) -> tuple[str, str] | None:
-    """("module", name) for ``python -m modelpar...``, ("path", file) for ``python <script>.py``, else None."""
+def _warm_target(cmd) -> tuple[str, str, list[str]] | None:
+    """("module", name, args) for ``python -m modelpar... args``, ("path", file, args) for ``python <script>.py
+    args``, else None."""
     cmd = [str(c) for c in cmd]
     if len(cmd) < 2 or cmd[0] != sys.executable:
         return None
     if cmd[1] == "-m" and len(cmd) > 2 and cmd[2].startswith("modelpar."):
-        return ("module", cmd[2])
+        return ("module", cmd[2], cmd[3:])
     if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
-        return ("path", str(Path(cmd[1]).resolve()))
+        return ("path", str(Path(cmd[1]).resolve()), cmd[2:])
     return None
 
 
@@ -95,17 +96,17 @@ def run(cmd, *, capture_output=False, text=False, timeout=None, cwd=None, env=No
     global _server
     target = _warm_target(cmd)
     env_given = dict(os.environ if env is None else env)
-    if target is None or kwargs or (capture_output and not text):
+    warm = target is not None and not kwargs and (text or not capture_output)
+    if warm:
+        if _server is None or not _server.alive():
+            _server = _Server()
+        warm = _import_time_env(env_given) == _server.env
+    if not warm:
         return subprocess.run(cmd, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env,
                               check=check, **kwargs)  # fmt: skip
-    if _server is None or not _server.alive():
-        _server = _Server()
-    if _import_time_env(env_given) != _server.env:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=check)
-    argv = [str(c) for c in cmd[1:]]
-    argv = argv[2:] if target[0] == "module" else argv[1:]
+    kind, name, argv = target
     code, stdout, stderr, timed_out = _server.run(
-        target, argv, str(Path(cwd or os.getcwd()).resolve()), env_given, timeout
+        (kind, name), argv, str(Path(cwd or os.getcwd()).resolve()), env_given, timeout
     )
     if not capture_output:  # the command's output is the caller's, as a child's inherited stdout and stderr are
         sys.stdout.write(stdout)
