@@ -455,8 +455,9 @@ def run_section(name: str, plan: Plan, smoke: bool, box_s: float, workdir: Path,
     ``smoke``) a fork of this one."""
     result_path, log_path = workdir / f"{name}.json", workdir / f"{name}.log"
     budget = max(box_s - GRACE_S, 1.0)
+    fork = smoke if fork is None else fork
     started = time.perf_counter()
-    if smoke if fork is None else fork:
+    if fork:
         returncode = run_forked(lambda: section_main(name, smoke, budget, result_path), box_s, log_path)
     else:
         cmd = [sys.executable, __file__, "--section", name, "--budget", str(budget), "--result", str(result_path)]
