@@ -112,6 +112,17 @@ def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int) -> int:
     return ns_steps * 2 * (2 * m * m * n + m**3)
 
 
+def least_loaded_owners(costs: list[int], ranks: int) -> tuple[list[int], list[int]]:
+    """(The owner of each matrix, each rank's load): the matrices taken in the order given (the engine's: largest
+    Newton-Schulz FLOPs first), each to the rank least loaded so far by ``costs`` (ties: the lowest index)."""
+    loads, owners = [0] * ranks, []
+    for cost in costs:
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        owners.append(rank)
+        loads[rank] += cost
+    return owners, loads
+
+
 def momentum_update(
     param_grad: torch.Tensor, buf: torch.Tensor, settings: MuonSettings, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -33,6 +33,7 @@ from modelpar.model.layers.shard import ShardInfo
 from modelpar.optim.muon import (
     MuonSettings,
     adjust_ratio,
+    least_loaded_owners,
     newton_schulz,
     newton_schulz_batched,
     newton_schulz_flops,
@@ -196,13 +197,10 @@ def build_muon_layout(
             blocks.append((name if step == rows else f"{name}[{first}:{first + step}]", (step, cols), offset))
             offset += step * cols
     # owners: the largest matrices first, each to the least loaded rank (ties: the lowest index)
-    loads = [0] * ranks
-    owner = {}
-    for label, shape, _ in sorted(blocks, key=lambda b: (-newton_schulz_flops(b[1], settings.ns_steps), b[0])):
-        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
-        owner[label] = rank
-        loads[rank] += newton_schulz_flops(shape, settings.ns_steps)
     flops = functools.partial(newton_schulz_flops, ns_steps=settings.ns_steps)
+    biggest_first = sorted(blocks, key=lambda b: (-flops(b[1]), b[0]))
+    owners, loads = least_loaded_owners([flops(shape) for _, shape, _ in biggest_first], ranks)
+    owner = {label: rank for (label, _, _), rank in zip(biggest_first, owners, strict=True)}
     matrices = [Matrix(label, shape, off, owner[label], flops(shape)) for label, shape, off in blocks]
     positions, writes = {}, {}
     for p in muon:

@@ -22,7 +22,7 @@ the bytes are those of the stage's rank 0, as the planner's model states are.
 from __future__ import annotations
 
 from modelpar.model.config import ModelConfig
-from modelpar.optim.muon import newton_schulz_flops
+from modelpar.optim.muon import least_loaded_owners, newton_schulz_flops
 from modelpar.plan.links import group_bandwidth
 from modelpar.plan.spec import Hardware, ModelSpec, Strategy
 from modelpar.plan.states import muon_tensors, stage_units
@@ -88,11 +88,11 @@ def stage_matrices(model: ModelSpec, strategy: Strategy) -> list[tuple[int, int]
 def owned_elements(matrices: list[tuple[int, int]], ranks: int, ns_steps: int = 5) -> list[int]:
     """Elements each stage rank owns under the engine's rule (``build_muon_layout``): the largest matrices by
     Newton-Schulz FLOPs first, each to the least loaded rank (ties: the lowest)."""
-    loads, owned = [0] * ranks, [0] * ranks
-    for m in sorted(matrices, key=lambda m: -newton_schulz_flops(m, ns_steps)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
-        loads[rank] += newton_schulz_flops(m, ns_steps)
-        owned[rank] += m[0] * m[1]
+    biggest_first = sorted(matrices, key=lambda m: -newton_schulz_flops(m, ns_steps))
+    owned = [0] * ranks
+    costs = [newton_schulz_flops(m, ns_steps) for m in biggest_first]
+    for (rows, cols), rank in zip(biggest_first, least_loaded_owners(costs, ranks)[0], strict=True):
+        owned[rank] += rows * cols
     return owned
 
 
