@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -143,6 +144,11 @@ def launch(
         init_distributed(timeout_s=timeout_s, admission=admission)
         try:
             fn(*args)
+        except Exception as exc:
+            lost = peer_lost(exc)
+            if lost is None:
+                raise
+            raise LaunchError(env.rank, _lost_peer_message(env, lost, exc, log_path)) from None
         finally:
             destroy_distributed()
         return
@@ -190,6 +196,39 @@ def launch(
                 p.kill()
                 p.join()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+# what the transport says when a collective fails because a peer went away (died, was stopped, hung)
+_PEER_GONE = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|Connection refused|Timed out waiting|communicator was aborted"
+)
+
+
+def peer_lost(exc: BaseException) -> str | None:
+    """The transport's own words if ``exc`` is a collective that failed because a peer went away, else None:
+    gloo's "Read error [127.0.0.1]:8338: Connection reset by peer", without its source path and advice."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if not _PEER_GONE.search(text):
+        return None
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)  # gloo's "[.../pair.cc:537] "
+    return text.split(". This is typically")[0].strip().rstrip(".")
+
+
+def _lost_peer_message(env, lost: str, exc: BaseException, log_path: str | None) -> str:
+    """One line for a rank under torchrun/SLURM whose peer went away: the cause is that peer, named by its own
+    output and the launcher's; this rank's traceback goes to ``log_path``."""
+    where = ""
+    if log_path is not None:
+        with open(log_path, "a") as log:
+            trace = "".join(traceback.format_exception(exc))
+            log.write(redact(f"rank {env.rank} (host {os.uname().nodename}): lost a peer\n{trace}\n"))
+        where = f"; its traceback: {log_path}"
+    return (
+        f"rank {env.rank} lost a peer in a collective ({lost}): another rank of the job died, hung or was stopped, "
+        f"and its own output and {env.source}'s name it{where}"
+    )
 
 
 def current_umask() -> int:

@@ -112,4 +112,8 @@ def test_torchrun_max_restarts_resumes_each_new_worker_from_the_newest_checkpoin
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert sorted(os.listdir(tmp_path / "fired")) == ["kill@0:3", "kill@1:2"]
+    # the survivor of each kill says so in one line; its traceback goes beside the run, not to the terminal
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr, proc.stderr[-3000:]
+    for line in proc.stderr.splitlines():
+        assert "lost a peer" not in line or line.startswith("modelpar-train: rank "), line
     _assert_same_weights(final_weights(tmp_path, 4), straight)
