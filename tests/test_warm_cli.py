@@ -73,3 +73,13 @@ def test_an_environment_read_at_import_gets_a_fresh_interpreter(script):
     done = warm_cli.run([sys.executable, str(script), "ok"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0
     assert done.stdout.splitlines()[0].endswith(f"parent {os.getpid()}")  # started by this process itself
+
+
+def test_after_this_process_sets_an_import_time_variable_the_commands_still_run_warm(script, monkeypatch):
+    warm_cli.run([sys.executable, str(script), "ok"], capture_output=True, text=True, timeout=60)  # a server is up
+    first = warm_cli._server
+    # what an earlier test, or an engine module imported here, may leave set (collective_trace.enable, kernels.grid)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "123")
+    done = warm_cli.run([sys.executable, str(script), "ok"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines()[0].endswith(f"parent {warm_cli._server.proc.pid}")  # a warm child, not a fallback
+    assert warm_cli._server is not first and not first.alive()  # a new server has the environment; the old one ended

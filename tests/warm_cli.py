@@ -71,6 +71,18 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # the server's loop ends at end of input, and its fork server with it
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
     def run(self, target, argv, cwd, env, timeout):
         with self.lock, tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
@@ -98,9 +110,14 @@ def run(cmd, *, capture_output=False, text=False, timeout=None, cwd=None, env=No
     env_given = dict(os.environ if env is None else env)
     warm = target is not None and not kwargs and (text or not capture_output)
     if warm:
-        if _server is None or not _server.alive():
+        wanted = _import_time_env(env_given)
+        # a server inherits this process's environment: a new one where that changed since (a test that set
+        # TRITON_INTERPRET, a flight recorder's TORCH_FR_BUFFER_SIZE), and the command asks for it
+        if _server is None or not _server.alive() or (wanted != _server.env and wanted == _import_time_env(os.environ)):
+            if _server is not None:
+                _server.close()
             _server = _Server()
-        warm = _import_time_env(env_given) == _server.env
+        warm = wanted == _server.env
     if not warm:
         return subprocess.run(cmd, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env,
                               check=check, **kwargs)  # fmt: skip

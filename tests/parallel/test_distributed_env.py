@@ -73,6 +73,8 @@ def _one_rank_torchrun(monkeypatch) -> None:
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MASTER_PORT", str(port))
+    for key in ("TORCH_FR_BUFFER_SIZE", "GLOO_SOCKET_IFNAME"):  # what init_distributed sets here: unset again after
+        monkeypatch.delenv(key, raising=False)
 
 
 def test_under_torchrun_a_rank_whose_peer_went_away_says_so_in_one_line(monkeypatch, tmp_path):
