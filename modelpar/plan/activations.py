@@ -81,7 +81,7 @@ def full_saved(model: ModelSpec, strategy: Strategy, x: Dims, kern: str, half: s
     return mlp_saved(x, kern)
 
 
-_PIECE_BYTES: dict[tuple, tuple[float, float, float]] = {}  # piece_bytes by everything it reads
+_PIECE_BYTES: dict[tuple, tuple[float, float, float]] = search_memo.Bounded(1 << 16)  # by everything it reads
 
 
 def piece_bytes(

@@ -13,6 +13,7 @@ from modelpar.pipeline.partition import Partition, partition_by_cost, partition_
 from modelpar.pipeline.placement import Placement
 from modelpar.pipeline.schedule import V_SCHEDULES, build_schedule
 from modelpar.plan.bubble import folded_micro_batches
+from modelpar.plan.memo import Bounded
 from modelpar.plan.spec import ModelSpec, Strategy
 
 
@@ -62,7 +63,7 @@ def _flops_partition(key: tuple, shape) -> Partition:
     return _PARTITIONS[key]
 
 
-_PARTITIONS: dict[tuple, Partition] = {}
+_PARTITIONS: dict[tuple, Partition] = Bounded(1 << 12)
 
 
 def chunk_pieces(partition: Partition, chunk: int) -> list[tuple[int, tuple[str, ...]]]:
@@ -86,7 +87,7 @@ def chunk_piece_counts(partition: Partition, chunk: int, moe) -> tuple:
     return _PIECES[key]
 
 
-_PIECES: dict[tuple, tuple] = {}
+_PIECES: dict[tuple, tuple] = Bounded(1 << 16)
 
 
 def moe_layers_key(moe) -> tuple:

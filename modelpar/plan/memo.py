@@ -58,3 +58,18 @@ def per_search(key: Callable[..., Hashable]) -> Callable[[Callable[..., T]], Cal
 
 
 _MISSING = object()
+
+
+class Bounded(dict):
+    """A process-wide cache that forgets its oldest entry past ``limit``: the planner's pieces that outlive one
+    search (a partition, a piece's bytes) stay bounded in a process that runs search after search (a notebook,
+    a service, the test suite)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self and len(self) >= self.limit:
+            del self[next(iter(self))]  # insertion order: the oldest
+        super().__setitem__(key, value)

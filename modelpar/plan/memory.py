@@ -31,6 +31,7 @@ from modelpar.pipeline.placement import Placement
 from modelpar.pipeline.schedule import V_SCHEDULES
 from modelpar.plan.activations import stage_activations
 from modelpar.plan.chunks import chunk_piece_counts, moe_layers_key, strategy_partition, v_in_flight_mixes
+from modelpar.plan.memo import Bounded
 from modelpar.plan.saved import activation_bytes
 from modelpar.plan.spec import GRAD_BYTES, Hardware, MemoryBreakdown, ModelSpec, Strategy
 from modelpar.plan.states import state_bytes
@@ -231,4 +232,4 @@ def candidate_stages(model: ModelSpec, strategy: Strategy, seq_len: int) -> tupl
     return _CANDIDATES[key]
 
 
-_CANDIDATES: dict[tuple, tuple[int, ...]] = {}
+_CANDIDATES: dict[tuple, tuple[int, ...]] = Bounded(1 << 12)

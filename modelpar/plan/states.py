@@ -33,6 +33,7 @@ from modelpar.plan.chunks import (
     gradient_live_sets,
     strategy_partition,
 )
+from modelpar.plan.memo import Bounded
 from modelpar.plan.spec import ModelSpec, Strategy
 
 
@@ -123,13 +124,14 @@ def state_bytes(
     if held is None or held[0] is not model:  # the model is held, so its id is not reused while cached
         if len(_STATES) >= 16:
             _STATES.clear()
-        held = _STATES[id(model)] = (model, {})
+        held = _STATES[id(model)] = (model, Bounded(_PER_MODEL))
     if key not in held[1]:
         held[1][key] = _state_bytes(model, strategy, seq_len, stage, gather_bytes)
     return dict(held[1][key])
 
 
 _STATES: dict[int, tuple[ModelSpec, dict]] = {}
+_PER_MODEL = 1 << 16  # answers kept per model
 
 
 def _state_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, stage: int, gather_bytes: int) -> dict[str, float]:

@@ -2,8 +2,8 @@
 others filled it) equals its prediction outside, and the search that skips strategies whose model states alone
 exceed the device ranks exactly what the unpruned search ranks."""
 
-from modelpar.plan import HARDWARE, ModelSpec, SearchSpace, load_model, predict
-from modelpar.plan.memo import search_memo
+from modelpar.plan import HARDWARE, ModelSpec, SearchSpace, activations, chunks, load_model, memory, predict, states
+from modelpar.plan.memo import Bounded, search_memo
 from modelpar.plan.search import _search, _states_exceed, strategies, valid_layouts
 
 H100 = HARDWARE["h100-80gb"]
@@ -55,3 +55,25 @@ def test_a_moe_stage_bytes_do_not_depend_on_the_ep_priced_before():
     _PIECE_BYTES.clear()
     predict(strategy(1), qwen3, H100, seq_len=SEQ)
     assert predict(strategy(2), qwen3, H100, seq_len=SEQ).memory == alone
+
+
+def test_the_caches_that_outlive_a_search_stay_bounded_and_forgetting_changes_no_answer(monkeypatch):
+    caches = [activations._PIECE_BYTES, chunks._PARTITIONS, chunks._PIECES, memory._CANDIDATES]
+    assert all(isinstance(cache, Bounded) for cache in caches)
+    picked = _strategies(8, 8)[::17]
+    before = [predict(s, LLAMA_8B, H100, seq_len=SEQ) for s in picked]
+    for cache in caches:
+        monkeypatch.setattr(cache, "limit", 2)
+        cache.clear()
+    monkeypatch.setattr(states, "_PER_MODEL", 2)
+    states._STATES.clear()
+    after = [predict(s, LLAMA_8B, H100, seq_len=SEQ) for s in picked]
+    assert after == before
+    assert all(len(cache) <= 2 for cache in [*caches, *(held for _, held in states._STATES.values())])
+    states._STATES.clear()  # leave no cache with the small limit behind
+
+
+def test_a_bounded_cache_forgets_its_oldest_entry():
+    cache = Bounded(2)
+    cache["a"], cache["b"], cache["a"], cache["c"] = 1, 2, 3, 4
+    assert cache == {"b": 2, "c": 4}
