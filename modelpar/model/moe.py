@@ -37,6 +37,7 @@ from modelpar_kernels import swiglu
 from torch import nn
 
 from modelpar.model.config import ModelConfig
+from modelpar.model.grouped_mm import grouped_linear
 from modelpar.model.layers import ParallelSwiGLU, ShardInfo
 from modelpar.model.layers.mlp import clamped_swiglu
 from modelpar.model.router import route, sequence_of_tokens, sequence_statistics
@@ -48,40 +49,6 @@ from modelpar.parallel.regions import TensorParallelGroup
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate [f, h], up [f, h], down [h, f]: Mixtral's names per expert
 EXPERT_BIASES = ("b1", "b3", "b2")  # with model.moe.bias: [f], [f], [h], logical ``<w>.bias``
-
-
-class _GroupedMatmul(torch.autograd.Function):
-    """``y[rows of e] = x[rows of e] @ w[e].T`` for contiguous row groups ending at ``offsets`` (torch's grouped
-    matmul; its backward is two more grouped matmuls). x: [n, in], w: [E, out, in] -> [n, out]."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets):
-        ctx.save_for_backward(x, w, offsets)
-        return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offsets)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, w.to(grad.dtype), offs=offsets)
-        grad_w = torch._grouped_mm(grad.t(), x.to(grad.dtype), offs=offsets).to(w.dtype)
-        return grad_x, grad_w, None
-
-
-def _grouped_ok(x: torch.Tensor, *widths: int) -> bool:
-    """torch's grouped matmul needs rows aligned to 16 bytes; without it (or the op) use the loop."""
-    return hasattr(torch, "_grouped_mm") and all(width * x.element_size() % 16 == 0 for width in widths)
-
-
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
-    """Each expert's linear layer on its rows: x [n, in] sorted by expert, ``counts[e]`` rows each ([E], sum n),
-    w [E, out, in] -> [n, out]. ``grouped=False`` (or shapes the grouped matmul refuses): one matmul per
-    expert, the reference."""
-    if grouped and _grouped_ok(x, w.shape[1], w.shape[2]):
-        offsets = counts.cumsum(0).to(torch.int32)
-        return _GroupedMatmul.apply(x, w, offsets)
-    pieces = x.split(counts.tolist())
-    return torch.cat([F.linear(piece, w[e].to(x.dtype)) for e, piece in enumerate(pieces)])
 
 
 class RoutedExperts(nn.Module):

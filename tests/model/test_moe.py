@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from modelpar.model.config import ModelConfig, ModelConfigError, MoEConfig
-from modelpar.model.moe import MoELayer, grouped_linear
+from modelpar.model.grouped_mm import grouped_linear
+from modelpar.model.moe import MoELayer
 from modelpar.model.transformer import build_model
 from modelpar.parallel.regions import TensorParallelGroup
 
