@@ -2,6 +2,7 @@
 
     python benchmarks/transport_threads.py                     # 7 layouts x 6 rounds, ~7 min on 2 cores
     python benchmarks/transport_threads.py --layouts tp2 --rounds 4
+    python benchmarks/transport_threads.py --load 2 --name bench_gloo_threads_loaded   # beside 2 busy processes
 
 For each layout the ranks build our ``Trainer`` and the layout's peer (DTensor TP, torch.distributed.pipelining
 or DDP, ``modelpar.bench.peers``) once, bound to their cores as ``modelpar-bench`` binds them, and then
@@ -10,6 +11,8 @@ three settings (``MODES`` below; the order flips every round). Both sides of
 every ratio are therefore seconds apart on the same workers, which is what makes a 5-10% effect visible on a
 machine whose step times drift by 10-30% between runs. Each step is timed between barriers (the slowest
 rank's time counts); the socket threads' own CPU time per step comes from ``/proc/self/task/*/schedstat``.
+``--load N`` keeps N busy processes at normal priority running throughout: another job, a test worker, a browser
+on the same machine.
 
 Writes ``benchmarks/results/bench_gloo_threads.{json,md}`` and prints the table.
 """
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -136,9 +140,10 @@ def run_layout(base, layout: str, data_path: str, rounds: int) -> dict:
     return row
 
 
-def markdown(rows: list[dict], rounds: int) -> str:
+def markdown(rows: list[dict], rounds: int, load: int = 0) -> str:
+    beside = f", beside {load} busy processes" if load else ""
     lines = [
-        "# gloo socket threads at idle vs normal priority (bench-tiny, 2 cores, alternating steps)\n",
+        f"# gloo socket threads at idle vs normal priority (bench-tiny, 2 cores, alternating steps{beside})\n",
         "| layout | ranks | ours tok/s policy / all idle / normal | ours speedup policy, all idle | peer "
         "| peer tok/s policy / all idle / normal | peer speedup policy, all idle | ours/peer policy / all / normal "
         "| socket-thread CPU ms/step, ours policy / all / normal |",
@@ -164,8 +169,8 @@ def markdown(rows: list[dict], rounds: int) -> str:
         )
     lines.append(
         f"\nMedian of {rounds} steps per cell; every round runs ours and the peer under all three settings in the same "
-        "worker processes (order flipping each round), each step timed between barriers. policy: the default "
-        "(`trainer.gloo_threads=idle`): our tensor-parallel group's socket threads idle when tp > 1, and the "
+        "worker processes (order flipping each round), each step timed between barriers. policy: "
+        "`trainer.gloo_threads=idle`: our tensor-parallel group's socket threads idle when tp > 1, and the "
         "peer's socket threads, all of them, idle when tp > 1 (as `modelpar-bench` runs it); all: every socket "
         "thread idle; normal: none. Socket-thread CPU: time on CPU of the `gloo_tcp_loop` threads during one "
         "step, median over ranks and steps."
@@ -182,6 +187,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=positive_int, default=6)
     parser.add_argument("--name", default="bench_gloo_threads")
+    parser.add_argument("--load", type=int, default=0, help="busy processes at normal priority beside the run")
     args = parser.parse_args()
     check_layouts(parser, args.layouts)
     from modelpar.backends.gloo_cpu import priority_restorable
@@ -201,20 +207,28 @@ def main() -> None:
     register_bench_schema()
     recipes = Path(__file__).resolve().parent.parent / "recipes"
     with initialize_config_dir(config_dir=str(recipes), version_base="1.3"):
-        overrides = ["trainer.out_dir=runs/bench-gloo-threads", "trainer.progress=false"]
+        # the policy measured is trainer.gloo_threads=idle (opt-in): the trainer idles its tp threads under it
+        overrides = ["trainer.out_dir=runs/bench-gloo-threads", "trainer.progress=false", "trainer.gloo_threads=idle"]
         base = OmegaConf.to_object(compose(config_name="bench", overrides=overrides))
     data_path, _ = resolve_data(base)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(args.load, 0))]
     rows = []
-    for layout in args.layouts:
-        row = run_layout(base, layout, str(data_path), args.rounds)
-        rows.append(row)
-        print(
-            f"{row['layout']}: " + ", ".join(f"{k} {v:.2f}x of normal" for k, v in row["speedup_over_normal"].items()),
-            flush=True,
-        )
-    text = markdown(rows, args.rounds)
+    try:
+        for layout in args.layouts:
+            row = run_layout(base, layout, str(data_path), args.rounds)
+            rows.append(row)
+            print(
+                f"{row['layout']}: "
+                + ", ".join(f"{k} {v:.2f}x of normal" for k, v in row["speedup_over_normal"].items()),
+                flush=True,
+            )
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    text = markdown(rows, args.rounds, args.load)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    machine = {"cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0]}
+    machine = {"cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "busy_processes_beside": args.load}
     (RESULTS / f"{args.name}.json").write_text(
         json.dumps({"rounds": args.rounds, "machine": machine, "rows": rows}, indent=1) + "\n"
     )

@@ -29,7 +29,7 @@ def uses_gloo(device: torch.device) -> bool:
     return device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
 
 
-def install(groups: ParallelGroups, device: torch.device, *, collectives: str = "auto", gloo_threads: str = "idle"):
+def install(groups: ParallelGroups, device: torch.device, *, collectives: str = "auto", gloo_threads: str = "normal"):
     """Tune this rank for its transport; returns a handle whose ``close()`` undoes what can be undone."""
     if uses_gloo(device):
         return gloo_cpu.install(collectives, gloo_threads, groups.tp_group, groups.layout.tp)

@@ -20,8 +20,8 @@ GPU ranks are not pinned (their host threads mostly wait on the device).
 
 Socket threads (``trainer.gloo_threads``)
 -----------------------------------------
-``trainer.gloo_threads=idle`` (the default) moves gloo's socket threads (``gloo_tcp_loop``, one per
-process group) to the idle scheduling class. Such a thread runs an epoll loop over level-triggered sockets and
+``trainer.gloo_threads=idle`` (opt-in; the default is ``normal``) moves gloo's socket threads (``gloo_tcp_loop``,
+one per process group) to the idle scheduling class. Such a thread runs an epoll loop over level-triggered sockets and
 only *tries* the connection's lock; while the rank's compute thread holds that lock (it posts every send and
 receive, and writes a message itself when the peer is already waiting for it), every wake-up of the socket
 thread finds the lock taken and goes straight back to epoll, so it spins on the very core the lock holder
@@ -31,7 +31,10 @@ the compute thread whenever both want it and still runs the moment the compute t
 share of the core (the idle class is weighted, not starved), so progress never stops.
 Alternating steps in the same workers (``benchmarks/transport_threads.py``, two runs): tp2 1.34-1.47x and
 tp2 x pp2 1.09-1.10x faster, pp2 and dp2 unchanged within noise (their transfers are few and large); the socket
-threads' CPU time per tp2 step fell from 271-378 ms to 45 ms.
+threads' CPU time per tp2 step fell from 271-378 ms to 45 ms. But the idle class yields to every process, not
+only to its own compute thread: beside two busy processes (another job, the other test worker) the idled tp2
+step ran at 0.07x and tp2 x pp2 at 0.10x of normal (``--load 2``), so it is an opt-in for a machine the job has
+to itself.
 """
 
 from __future__ import annotations

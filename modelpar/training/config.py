@@ -165,7 +165,9 @@ class TrainerConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     threads_per_rank: int = 1
     cpu_affinity: str = "auto"  # auto: bind each CPU rank to its own cores (modelpar.backends.gloo_cpu) | off
-    gloo_threads: str = "idle"  # idle: gloo's socket threads never take the core from compute (affinity) | normal
+    # normal | idle: the tp group's gloo socket threads yield the core to compute; faster only on a machine the job has
+    # to itself, many times slower beside any other busy process (docs/cpu.md)
+    gloo_threads: str = "normal"
     sample_tokens: int = 64
     progress: bool = True
     peak_tflops: float = 0.0  # per rank, for MFU; 0: a CPU estimate is not reported

@@ -152,3 +152,17 @@ def test_trainer_puts_only_the_tp_groups_socket_threads_idle_for_the_run(mode, t
             assert rank["after"] <= rank["before"] and not rank["after"] & (made_idle - rank["before"])
         else:  # unprivileged: what went idle stays idle
             assert made_idle <= rank["after"] <= rank["during"]
+
+
+def test_socket_threads_stay_normal_unless_a_recipe_asks_for_idle():
+    """The idle class yields to every process on the machine, not only to the rank's compute thread: beside two
+    busy processes an idled tp2 step ran at 0.07x (``benchmarks/results/bench_gloo_threads_loaded.md``)."""
+    import inspect
+    from pathlib import Path
+
+    from modelpar import backends
+    from modelpar.training.config import RECIPES, TrainerConfig
+
+    assert TrainerConfig().gloo_threads == "normal"
+    assert inspect.signature(backends.install).parameters["gloo_threads"].default == "normal"
+    assert not [p for p in Path(RECIPES).rglob("*.yaml") if "gloo_threads: idle" in p.read_text()]
