@@ -7,11 +7,11 @@
 The peer is a stand-alone script (a GPT of bench-tiny's dimensions, 8 layers, hidden 256, 8 heads, vocab 4096,
 batch 16 x 128, fp32, AdamW; ``DistributedDataParallel`` for ZeRO-0, FSDP2 ``fully_shard`` per block and at the
 root for ZeRO-2 / ZeRO-3) that times 12 steps between barriers and takes the median after two warm-ups. Ours is
-``modelpar-train model=bench-tiny parallel.dp=2 optim.zero=Z`` with the same batch, 12 steps, the median of
-``metrics.jsonl``'s ``step_time_s`` after the same two warm-ups. Each repeat runs, per layout, the peer and
-then every variant of ours back to back (seconds apart), so each ratio compares runs under the same load;
-the reported ratio is the median over repeats of the per-repeat ratios (peer step time over ours: > 1 is
-ours faster).
+``modelpar-train model=bench-tiny parallel=single parallel.dp=2 optim.zero=Z`` (``ours_command``) with the same
+batch, 12 steps, the median of ``metrics.jsonl``'s ``step_time_s`` after the same two warm-ups. Each repeat
+runs, per layout, the peer and then every variant of ours back to back (seconds apart), so each ratio compares
+runs under the same load; the reported ratio is the median over repeats of the per-repeat ratios (peer step
+time over ours: > 1 is ours faster).
 
 Variants of ours (``VARIANTS``): what a user gets (``default``), and the trainer's CPU-only or optional parts
 switched off one group at a time, to show which of them the independent measurement pays for.
@@ -78,29 +78,37 @@ def run_peer(peer: Path, layout: str, timeout: int) -> dict:
     }
 
 
+def ours_command(zero: int, overrides: list[str], out_dir: str) -> list[str]:
+    """``modelpar-train`` at the peer's layout: data parallel over 2 ranks and nothing else (``parallel=single``:
+    the default recipe's layout is tp2 x pp2), ZeRO ``zero``, the peer's batch and steps."""
+    return [
+        sys.executable,
+        "-m",
+        "modelpar.cli.train",
+        "model=bench-tiny",
+        "parallel=single",
+        "parallel.dp=2",
+        "parallel.microbatches=1",
+        f"optim.zero={zero}",
+        "data.global_batch=16",
+        "data.seq_len=128",
+        f"trainer.steps={STEPS}",
+        "trainer.ckpt_every=0",
+        "trainer.progress=false",
+        f"trainer.log_every={STEPS}",
+        f"trainer.out_dir={out_dir}",
+        f"hydra.run.dir={out_dir}",
+        *overrides,
+    ]
+
+
 def run_ours(zero: int, overrides: list[str], timeout: int) -> dict:
     """One ``modelpar-train`` run of bench-tiny at dp=2 and ZeRO ``zero``; its median step (s) after the warm-ups."""
     cpu = children_cpu_s()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "modelpar.cli.train",
-            "model=bench-tiny",
-            "parallel.dp=2",
-            "parallel.microbatches=1",
-            f"optim.zero={zero}",
-            "data.global_batch=16",
-            "data.seq_len=128",
-            f"trainer.steps={STEPS}",
-            "trainer.ckpt_every=0",
-            "trainer.progress=false",
-            f"trainer.log_every={STEPS}",
-            f"trainer.out_dir={tmp}",
-            f"hydra.run.dir={tmp}",
-            *overrides,
-        ]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            ours_command(zero, overrides, tmp), cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
         metrics = Path(tmp) / "metrics.jsonl"
         if proc.returncode or not metrics.is_file():
             raise RuntimeError(f"modelpar-train zero{zero} {overrides} failed: {(proc.stdout + proc.stderr)[-400:]}")
