@@ -1,6 +1,7 @@
 """modelpar-train's data-parallel step against an independent plain-PyTorch peer, one run after the other.
 
     python benchmarks/peer_independent.py --peer PATH/peer_bench.py               # 3 layouts x 3 repeats
+    python benchmarks/peer_independent.py --peer PATH/peer_bench.py --layouts single,zero0   # and one device
     python benchmarks/peer_independent.py --peer PATH/peer_bench.py --layouts zero0 --repeats 5 \
         --variants default,unpinned,bare
 
@@ -34,7 +35,13 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = {"zero0": ("dp2_ddp", "DDP"), "zero2": ("dp2_fsdp2", "FSDP2 zero2"), "zero3": ("dp2_fsdp3", "FSDP2 zero3")}
+# layout -> (the peer script's layout, its name, our layout's name, ZeRO stage, our overrides)
+LAYOUTS = {
+    "single": ("single_1t", "one process, one thread", "single", 0, ["parallel.dp=1"]),
+    "zero0": ("dp2_ddp", "DDP", "dp2 zero0", 0, []),
+    "zero2": ("dp2_fsdp2", "FSDP2 zero2", "dp2 zero2", 2, []),
+    "zero3": ("dp2_fsdp3", "FSDP2 zero3", "dp2 zero3", 3, []),
+}
 # trainer overrides of each variant of ours
 VARIANTS = {
     "default": [],
@@ -143,7 +150,7 @@ def main() -> None:
             runs[lay]["peer"].append(peer)
             line = [f"[rep {rep}] {lay}: peer {peer['median_step_s']:.3f} s"]
             for v in variants:
-                ours = run_ours(int(lay[-1]), VARIANTS[v], a.timeout)
+                ours = run_ours(LAYOUTS[lay][3], LAYOUTS[lay][4] + VARIANTS[v], a.timeout)
                 runs[lay][v].append(ours)
                 line.append(f"{v} {ours['median_step_s']:.3f} s ({peer['median_step_s'] / ours['median_step_s']:.2f}x)")
             print(", ".join(line), f"[load {os.getloadavg()[0]:.1f}]", flush=True)
@@ -155,7 +162,7 @@ def main() -> None:
             ratios = [p / o for p, o in zip(peer_times, ours, strict=True)]
             rows.append(
                 {
-                    "layout": f"dp2 {lay}",
+                    "layout": LAYOUTS[lay][2],
                     "peer": LAYOUTS[lay][1],
                     "variant": v,
                     "overrides": VARIANTS[v],

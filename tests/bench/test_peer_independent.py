@@ -21,14 +21,15 @@ def _script():
     return module
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_ours_runs_at_the_peers_layout(tmp_path, zero):
-    cmd = _script().ours_command(zero, [], str(tmp_path)) + ["--cfg", "job"]  # the composed recipe, nothing run
+@pytest.mark.parametrize("layout, dp", [("single", 1), ("zero0", 2), ("zero3", 2)])
+def test_ours_runs_at_the_peers_layout(tmp_path, layout, dp):
+    _, _, _, zero, overrides = _script().LAYOUTS[layout]
+    cmd = _script().ours_command(zero, overrides, str(tmp_path)) + ["--cfg", "job"]  # the composed recipe only
     assert cmd[0] == sys.executable
     done = warm_cli.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     cfg = yaml.safe_load(done.stdout)
     p = cfg["parallel"]
-    assert (p["tp"], p["pp"], p["cp"], p["dp"], p.get("ep", 1)) == (1, 1, 1, 2, 1)  # two ranks, as DDP / FSDP2
+    assert (p["tp"], p["pp"], p["cp"], p["dp"], p.get("ep", 1)) == (1, 1, 1, dp, 1)  # as the peer's processes
     assert cfg["optim"]["zero"] == zero and cfg["model"]["name"] == "bench-tiny"
     assert (cfg["data"]["global_batch"], cfg["data"]["seq_len"]) == (16, 128)
