@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import modelpar.plan.memo as search_memo
 from modelpar.pipeline.partition import Partition
 from modelpar.pipeline.schedule import V_SCHEDULES
-from modelpar.plan import memo as search_memo
 from modelpar.plan.chunks import (
     a_layer,
     chunk_piece_counts,

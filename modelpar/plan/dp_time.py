@@ -5,8 +5,8 @@ embedding's sync between the first and last pipeline stages."""
 
 from __future__ import annotations
 
+import modelpar.plan.memo as search_memo
 from modelpar.pipeline.placement import Placement
-from modelpar.plan import memo as search_memo
 from modelpar.plan.links import group_bandwidth, ring_all_gather_s, ring_all_reduce_s
 from modelpar.plan.memory import layers_per_chunk, stage_params
 from modelpar.plan.spec import GRAD_BYTES, CostModel, Hardware, ModelSpec, Strategy

@@ -122,15 +122,13 @@ def state_bytes(
     key += (s.reduce_every_micro_batch, s.recompute == "full", seq_len, stage, gather_bytes, s.optimizer)
     held = _STATES.get(id(model))
     if held is None or held[0] is not model:  # the model is held, so its id is not reused while cached
-        if len(_STATES) >= 16:
-            _STATES.clear()
         held = _STATES[id(model)] = (model, Bounded(_PER_MODEL))
     if key not in held[1]:
         held[1][key] = _state_bytes(model, strategy, seq_len, stage, gather_bytes)
     return dict(held[1][key])
 
 
-_STATES: dict[int, tuple[ModelSpec, dict]] = {}
+_STATES: dict[int, tuple[ModelSpec, dict]] = Bounded(16)  # models
 _PER_MODEL = 1 << 16  # answers kept per model
 
 

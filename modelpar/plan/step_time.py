@@ -74,11 +74,11 @@ import dataclasses
 import functools
 import math
 
+import modelpar.plan.memo as search_memo
 from modelpar.model.config import ModelConfig
 from modelpar.model.flops import attention_keys, attention_width, training_flops_per_token
 from modelpar.pipeline.partition import partition_by_cost
 from modelpar.pipeline.placement import Placement
-from modelpar.plan import memo as search_memo
 from modelpar.plan.activations import offloaded_per_micro_batch
 from modelpar.plan.bubble import bubble_ratio
 from modelpar.plan.dp_time import dp_exposed_s, routed_expert_params
