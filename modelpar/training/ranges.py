@@ -4,16 +4,13 @@ its range (``modelpar.training.config.validate`` raises it as a ``RecipeError``)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from modelpar.training.config import TrainConfig
 
 SEED_LIMIT = 2**32  # numpy's seed range, which the trainer seeds too
 
 
-def out_of_range(cfg: TrainConfig) -> str | None:
-    """The first numeric field outside its meaningful range, named with the range in one line; None if none."""
+def out_of_range(cfg) -> str | None:
+    """The first numeric field of ``cfg`` (a ``TrainConfig``; not imported here, which imports this module) outside
+    its meaningful range, named with the range in one line; None if none."""
     m, o, d, t = cfg.model, cfg.optim, cfg.data, cfg.trainer
     rules = (
         ("model.max_seq_len", m.max_seq_len, m.max_seq_len >= 1, ">= 1"),
