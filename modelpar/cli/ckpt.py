@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from modelpar.backends import rank_setup
 from modelpar.checkpoint.hf_stream import DTYPE_NAMES, TOKENIZER_FILES, export_hf_dir, import_hf_dir, model_config_of
 from modelpar.checkpoint.reshard import load_model_from_checkpoint, load_optimizer_pieces, model_pieces
 from modelpar.checkpoint.save import save_checkpoint
@@ -113,7 +114,10 @@ def cmd_reshard(args) -> int:
     }
     if "optimizer_tensors" in index and "optimizer_step" in index:
         meta["optimizer_step"] = index["optimizer_step"]
-    launch(layout.world_size, _reshard_worker, str(src), str(dst), cfg, int(index["step"]), meta)
+    # the ranks work on CPU: started as a training run's CPU ranks are (forked from a server that imported torch
+    # and the engine once, not each a fresh interpreter importing them again)
+    setup = rank_setup(True, cfg.trainer.threads_per_rank, cfg.trainer.cpu_affinity)
+    launch(layout.world_size, _reshard_worker, str(src), str(dst), cfg, int(index["step"]), meta, rank_setup=setup)
     written = resolve_checkpoint(dst)
     read_index(written, verify=True)
     print(f"{written}: resharded {src} ({index['layout']}) -> {asdict(layout)}")
