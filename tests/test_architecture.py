@@ -3,10 +3,11 @@
     parallel <- model <- pipeline <- optim <- checkpoint, data <- training, plan <- bench <- cli
 
 ``plan`` (the analytical planner) sits beside ``training`` and imports nothing of it; ``bench`` (the benchmark
-harness) sits above both. ``backends`` sits beside ``parallel`` (it may import it; ``training`` and ``bench`` may
-import it), ``cli`` and ``modelpar.testing`` may import anything, the top-level ``modelpar`` only ``parallel``, and
-the kernels (``modelpar_kernels``) nothing of ``modelpar``. Only imports at a module's top level count: an
-import inside a function is where a cycle hides, so the rule is checked on what a reader sees first.
+harness) sits above both. ``backends`` sits beside ``parallel`` (it may import it, and ``model``'s hooks;
+``training`` and ``bench`` may import it), ``cli`` and ``modelpar.testing`` may import anything, the top-level
+``modelpar`` only ``parallel``, and the kernels (``modelpar_kernels``) nothing of ``modelpar``. Only imports at
+a module's top level count: an import inside a function is where a cycle hides, so the rule is checked on what
+a reader sees first.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = ["parallel", "model", "pipeline", "optim", "checkpoint data", "training plan", "bench", "cli"]
 EXTRA = {
-    "modelpar.backends": {"modelpar.parallel"},
+    "modelpar.backends": {"modelpar.parallel", "modelpar.model"},
     "modelpar.training": {"modelpar.backends"},
     "modelpar.bench": {"modelpar.backends"},
     "modelpar": {"modelpar.parallel"},

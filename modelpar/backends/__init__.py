@@ -1,7 +1,8 @@
 """Transport backends: what one transport needs that the engine must not see.
 
 The engine (model, pipeline, optim) talks through ``modelpar.parallel.collectives`` only. A CPU job on gloo is
-tuned by ``gloo_cpu`` (exchange collectives, core binding, socket-thread priority); NCCL needs nothing here.
+tuned by ``gloo_cpu`` (exchange collectives, core binding, socket-thread priority); NCCL needs nothing here. A CPU
+rank's FP8 GEMMs go through ``cpu_fp8`` (torch's CPU kernel for per-tensor scales is a slow reference).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelpar.backends import gloo_cpu
+from modelpar.backends import cpu_fp8, gloo_cpu
+from modelpar.model.layers.fp8 import install_gemm
 from modelpar.parallel.collectives import install_algorithm
 from modelpar.parallel.groups import ParallelGroups
 
@@ -30,7 +32,8 @@ def uses_gloo(device: torch.device) -> bool:
 
 
 def install(groups: ParallelGroups, device: torch.device, *, collectives: str = "auto", gloo_threads: str = "normal"):
-    """Tune this rank for its transport; returns a handle whose ``close()`` undoes what can be undone."""
+    """Tune this rank for its transport and device; returns a handle whose ``close()`` undoes what can be undone."""
+    install_gemm(cpu_fp8.scaled_mm if device.type == "cpu" else None)  # FP8's per-tensor scales on CPU
     if uses_gloo(device):
         return gloo_cpu.install(collectives, gloo_threads, groups.tp_group, groups.layout.tp)
     if collectives == "exchange" and dist.is_initialized() and dist.get_backend() != "gloo":

@@ -26,6 +26,7 @@ products come out in the compute dtype (bf16 under autocast); the parameters and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +85,19 @@ class Fp8Scaling:
         return amax
 
 
+ScaledMM = Callable[..., torch.Tensor]  # torch._scaled_mm's arguments (scale_a=, scale_b=, out_dtype=) and result
+
+_scaled_mm: ScaledMM = torch._scaled_mm
+
+
+def install_gemm(gemm: ScaledMM | None) -> ScaledMM:
+    """Multiply FP8 operands through ``gemm`` from now on (None: ``torch._scaled_mm``), a backend's way to a faster
+    kernel for the same product (``modelpar.backends``); returns the previous one."""
+    global _scaled_mm
+    previous, _scaled_mm = _scaled_mm, gemm or torch._scaled_mm
+    return previous
+
+
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
     """The dequantization scale amax / 448 (1 where amax is 0: an all-zero row stays zero)."""
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -118,7 +132,7 @@ def fp8_matmul(
     sb = scales[1] if scales[1] is not None else scale_of(scaling.amax(b, b_dims))
     # mat1 row-major [M, K], mat2 column-major [K, N] (the transpose of a row-major [N, K]); rowwise scales
     # [M, 1] and [1, N]
-    y = torch._scaled_mm(
+    y = _scaled_mm(
         quantize(a, sa),
         quantize(b, sb).t(),
         scale_a=sa,
