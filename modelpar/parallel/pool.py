@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
 import tempfile
@@ -157,6 +158,34 @@ def _worker_main(
 # -- in the caller -----------------------------------------------------------------------------------------
 
 
+_DIR_PREFIX = "modelpar-ranks-"  # + the creating process's pid + a random tail
+
+
+def remove_stale_dirs(tmp: str) -> list[str]:
+    """Remove this user's pool folders under ``tmp`` whose creating process is gone (killed before its exit
+    handler ran); returns them. A folder whose pid now names another live process is kept (conservative)."""
+    removed = []
+    for entry in os.scandir(tmp):
+        pid = entry.name[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if not entry.name.startswith(_DIR_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 class _RankPool:
     """``world_size`` warm worker processes sharing one gloo world."""
 
@@ -166,7 +195,8 @@ class _RankPool:
         ctx.set_forkserver_preload(preload + ([type(rank_setup).__module__] if rank_setup is not None else []))
         self.world_size = world_size
         self.rank_setup = rank_setup
-        self._dir = tempfile.mkdtemp(prefix="modelpar-ranks-")
+        remove_stale_dirs(tempfile.gettempdir())
+        self._dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         init_file = os.path.join(self._dir, "store")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]

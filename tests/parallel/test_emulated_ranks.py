@@ -3,13 +3,15 @@
 import faulthandler
 import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from modelpar.parallel.pool import _pools
+from modelpar.parallel.pool import _pools, remove_stale_dirs
 from modelpar.testing import RankError, RankTimeout, run_on_ranks
 
 
@@ -132,3 +134,17 @@ def test_layouts_share_their_groups_and_an_idle_pool_releases_them():
     run_on_ranks(2, _socket_threads_after_build, None)  # another pool in use: the idle one drops its groups
     assert run_on_ranks(4, _socket_threads_after_build, None)[0][:2] == (0, 1)
     assert run_on_ranks(4, _socket_threads_after_build, layouts[0])[0] == (4, 5, 2.0)
+
+
+def test_the_folder_of_a_killed_callers_pool_is_removed_by_the_next_pool(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid whose process is gone, as a caller killed before its exit handler ran
+    stale = tmp_path / f"modelpar-ranks-{gone.pid}-k2x9"
+    stale.mkdir()
+    (stale / "store").write_text("")
+    live = tmp_path / f"modelpar-ranks-{os.getpid()}-a8q1"  # this process's own
+    live.mkdir()
+    unnamed = tmp_path / "modelpar-ranks-q7w2"  # no pid in the name (an older pool's): left alone
+    unnamed.mkdir()
+    assert remove_stale_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and unnamed.exists()
