@@ -13,6 +13,7 @@ the last (with the head and its logits).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import modelpar.plan.memo as search_memo
@@ -112,12 +113,13 @@ def chunk_bytes(
     partition: Partition,
     chunk: int,
     memo: dict | None = None,
+    x_kern: tuple[Dims, str] | None = None,
 ) -> tuple[float, float, float]:
     """One micro-batch of model chunk ``chunk``: (device bytes, host bytes, the rerun working set of its largest
-    recomputed piece). ``memo`` shares equal pieces' sums between calls of one stage."""
+    recomputed piece). ``memo`` shares equal pieces' sums between calls of one stage, ``x_kern`` the stage's
+    ``dims`` and ``kernels`` (the same for each of its chunks)."""
     memo = {} if memo is None else memo
-    x = dims(model, strategy, seq_len, hardware)
-    kern = kernels(model, hardware)
+    x, kern = x_kern or (dims(model, strategy, seq_len, hardware), kernels(model, hardware))
     device = host = working = 0.0
     moe, layers = model.shape.moe, model.shape.layers
     rc = (strategy.recompute, strategy.recompute_modules, strategy.offload)
@@ -160,11 +162,12 @@ def window_masks(
     """The [s, s] boolean mask the torch path's sliding-window attention hands SDPA, which keeps it: one per
     micro-batch and windowed layer of the chunk whose attention half it holds and does not rerun (cp = 1; the
     Triton kernel and the cp exchanges build no mask, the plain-matmul path counts its own)."""
+    if kern != "torch" or strategy.layout.cp > 1 or strategy.recompute == "full":
+        return []
     shape, modules = model.shape, set(strategy.recompute_modules)
-    rerun = strategy.recompute == "full" or (
-        strategy.recompute == "selective" and modules & {"attention", "elementwise"}
-    )
-    if kern != "torch" or strategy.layout.cp > 1 or rerun or plain_matmul_attention(model, strategy):
+    if (strategy.recompute == "selective" and modules & {"attention", "elementwise"}) or plain_matmul_attention(
+        model, strategy
+    ):
         return []
     split = partition.split_blocks(chunk)
     windowed = [
@@ -199,6 +202,7 @@ def shared_tables_bytes(model: ModelSpec, strategy: Strategy, seq_len: int, hard
 # bytes, so the memo's key is every other field (a field added to Strategy joins the key)
 _NOT_READ = ("zero", "zero_group", "reduce_every_micro_batch")
 _READ = tuple(f.name for f in dataclasses.fields(Strategy) if f.name not in _NOT_READ)
+_read = operator.attrgetter(*_READ)
 
 
 def stage_activations(
@@ -212,8 +216,7 @@ def stage_activations(
     memo = search_memo.current()
     if memo is None:
         return _stage_activations(model, strategy, seq_len, hardware, stage, exact)
-    key = (stage_activations, id(model), *(getattr(strategy, name) for name in _READ), seq_len, id(hardware), stage)
-    key += (exact,)
+    key = (stage_activations, id(model), _read(strategy), seq_len, id(hardware), stage, exact)
     found = memo.get(key)
     if found is None:
         found = memo[key] = _stage_activations(model, strategy, seq_len, hardware, stage, exact)
@@ -255,8 +258,9 @@ def _stage_chunk_bytes(
     """``chunk_bytes`` of each chunk of ``stage``, in ``chunks_of`` order."""
     partition = strategy_partition(model, strategy, seq_len)
     memo: dict = {}
+    x_kern = dims(model, strategy, seq_len, hardware), kernels(model, hardware)
     return tuple(
-        chunk_bytes(model, strategy, seq_len, hardware, partition, c, memo) for c in partition.chunks_of(stage)
+        chunk_bytes(model, strategy, seq_len, hardware, partition, c, memo, x_kern) for c in partition.chunks_of(stage)
     )
 
 
