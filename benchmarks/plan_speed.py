@@ -35,6 +35,7 @@ CASES = {
     "moe16": "qwen3-30b-a3b, 16 H100, batch 64, seq 4096, free search",
     "cpu4": "bench-tiny, 4 CPU ranks, batch 16, seq 128",
     "ctx128k": "llama-8b (flash), 64 H100, batch 32, seq 131072 (tests/plan/test_plan_context.py)",
+    "dense1024": "llama-70b, 1024 H100, batch 1024, seq 8192",
 }
 
 
@@ -63,6 +64,8 @@ def _search(name: str):
         return plan(load_model("bench-tiny"), HARDWARE["cpu"], gpus=4, global_batch=16, seq_len=128)
     if name == "ctx128k":
         return plan(flash, h100, gpus=64, global_batch=32, seq_len=131072)
+    if name == "dense1024":
+        return plan(load_model("llama-70b"), h100, gpus=1024, global_batch=1024, seq_len=8192)
     raise SystemExit(f"unknown case {name!r}; choose from {', '.join(CASES)}")
 
 

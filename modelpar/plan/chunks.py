@@ -11,7 +11,7 @@ from modelpar.model.flops import half_block_training_flops, head_training_flops
 from modelpar.pipeline.actions import B, F, W
 from modelpar.pipeline.partition import Partition, partition_by_cost, partition_explicit
 from modelpar.pipeline.placement import Placement
-from modelpar.pipeline.schedule import V_SCHEDULES, build_schedule
+from modelpar.pipeline.schedule import V_SCHEDULES, compute_order
 from modelpar.plan.bubble import folded_micro_batches
 from modelpar.plan.memo import Bounded
 from modelpar.plan.spec import ModelSpec, Strategy
@@ -130,9 +130,9 @@ def v_in_flight_mixes(schedule: str, pp: int, m: int, stage: int) -> tuple[tuple
 @functools.lru_cache(maxsize=1024)
 def _walk(schedule: str, pp: int, m: int, vpp: int) -> tuple[tuple[tuple, bool, tuple], ...]:
     """Per stage: its ``in_flight_mixes``, whether it runs a forward after its first backward, and its
-    ``gradient_live_sets``, from one build of the schedule's action lists."""
+    ``gradient_live_sets``, from one walk of the schedule's compute order."""
     out = []
-    for actions in build_schedule(schedule, pp, m, vpp):
+    for actions in compute_order(schedule, pp, m, vpp):
         frees_at = W if any(a.kind is W for a in actions) else B  # also where weight gradients are made
         held = [0] * vpp
         mixes, backward_seen, forward_after = set(), False, False

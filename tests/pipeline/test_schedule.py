@@ -14,7 +14,7 @@ from modelpar.pipeline.actions import (
     parse_schedule,
 )
 from modelpar.pipeline.p2p_order import add_communication
-from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES, build_schedule
+from modelpar.pipeline.schedule import SCHEDULES, V_SCHEDULES, build_schedule, compute_order
 from modelpar.pipeline.simulate import simulate
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
@@ -103,6 +103,18 @@ def test_generated_schedules_are_well_formed_and_cannot_deadlock(name, pp, m, vp
             if not batch[0].kind.is_compute:
                 peers = [matching_action(a, pp, schedule.placement) for a in batch]
                 assert all(peer in schedule[peer.rank] for peer in peers)
+
+
+@pytest.mark.parametrize("name, pp, m, vpp", valid_configs()[::3], ids=str)
+def test_the_compute_order_is_the_schedules_compute_actions_in_order(name, pp, m, vpp):
+    """What the planner walks to count held activations and gradients, without placing the transfers."""
+    want = [[a for a in row if a.kind.is_compute] for row in build_schedule(name, pp, m, vpp)]
+    assert compute_order(name, pp, m, vpp) == want
+
+
+def test_the_compute_order_refuses_what_the_schedule_refuses():
+    with pytest.raises(ScheduleError, match="multiple of pp=4"):
+        compute_order("interleaved", 4, 6, 2)
 
 
 def test_add_communication_rejects_lists_that_already_communicate():
