@@ -166,8 +166,10 @@ def remove_stale_dirs(tmp: str) -> list[str]:
     handler ran); returns them. A folder whose pid now names another live process is kept (conservative)."""
     removed = []
     for entry in os.scandir(tmp):
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
         pid = entry.name[len(_DIR_PREFIX) :].split("-", 1)[0]
-        if not entry.name.startswith(_DIR_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+        if not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
             continue
         if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
             continue

@@ -120,7 +120,7 @@ def _zero_bubble_h1_order(pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
 def forward_only(name: str, pp: int, m: int, vpp: int = 1) -> Schedule:
     """The forwards of schedule ``name``, in its order, with their sends and receives: evaluation. Nothing
     waits on a backward, so no micro-batch is held once its output has been sent (or its loss taken)."""
-    compute = [[a for a in row if a.kind is F] for row in build_schedule(name, pp, m, vpp)]
+    compute = [[a for a in row if a.kind is F] for row in compute_order(name, pp, m, vpp)]
     return add_communication(compute, pp, vpp, placement_for(name))
 
 
